@@ -1,0 +1,5 @@
+"""Allow ``python -m policyd``."""
+
+from policyd.cli import main
+
+raise SystemExit(main())

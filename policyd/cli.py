@@ -1,0 +1,50 @@
+"""The ``policyd`` command line.
+
+Each subcommand lives in the room that owns its job and is imported only when
+it runs, so ``policyd check`` does not pay for gRPC and ``policyd sim`` does not
+load the policy engine. A command module exposes ``register(name, parser)``,
+which adds the arguments and sets ``parser.set_defaults(run=callable)``; the
+callable takes the parsed arguments and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from policyd import __version__
+
+# name -> (module that implements it, one-line help)
+COMMANDS: Final[dict[str, tuple[str, str]]] = {
+    "demo": ("policyd.demo", "run Envoy + policyd + a simulated vLLM pool and show decisions"),
+}
+
+
+def build_parser(selected: str | None) -> argparse.ArgumentParser:
+    """The full parser; only the module of ``selected`` is imported."""
+    parser = argparse.ArgumentParser(
+        prog="policyd",
+        description="Routing-policy service for LLM inference behind Envoy (ext_proc).",
+    )
+    parser.add_argument("--version", action="version", version=f"policyd {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        subparser = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == selected:
+            importlib.import_module(module_name).register(name, subparser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in arguments if not a.startswith("-")), None)
+    parser = build_parser(selected if selected in COMMANDS else None)
+    parsed = parser.parse_args(arguments)
+    run: Callable[[argparse.Namespace], int] | None = getattr(parsed, "run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    return run(parsed)

@@ -1,0 +1,1 @@
+"""The Envoy ext_proc gRPC service: request parsing, replies, health."""

@@ -1,0 +1,1 @@
+"""Routing policies: the policy file, filter tree, scorers, pickers and the Router."""

@@ -1,0 +1,62 @@
+"""What the router decided for one request, and the trail that explains it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Outcome(enum.Enum):
+    """How a decision ended; each maps to one answer Envoy gets."""
+
+    ROUTED = "routed"  # endpoint chosen: Envoy forwards
+    SHED = "shed"  # a shed node, or every candidate filtered out: 429
+    NO_CAPACITY = "no-capacity"  # no ready pod at all: 503
+    UNKNOWN_MODEL = "unknown-model"  # no policy serves this model: 404
+    ERROR = "error"  # a bug or an impossible state: 500
+
+    @property
+    def http_status(self) -> int:
+        return _STATUS[self]
+
+
+_STATUS = {
+    Outcome.ROUTED: 200,
+    Outcome.SHED: 429,
+    Outcome.NO_CAPACITY: 503,
+    Outcome.UNKNOWN_MODEL: 404,
+    Outcome.ERROR: 500,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTrace:
+    """One filter-tree node visited: how many pods went in, which stayed."""
+
+    node: str
+    kind: str
+    candidates_in: int
+    kept: tuple[str, ...]  # pod names
+    errors: tuple[tuple[str, str], ...] = ()  # (pod name, CEL error message)
+    branch: str = ""  # "on_success" / "on_failure" / "" when the walk stopped here
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The router's answer for one request.
+
+    ``endpoint`` and ``fallbacks`` are ``ip:port`` strings; ``reason`` is a short
+    human sentence used in error bodies and spans.
+    """
+
+    outcome: Outcome
+    policy: str
+    policy_version: str
+    target_model: str
+    endpoint: str = ""
+    pod: str = ""
+    fallbacks: tuple[str, ...] = ()
+    reason: str = ""
+    score: float | None = None
+    trace: tuple[NodeTrace, ...] = ()
+    scores: tuple[tuple[str, float], ...] = field(default=())  # top candidates, best first

@@ -1,0 +1,1 @@
+"""The pod pool: discovery (static file, Kubernetes), metrics scraping, snapshots."""

@@ -1,0 +1,1 @@
+"""A simulated vLLM model server: scheduler engine and OpenAI/Prometheus HTTP front."""

@@ -1,0 +1,1 @@
+"""Decision spans (OpenTelemetry), Prometheus metrics and the decision log."""

@@ -32,8 +32,9 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+## Every benchmark script in turn; each prints its figures as ratios to a baseline.
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks
+	set -e; for script in benchmarks/*.py; do echo "== $$script"; $(BIN)/python $$script; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

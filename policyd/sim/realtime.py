@@ -2,9 +2,11 @@
 
 Simulated time runs ``time_scale`` times faster than the event loop's clock: a
 decode step of 0.09 simulated seconds sleeps 9 ms at ``time_scale=10``. Steps
-follow each other on the planned timeline (a late wake-up does not stretch
-the schedule), and a step never starts before the latest arrival it may
-admit, so every duration the engine reports is in consistent simulated seconds.
+follow each other on the planned timeline, and an idle engine starts its step
+at the arrival that woke it, so a late wake-up of the event loop does not
+stretch the schedule; a step never starts before an arrival it may admit.
+Every duration the engine reports is therefore in simulated seconds, the same
+at any time scale.
 """
 
 from __future__ import annotations
@@ -72,7 +74,6 @@ class RealTimeDriver:
             if not engine.has_work:
                 self._wake.clear()
                 await self._wake.wait()
-                planned_end = max(planned_end, self.now())
             start = max(planned_end, self._latest_arrival)
             duration = engine.start_step(start)
             if duration is None:

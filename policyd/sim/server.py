@@ -130,7 +130,7 @@ class SimServer:
             access_log=None,
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+        site = web.TCPSite(runner, self.host, self.port)
         try:
             await site.start()
         except BaseException:

@@ -158,7 +158,11 @@ class Engine:
         self._rng = random.Random(seed)
         self._step: _Step | None = None
         self._snapshot = EngineSnapshot(0.0, 0, 0, 0.0, (), (), profile.max_loras)
-        self._adapters_changed = False
+        # Bumped by every change of who waits or runs: the snapshot's adapter
+        # lists and a fruitless admission scan stay valid while it is unchanged.
+        self._membership = 0
+        self._logged_membership = 0
+        self._fruitless_scan = -1
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -172,7 +176,7 @@ class Engine:
             )
         state = RequestState(request, now, natural)
         self.waiting.append(state)
-        self._adapters_changed = True
+        self._membership += 1
         return state
 
     def check(self, request: SimRequest) -> None:
@@ -200,7 +204,7 @@ class Engine:
             return
         state.aborted = True
         state.finish_reason = "abort"
-        self._adapters_changed = True
+        self._membership += 1
         if state.phase is Phase.WAITING:
             self.waiting.remove(state)
             state.phase = Phase.FINISHED
@@ -267,6 +271,10 @@ class Engine:
     # -- scheduling ---------------------------------------------------------------------------
 
     def _schedule_prefills(self) -> tuple[list[RequestState], float]:
+        if self._fruitless_scan == self._membership:
+            # Nobody arrived, finished or left since a scan that admitted nothing,
+            # and running sequences only take blocks: it would admit nothing again.
+            return [], 0.0
         profile = self.profile
         running_adapters = {
             s.request.adapter for s in self.running if s.request.adapter is not None
@@ -299,9 +307,10 @@ class Engine:
             seqs += 1
         self.waiting.extendleft(reversed(skipped))
         if not admitted:
+            self._fruitless_scan = self._membership
             return admitted, 0.0
         self.running.extend(admitted)
-        self._adapters_changed = True
+        self._membership += 1
         new_adapters = dict.fromkeys(
             s.request.adapter for s in admitted if s.request.adapter is not None
         )
@@ -324,6 +333,12 @@ class Engine:
 
     def _schedule_decodes(self) -> list[RequestState]:
         block_size = self.profile.block_size
+        # A decode adds one token, so a sequence needs at most one more block.
+        growing = [s for s in self.running if s.num_tokens > len(s.blocks) * block_size]
+        if self._blocks.can_append(len(growing)):  # the usual case: no preemption
+            for state in growing:
+                state.blocks.append(self._blocks.take_fresh())
+            return list(self.running)
         queue = deque(self.running)
         batch: list[RequestState] = []
         preempted: list[RequestState] = []
@@ -348,7 +363,7 @@ class Engine:
         self._release(state)
         state.phase = Phase.WAITING
         self.stats.preemptions += 1
-        self._adapters_changed = True
+        self._membership += 1
 
     def _release(self, state: RequestState) -> None:
         self._blocks.free(state.blocks)
@@ -376,15 +391,15 @@ class Engine:
             reason = state.finish_reason
             stats.finished[reason] = stats.finished.get(reason, 0) + 1
             stats.e2e_request_latency.observe(now - state.arrival)
-            self._adapters_changed = True
+            self._membership += 1
 
     def _log_state(self, now: float) -> None:
         """Refresh the snapshot the way vLLM logs its stats after every step."""
         previous = self._snapshot
-        if self._adapters_changed:
+        if self._membership != self._logged_membership:
             running = _distinct_adapters(self.running)
             waiting = _distinct_adapters(self.waiting)
-            self._adapters_changed = False
+            self._logged_membership = self._membership
         else:
             running, waiting = previous.running_adapters, previous.waiting_adapters
         self._snapshot = EngineSnapshot(

@@ -50,6 +50,16 @@ class Profile:
     num_cpu_blocks: int = 512
     swap_space_bytes: int = 4 << 30
 
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_model_len:
+            # vLLM V0 without chunked prefill refuses this configuration too: a
+            # long prompt could never be scheduled.
+            raise ValueError("max_num_batched_tokens must be at least max_model_len")
+        if not 0 < self.output_tokens_min <= self.output_tokens_max:
+            raise ValueError("output lengths need 0 < output_tokens_min <= output_tokens_max")
+        if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
+            raise ValueError("LoRA slots need 1 <= max_loras <= max_cpu_loras")
+
     def decode_step_s(self, batch: int) -> float:
         """Duration of one decode step advancing ``batch`` sequences by a token each."""
         return self.decode_base_s + self.decode_per_sequence_s * batch

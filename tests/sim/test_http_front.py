@@ -243,11 +243,13 @@ async def test_durations_are_reported_in_simulated_seconds(
     )
     elapsed = loop.time() - began
     assert status == 200
-    simulated = 0.04 + 4 * 0.0542  # one prefill, four batch-1 decodes
+    profile = server.profile
+    simulated = profile.prefill_step_s(2) + 4 * profile.decode_step_s(1)  # prefill, 4 decodes
     assert 0.99 * simulated / TIME_SCALE <= elapsed < simulated
     values = await metric_values(client, server)
     assert values["vllm:e2e_request_latency_seconds_sum"] == pytest.approx(simulated, abs=1e-6)
     assert values["vllm:time_to_first_token_seconds_sum"] == pytest.approx(0.04, abs=1e-6)
+    assert simulated == pytest.approx(0.04 + 4 * 0.0608)
     assert values["vllm:time_per_output_token_seconds_count"] == 4
     assert values["vllm:generation_tokens_total"] == 5
 

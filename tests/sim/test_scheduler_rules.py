@@ -1,7 +1,8 @@
 """The V0 scheduler rules on small hand-made cases, with exact expected timings.
 
-Timing constants of the ``l4-llama2-7b`` profile used below: a decode step of a
-batch of ``b`` takes ``0.052 + 0.0022 * b`` s; a prefill step takes
+The pods below use round timing constants of their own (the design's first
+estimate, independent of the calibrated profile): a decode step of a batch of
+``b`` takes ``0.052 + 0.0022 * b`` s; a prefill step takes
 ``max(0.04, 0.02 + 0.0002 * computed_tokens)`` s; an adapter costs 0.5 s from
 disk and 0.03 s from host memory when it is not in a GPU slot.
 """
@@ -18,6 +19,7 @@ from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.virtual import VirtualLoop, VirtualPod
 
 PROMPT_17 = tuple(range(100, 117))
+POD = L4_LLAMA2_7B.with_changes(decode_base_s=0.052, decode_per_sequence_s=0.0022)
 
 
 class Recorder:
@@ -76,7 +78,7 @@ def exactly(value: float) -> object:
 
 def test_one_request_is_one_prefill_then_one_decode_step_per_token() -> None:
     recorder = Recorder()
-    _, states = simulate(L4_LLAMA2_7B, [(0.0, request("a", 3, recorder=recorder))])
+    _, states = simulate(POD, [(0.0, request("a", 3, recorder=recorder))])
     # prefill 17 tokens: max(0.04, 0.0234) = 0.04; decode batch 1: 0.0542
     assert recorder.token_times["a"] == [exactly(0.04), exactly(0.0942), exactly(0.1484)]
     state = states["a"]
@@ -88,7 +90,7 @@ def test_one_request_is_one_prefill_then_one_decode_step_per_token() -> None:
 def test_decode_step_time_grows_with_the_batch() -> None:
     recorder = Recorder()
     arrivals = [(0.0, request(name, 3, recorder=recorder)) for name in "abc"]
-    simulate(L4_LLAMA2_7B, arrivals)
+    simulate(POD, arrivals)
     # one prefill for all three (51 tokens: 0.0302 -> 0.04), then batch-3 decodes of 0.0586
     for name in "abc":
         assert recorder.token_times[name] == [exactly(0.04), exactly(0.0986), exactly(0.1572)]
@@ -96,7 +98,7 @@ def test_decode_step_time_grows_with_the_batch() -> None:
 
 def test_prefill_time_grows_with_prompt_tokens() -> None:
     recorder = Recorder()
-    simulate(L4_LLAMA2_7B, [(0.0, request("a", 1, prompt=tuple(range(500)), recorder=recorder))])
+    simulate(POD, [(0.0, request("a", 1, prompt=tuple(range(500)), recorder=recorder))])
     assert recorder.token_times["a"] == [exactly(0.02 + 0.0002 * 500)]
 
 
@@ -106,7 +108,7 @@ def test_a_new_arrival_is_prefilled_alone_at_the_next_step_boundary() -> None:
         (0.0, request("a", 4, recorder=recorder)),
         (0.05, request("b", 2, recorder=recorder)),  # during a's first decode [0.04, 0.0942]
     ]
-    simulate(L4_LLAMA2_7B, arrivals)
+    simulate(POD, arrivals)
     # a: prefill 0.04, decode 0.0942; b's prefill runs alone 0.0942 -> 0.1342;
     # then one batch-2 decode (0.0564) finishes b, and a decodes alone (0.0542)
     assert recorder.token_times["a"] == [
@@ -119,7 +121,7 @@ def test_a_new_arrival_is_prefilled_alone_at_the_next_step_boundary() -> None:
 
 
 def test_max_num_seqs_caps_the_running_batch() -> None:
-    profile = L4_LLAMA2_7B.with_changes(max_num_seqs=2)
+    profile = POD.with_changes(max_num_seqs=2)
     recorder = Recorder()
     arrivals = [(0.0, request(name, 2, recorder=recorder)) for name in "abc"]
     simulate(profile, arrivals)
@@ -133,7 +135,7 @@ def test_max_num_seqs_caps_the_running_batch() -> None:
 
 
 def test_a_request_whose_adapter_cannot_run_is_skipped_and_later_ones_pass_it() -> None:
-    profile = L4_LLAMA2_7B.with_changes(max_loras=2)
+    profile = POD.with_changes(max_loras=2)
     recorder = Recorder()
     arrivals = [
         (0.0, request("a1", 2, adapter="a", recorder=recorder)),
@@ -166,7 +168,7 @@ def test_a_request_whose_adapter_cannot_run_is_skipped_and_later_ones_pass_it() 
 
 
 def test_a_new_adapter_waits_until_every_running_request_of_some_adapter_finished() -> None:
-    profile = L4_LLAMA2_7B.with_changes(max_loras=2)
+    profile = POD.with_changes(max_loras=2)
     recorder = Recorder()
     arrivals = [
         (0.0, request("a1", 2, adapter="a", recorder=recorder)),
@@ -183,7 +185,7 @@ def test_a_new_adapter_waits_until_every_running_request_of_some_adapter_finishe
 
 
 def test_adapter_load_cost_depends_on_gpu_slots_and_host_memory() -> None:
-    profile = L4_LLAMA2_7B.with_changes(max_loras=1, max_cpu_loras=2)
+    profile = POD.with_changes(max_loras=1, max_cpu_loras=2)
     recorder = Recorder()
     plan = [(0.0, "a"), (1.0, "b"), (2.0, "a"), (3.0, "a"), (4.0, "c"), (5.0, "b")]
     arrivals = [
@@ -203,7 +205,7 @@ def test_adapter_load_cost_depends_on_gpu_slots_and_host_memory() -> None:
 
 
 def test_requests_for_the_base_model_do_not_count_against_max_loras() -> None:
-    profile = L4_LLAMA2_7B.with_changes(max_loras=1)
+    profile = POD.with_changes(max_loras=1)
     recorder = Recorder()
     arrivals = [
         (0.0, request("a", 1, adapter="a", recorder=recorder)),
@@ -220,7 +222,7 @@ def test_requests_for_the_base_model_do_not_count_against_max_loras() -> None:
 
 
 def test_the_newest_running_sequence_is_preempted_and_recomputed_when_blocks_run_out() -> None:
-    profile = L4_LLAMA2_7B.with_changes(num_gpu_blocks=10, watermark=0.0)
+    profile = POD.with_changes(num_gpu_blocks=10, watermark=0.0)
     recorder = Recorder()
     older = request("older", 100, prompt=tuple(range(16)), max_tokens=100, recorder=recorder)
     newer = request("newer", 70, prompt=tuple(range(16, 32)), max_tokens=100, recorder=recorder)
@@ -244,11 +246,11 @@ def test_the_newest_running_sequence_is_preempted_and_recomputed_when_blocks_run
 
 def test_admission_keeps_the_watermark_of_free_blocks() -> None:
     # 100 blocks, watermark 1 block; a 1600-token prompt needs exactly 100 blocks
-    profile = L4_LLAMA2_7B.with_changes(num_gpu_blocks=101, watermark=0.01)
+    profile = POD.with_changes(num_gpu_blocks=101, watermark=0.01)
     engine = Engine(profile)
     engine.add(SimRequest("big", tuple(range(1584)), 16, output_length=1), 0.0)
     assert engine.start_step(0.0) is not None
-    profile = L4_LLAMA2_7B.with_changes(num_gpu_blocks=101, watermark=0.02)
+    profile = POD.with_changes(num_gpu_blocks=101, watermark=0.02)
     engine = Engine(profile)
     with pytest.raises(ValueError, match="KV cache"):
         engine.add(SimRequest("big", tuple(range(1584)), 16, output_length=1), 0.0)
@@ -266,7 +268,7 @@ def test_cached_prompt_blocks_skip_prefill() -> None:
         (1.0, request("again", 1, prompt=long_prompt, recorder=recorder)),
         (2.0, request("other", 1, prompt=other_prompt, recorder=recorder)),
     ]
-    pod, _ = simulate(L4_LLAMA2_7B, arrivals)
+    pod, _ = simulate(POD, arrivals)
     assert recorder.token_times["first"] == [exactly(0.22)]  # 0.02 + 0.0002 * 1000
     assert recorder.token_times["again"] == [exactly(1.04)]  # 8 tokens computed
     assert recorder.token_times["other"] == [exactly(2.22)]
@@ -275,7 +277,7 @@ def test_cached_prompt_blocks_skip_prefill() -> None:
 
 
 def test_the_prefix_cache_is_per_adapter() -> None:
-    profile = L4_LLAMA2_7B.with_changes(lora_disk_load_s=0.0, lora_gpu_load_s=0.0)
+    profile = POD.with_changes(lora_disk_load_s=0.0, lora_gpu_load_s=0.0)
     recorder = Recorder()
     prompt = tuple(range(1000))
     arrivals = [
@@ -290,7 +292,7 @@ def test_the_prefix_cache_is_per_adapter() -> None:
 
 
 def test_a_fully_cached_prompt_still_computes_one_token() -> None:
-    engine = Engine(L4_LLAMA2_7B)
+    engine = Engine(POD)
     prompt = tuple(range(32))  # exactly two full blocks
     for name in ("first", "second"):
         engine.add(SimRequest(name, prompt, 8, output_length=1), 0.0)
@@ -302,7 +304,7 @@ def test_a_fully_cached_prompt_still_computes_one_token() -> None:
 def test_cached_blocks_are_evicted_least_recently_used_under_pressure() -> None:
     # 60 blocks, no watermark; each prompt is 320 tokens = 20 full blocks, one output
     # token, so each finished request leaves 20 cached blocks behind.
-    profile = L4_LLAMA2_7B.with_changes(num_gpu_blocks=60, watermark=0.0)
+    profile = POD.with_changes(num_gpu_blocks=60, watermark=0.0)
     recorder = Recorder()
     prompts = {name: tuple(range(i * 1000, i * 1000 + 320)) for i, name in enumerate("pqrs")}
     plan = [(0, "p"), (1, "q"), (2, "r"), (3, "s"), (4, "q"), (5, "p"), (6, "r"), (7, "q")]
@@ -337,7 +339,7 @@ def test_cached_blocks_are_evicted_least_recently_used_under_pressure() -> None:
 
 def test_output_lengths_are_seeded_and_average_about_400_for_max_tokens_750() -> None:
     def draw(seed: int) -> list[int]:
-        engine = Engine(L4_LLAMA2_7B, seed=seed)
+        engine = Engine(POD, seed=seed)
         return [engine.add(SimRequest(str(i), PROMPT_17, 750), 0.0).target for i in range(4000)]
 
     lengths = draw(5)
@@ -348,7 +350,7 @@ def test_output_lengths_are_seeded_and_average_about_400_for_max_tokens_750() ->
 
 
 def test_max_tokens_caps_the_output_and_reports_length() -> None:
-    engine = Engine(L4_LLAMA2_7B)
+    engine = Engine(POD)
     capped = engine.add(SimRequest("c", PROMPT_17, 30, output_length=200), 0.0)
     natural = engine.add(SimRequest("n", PROMPT_17, 300, output_length=200), 0.0)
     assert (capped.target, capped.finish_reason) == (30, "length")
@@ -356,7 +358,7 @@ def test_max_tokens_caps_the_output_and_reports_length() -> None:
 
 
 def test_aborting_frees_the_queue_and_the_blocks() -> None:
-    engine = Engine(L4_LLAMA2_7B.with_changes(max_num_seqs=1))
+    engine = Engine(POD.with_changes(max_num_seqs=1))
     running = engine.add(SimRequest("r", PROMPT_17, 100, output_length=50), 0.0)
     waiting = engine.add(SimRequest("w", PROMPT_17, 100, output_length=50), 0.0)
     assert engine.start_step(0.0) == exactly(0.04)
@@ -378,7 +380,7 @@ def test_aborting_frees_the_queue_and_the_blocks() -> None:
 
 def test_gauges_change_at_step_ends_as_vllm_logs_them() -> None:
     loop = VirtualLoop()
-    pod = VirtualPod(loop, L4_LLAMA2_7B, name="test")
+    pod = VirtualPod(loop, POD, name="test")
     pod.submit(request("a", 3))
     assert pod.snapshot().running == 0  # nothing logged before the first step ends
     loop.run(until=0.04)

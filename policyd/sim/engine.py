@@ -33,7 +33,7 @@ import enum
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,15 +129,13 @@ class EngineSnapshot:
     max_loras: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Step:
     prefill: bool
     batch: list[RequestState]
-    started: float
-    duration: float
 
 
-def _distinct_adapters(states: Sequence[RequestState] | deque[RequestState]) -> tuple[str, ...]:
+def _distinct_adapters(states: Iterable[RequestState]) -> tuple[str, ...]:
     """Adapter names in order of first appearance, as vLLM joins them into a label."""
     names = dict.fromkeys(s.request.adapter for s in states if s.request.adapter is not None)
     return tuple(names)
@@ -227,7 +225,7 @@ class Engine:
         if admitted:
             computed = sum(s.num_tokens - s.cached_tokens for s in admitted)
             duration = self.profile.prefill_step_s(computed) + cost
-            self._step = _Step(True, admitted, now, duration)
+            self._step = _Step(True, admitted)
             return duration
         if not self.running:
             return None
@@ -235,7 +233,7 @@ class Engine:
         if not batch:  # everything was preempted; the next plan readmits it
             return self.start_step(now)
         duration = self.profile.decode_step_s(len(batch))
-        self._step = _Step(False, batch, now, duration)
+        self._step = _Step(False, batch)
         return duration
 
     def finish_step(self, now: float) -> None:

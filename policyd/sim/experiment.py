@@ -43,6 +43,12 @@ class SeedWorkload:
     max_tokens: int = 750
     timeout_s: float = 300.0
 
+    def __post_init__(self) -> None:
+        if self.requests < 0 or self.connections < 1 or self.adapters < 1:
+            raise ValueError("a workload needs requests >= 0, connections >= 1, adapters >= 1")
+        if not self.prompt or self.max_tokens < 1 or self.timeout_s <= 0:
+            raise ValueError("a workload needs a prompt, max_tokens >= 1 and a positive timeout")
+
 
 @dataclass(frozen=True, slots=True)
 class RoutedRequest:

@@ -92,6 +92,8 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._driver: RealTimeDriver | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Serialises start, go-away and come-back (a fault timer may race a test).
+        self._lifecycle = asyncio.Lock()
         self._text_seeds = itertools.count(seed * 7919)
         self._registry = metrics_registry(
             EngineCollector(lambda: self.driver.engine, profile.base_model, self._unix_time)
@@ -120,8 +122,12 @@ class SimServer:
 
     async def start(self) -> None:
         """Listen on ``host:port`` (a free port if 0) with a fresh engine."""
-        if self._runner is not None:
-            raise RuntimeError(f"{self.name} is already running")
+        async with self._lifecycle:
+            if self._runner is not None:
+                raise RuntimeError(f"{self.name} is already running")
+            await self._start()
+
+    async def _start(self) -> None:
         driver = RealTimeDriver(Engine(self.profile, seed=self.seed), self.time_scale)
         runner = web.AppRunner(
             self._application(),
@@ -148,17 +154,19 @@ class SimServer:
 
     async def go_away(self) -> None:
         """Vanish like a killed pod: stop listening, drop connections and every request."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-        driver, self._driver = self._driver, None
-        if driver is not None:
-            await driver.stop()
+        async with self._lifecycle:
+            runner, self._runner = self._runner, None
+            if runner is not None:
+                await runner.cleanup()
+            driver, self._driver = self._driver, None
+            if driver is not None:
+                await driver.stop()
 
     async def come_back(self) -> None:
         """Listen again on the same port, like the pod restarted (fresh engine and metrics)."""
-        if self._runner is None:
-            await self.start()
+        async with self._lifecycle:
+            if self._runner is None:
+                await self._start()
 
     def set_faults(self, *, fail_status: int | None = None, hang_metrics: bool = False) -> None:
         """Replace the current faults; ``set_faults()`` heals the pod."""

@@ -116,3 +116,12 @@ def test_the_virtual_loop_runs_events_in_time_order_and_skips_cancelled_ones() -
     assert seen == [(1.0, "first"), (1.0, "second"), (2.0, "late")]
     with pytest.raises(ValueError, match="cannot schedule"):
         loop.call_at(1.0, lambda: None)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"connections": 0}, {"adapters": 0}, {"prompt": ()}, {"max_tokens": 0}, {"timeout_s": 0.0}],
+)
+def test_a_workload_that_cannot_run_is_refused(changes: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="a workload needs"):
+        SeedWorkload(**changes)  # type: ignore[arg-type]

@@ -124,4 +124,4 @@ def test_the_virtual_loop_runs_events_in_time_order_and_skips_cancelled_ones() -
 )
 def test_a_workload_that_cannot_run_is_refused(changes: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="a workload needs"):
-        SeedWorkload(**changes)  # type: ignore[arg-type]
+        SeedWorkload(**changes)

@@ -20,6 +20,7 @@ from policyd import __version__
 # name -> (module that implements it, one-line help)
 COMMANDS: Final[dict[str, tuple[str, str]]] = {
     "demo": ("policyd.demo", "run Envoy + policyd + a simulated vLLM pool and show decisions"),
+    "sim": ("policyd.sim.command", "run a pool of simulated vLLM pods on local ports"),
 }
 
 

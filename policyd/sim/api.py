@@ -1,0 +1,216 @@
+"""The OpenAI wire format the simulated pods speak: parsing requests, shaping replies.
+
+Field names and shapes follow what vLLM's OpenAI server sends: completion and
+chat objects with ``usage``; streamed chunks as server-sent events, with a
+``usage: null`` on every chunk and a last chunk with empty ``choices`` carrying
+the totals when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
+Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from policyd.sim.text import tokenize
+
+DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
+_ERROR_TYPES: Final = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ApiError(Exception):
+    """A request the server answers with an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    error_type = _ERROR_TYPES.get(status, "APIError")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionCall:
+    """A validated ``/v1/completions`` or ``/v1/chat/completions`` request."""
+
+    chat: bool
+    model: str
+    prompt: tuple[int, ...]
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_call(body: bytes, *, chat: bool) -> CompletionCall:
+    """Decode and validate a request body; ``ApiError(400)`` says what is wrong."""
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "`model` is required and must be a non-empty string", "model")
+    prompt = _chat_prompt(payload) if chat else _completion_prompt(payload)
+    max_tokens = _max_tokens(payload, chat=chat)
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "`stream` must be a boolean", "stream")
+    options = payload.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+        if not isinstance(options, dict) or not isinstance(
+            options.get("include_usage", False), bool
+        ):
+            raise ApiError(400, "`stream_options.include_usage` must be a boolean")
+        include_usage = bool(options.get("include_usage", False))
+    n = payload.get("n", 1)
+    if n != 1:
+        raise ApiError(400, "the simulator generates one choice per request (`n` must be 1)", "n")
+    return CompletionCall(chat, model, prompt, max_tokens, stream, include_usage)
+
+
+def _completion_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenize(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        return tuple(prompt)
+    raise ApiError(
+        400, "`prompt` must be a string, a list of one string, or a list of token ids", "prompt"
+    )
+
+
+def _chat_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "`messages` must be a non-empty list", "messages")
+    lines = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, "every message needs a `role` string", "messages")
+        lines.append(f"{message['role']}: {_message_text(message.get('content'))}")
+    return tokenize("\n".join(lines))
+
+
+def _message_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if all(isinstance(p, str) for p in parts):
+            return " ".join(str(p) for p in parts)
+    raise ApiError(400, "message `content` must be a string or a list of text parts", "messages")
+
+
+def _max_tokens(payload: dict[str, Any], *, chat: bool) -> int | None:
+    """The requested cap, or ``None`` for chat without one (up to the context length)."""
+    name = "max_tokens"
+    value = payload.get(name)
+    if value is None and chat:
+        name, value = "max_completion_tokens", payload.get("max_completion_tokens")
+    if value is None:
+        return None if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ApiError(400, f"`{name}` must be a positive integer", name)
+    return value
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    """Compact JSON, as vLLM's pydantic models serialise."""
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Shapes the objects of one reply (the same id, creation time and model in each)."""
+
+    call: CompletionCall
+    reply_id: str
+    created: int
+
+    def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict[str, Any]:
+        """The non-streaming response object."""
+        choice: dict[str, Any]
+        if self.call.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=None)
+        return {
+            **self._head(chunk=False),
+            "choices": [choice],
+            "usage": usage(len(self.call.prompt), completion_tokens),
+        }
+
+    def role_chunk(self) -> dict[str, Any]:
+        """The first chunk of a chat stream: the assistant role, no content yet."""
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def token_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.call.chat:
+            return self._chunk({"content": text}, finish_reason)
+        return self._chunk(text, finish_reason)
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        """The last chunk when ``include_usage`` is set: no choices, the totals."""
+        return {
+            **self._head(chunk=True),
+            "choices": [],
+            "usage": usage(len(self.call.prompt), completion_tokens),
+        }
+
+    def _chunk(self, content: str | dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if isinstance(content, dict):
+            choice["delta"] = content
+        else:
+            choice["text"] = content
+        choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=None)
+        chunk: dict[str, Any] = {**self._head(chunk=True), "choices": [choice]}
+        if self.call.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _head(self, *, chunk: bool) -> dict[str, Any]:
+        if self.call.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {
+            "id": self.reply_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.call.model,
+        }

@@ -1,0 +1,417 @@
+"""The scheduler of one simulated vLLM pod (V0 rules), independent of any clock.
+
+The engine never sleeps and never reads a clock: a driver asks it to plan the
+next step at time ``now`` (``start_step`` returns how long that step takes) and
+tells it when the step is over (``finish_step``). The HTTP front drives it in
+real (scaled) time, ``policyd.sim.virtual`` in a discrete-event loop; the rules
+are the same code either way.
+
+The rules, as vLLM V0 applies them without chunked prefill:
+
+- Every step first tries to admit waiting requests in arrival order (a
+  *prefill* step, which runs alone); only when none can be admitted does it run
+  a *decode* step that advances every running sequence by one token.
+- A request is admitted while the running set stays within ``max_num_seqs``,
+  the step within ``max_num_batched_tokens`` and the KV cache keeps its
+  watermark free after allocating the request's blocks; the first request that
+  does not fit stops admission.
+- At most ``max_loras`` distinct adapters run at once. A waiting request whose
+  adapter is not running while that many are is skipped: it keeps its place and
+  later requests may pass it. A new adapter therefore starts only once every
+  running request of some adapter has finished. Bringing an adapter into a GPU
+  slot adds its load time to the step.
+- A decode step needs a fresh block for every sequence crossing a block
+  boundary; when none is left the newest running sequence is preempted (its
+  blocks freed, back to the front of the queue, recomputed on readmission).
+- Leading full prompt blocks found in the prefix cache are not recomputed (at
+  least one token always is).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from policyd.sim.blocks import BlockManager, prefix_keys
+from policyd.sim.lora import AdapterResidence
+from policyd.sim.profile import Profile
+from policyd.sim.stats import LORA_SERIES_KEPT, EngineStats
+
+
+class RequestListener(Protocol):
+    """Told after every step that produced a token for the request (or finished it)."""
+
+    def on_progress(self, state: RequestState, now: float) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One generation request as the engine receives it.
+
+    ``output_length`` is the natural length of the text the model would write;
+    ``None`` lets the engine draw it from its seeded generator. ``max_tokens``
+    caps it either way.
+    """
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    adapter: str | None = None
+    output_length: int | None = None
+    listener: RequestListener | None = None
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class RequestState:
+    """The engine's view of one request; callers read it, only the engine writes it."""
+
+    __slots__ = (
+        "aborted",
+        "arrival",
+        "blocks",
+        "cached_tokens",
+        "finish_reason",
+        "finished_at",
+        "first_token_at",
+        "generated",
+        "keys",
+        "last_token_at",
+        "phase",
+        "request",
+        "target",
+    )
+
+    def __init__(self, request: SimRequest, arrival: float, natural_length: int) -> None:
+        self.request = request
+        self.arrival = arrival
+        self.target = min(natural_length, request.max_tokens)
+        self.finish_reason = "stop" if natural_length <= request.max_tokens else "length"
+        self.generated = 0
+        self.phase = Phase.WAITING
+        self.first_token_at: float | None = None
+        self.last_token_at = arrival
+        self.finished_at: float | None = None
+        self.blocks: list[int] = []
+        self.cached_tokens = 0
+        self.keys: tuple[int, ...] | None = None
+        self.aborted = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what a recompute has to prefill."""
+        return len(self.request.prompt) + self.generated
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The scheduler state vLLM logs after each step (what ``/metrics`` shows)."""
+
+    at: float
+    waiting: int
+    running: int
+    kv_cache_usage: float
+    running_adapters: tuple[str, ...]
+    waiting_adapters: tuple[str, ...]
+    max_loras: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    prefill: bool
+    batch: list[RequestState]
+
+
+def _distinct_adapters(states: Iterable[RequestState]) -> tuple[str, ...]:
+    """Adapter names in order of first appearance, as vLLM joins them into a label."""
+    names = dict.fromkeys(s.request.adapter for s in states if s.request.adapter is not None)
+    return tuple(names)
+
+
+class Engine:
+    """Continuous batching for one pod: queues, KV blocks, adapters, statistics."""
+
+    def __init__(self, profile: Profile, *, seed: int = 0) -> None:
+        self.profile = profile
+        self.stats = EngineStats()
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self._blocks = BlockManager(
+            profile.num_gpu_blocks, int(profile.watermark * profile.num_gpu_blocks)
+        )
+        self._adapters = AdapterResidence(profile)
+        self._rng = random.Random(seed)
+        self._step: _Step | None = None
+        self._snapshot = EngineSnapshot(0.0, 0, 0, 0.0, (), (), profile.max_loras)
+        # Bumped by every change of who waits or runs: the snapshot's adapter
+        # lists and a fruitless admission scan stay valid while it is unchanged.
+        self._membership = 0
+        self._logged_membership = 0
+        self._fruitless_scan = -1
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(self, request: SimRequest, now: float) -> RequestState:
+        """Queue a request arriving at ``now``; ``ValueError`` if it can never run here."""
+        self.check(request)
+        natural = request.output_length
+        if natural is None:
+            natural = self._rng.randint(
+                self.profile.output_tokens_min, self.profile.output_tokens_max
+            )
+        state = RequestState(request, now, natural)
+        self.waiting.append(state)
+        self._membership += 1
+        return state
+
+    def check(self, request: SimRequest) -> None:
+        """Raise ``ValueError`` with a client-facing message if the request cannot run."""
+        profile = self.profile
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        total = len(request.prompt) + request.max_tokens
+        if total > profile.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {profile.max_model_len} tokens. "
+                f"However, you requested {total} tokens ({len(request.prompt)} in the "
+                f"messages, {request.max_tokens} in the completion). Please reduce the length "
+                "of the messages or completion."
+            )
+        usable = profile.num_gpu_blocks - int(profile.watermark * profile.num_gpu_blocks)
+        if math.ceil(total / profile.block_size) > usable:
+            raise ValueError(f"{total} tokens do not fit in this pod's KV cache")
+
+    def abort(self, state: RequestState) -> None:
+        """Forget a request whose client went away; its blocks are freed at once or at step end."""
+        if state.phase is Phase.FINISHED or state.aborted:
+            return
+        state.aborted = True
+        state.finish_reason = "abort"
+        self._membership += 1
+        if state.phase is Phase.WAITING:
+            self.waiting.remove(state)
+            state.phase = Phase.FINISHED
+        elif self._step is None or state not in self._step.batch:
+            self.running.remove(state)
+            self._release(state)
+            state.phase = Phase.FINISHED
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def start_step(self, now: float) -> float | None:
+        """Plan the step starting at ``now``; its duration, or ``None`` when idle."""
+        if self._step is not None:
+            raise RuntimeError("start_step called while a step is running")
+        admitted, cost = self._schedule_prefills()
+        if admitted:
+            computed = sum(s.num_tokens - s.cached_tokens for s in admitted)
+            duration = self.profile.prefill_step_s(computed) + cost
+            self._step = _Step(True, admitted)
+            return duration
+        if not self.running:
+            return None
+        batch = self._schedule_decodes()
+        if not batch:  # everything was preempted; the next plan readmits it
+            return self.start_step(now)
+        duration = self.profile.decode_step_s(len(batch))
+        self._step = _Step(False, batch)
+        return duration
+
+    def finish_step(self, now: float) -> None:
+        """Apply the planned step's results at ``now`` (its end) and tell the listeners."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("finish_step called with no step running")
+        self._step = None
+        progressed: list[RequestState] = []
+        for state in step.batch:
+            if state.aborted:
+                self._release(state)
+                state.phase = Phase.FINISHED
+                continue
+            if step.prefill:
+                self._register_prefix(state)
+                if state.first_token_at is None:
+                    self.stats.prompt_tokens += len(state.request.prompt)
+            self._emit_token(state, now)
+            progressed.append(state)
+        if any(s.finished for s in step.batch):
+            self.running = [s for s in self.running if not s.finished]
+        self._log_state(now)
+        for state in progressed:
+            listener = state.request.listener
+            if listener is not None:
+                listener.on_progress(state, now)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The state as logged at the end of the last step."""
+        return self._snapshot
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def _schedule_prefills(self) -> tuple[list[RequestState], float]:
+        if self._fruitless_scan == self._membership:
+            # Nobody arrived, finished or left since a scan that admitted nothing,
+            # and running sequences only take blocks: it would admit nothing again.
+            return [], 0.0
+        profile = self.profile
+        running_adapters = {
+            s.request.adapter for s in self.running if s.request.adapter is not None
+        }
+        active = set(running_adapters)
+        admitted: list[RequestState] = []
+        skipped: list[RequestState] = []
+        tokens = 0
+        seqs = len(self.running)
+        while self.waiting:
+            state = self.waiting[0]
+            blocks = math.ceil(state.num_tokens / profile.block_size)
+            if not self._blocks.can_allocate(blocks):
+                break
+            adapter = state.request.adapter
+            if adapter is not None and adapter not in active and len(active) >= profile.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
+            if (
+                tokens + state.num_tokens > profile.max_num_batched_tokens
+                or seqs + 1 > profile.max_num_seqs
+            ):
+                break
+            self.waiting.popleft()
+            self._allocate(state, blocks)
+            if adapter is not None:
+                active.add(adapter)
+            admitted.append(state)
+            tokens += state.num_tokens
+            seqs += 1
+        self.waiting.extendleft(reversed(skipped))
+        if not admitted:
+            self._fruitless_scan = self._membership
+            return admitted, 0.0
+        self.running.extend(admitted)
+        self._membership += 1
+        new_adapters = dict.fromkeys(
+            s.request.adapter for s in admitted if s.request.adapter is not None
+        )
+        cost = self._adapters.activate(running_adapters, new_adapters)
+        return admitted, cost
+
+    def _allocate(self, state: RequestState, blocks: int) -> None:
+        profile = self.profile
+        if state.keys is None:
+            state.keys = (
+                prefix_keys(state.request.adapter, state.request.prompt, profile.block_size)
+                if profile.enable_prefix_caching
+                else ()
+            )
+        state.blocks, hits = self._blocks.allocate(state.keys, blocks)
+        state.cached_tokens = min(hits * profile.block_size, state.num_tokens - 1)
+        state.phase = Phase.RUNNING
+        self.stats.prefix_cache_queries += state.num_tokens
+        self.stats.prefix_cache_hits += state.cached_tokens
+
+    def _schedule_decodes(self) -> list[RequestState]:
+        block_size = self.profile.block_size
+        # A decode adds one token, so a sequence needs at most one more block.
+        growing = [s for s in self.running if s.num_tokens > len(s.blocks) * block_size]
+        if self._blocks.can_append(len(growing)):  # the usual case: no preemption
+            for state in growing:
+                state.blocks.append(self._blocks.take_fresh())
+            return list(self.running)
+        queue = deque(self.running)
+        batch: list[RequestState] = []
+        preempted: list[RequestState] = []
+        while queue:
+            state = queue.popleft()
+            needed = math.ceil(state.num_tokens / block_size) - len(state.blocks)
+            while needed > 0 and not self._blocks.can_append(needed):
+                victim = queue.pop() if queue else state
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is state:
+                    break
+            else:
+                for _ in range(needed):
+                    state.blocks.append(self._blocks.take_fresh())
+                batch.append(state)
+        self.running = batch
+        self.waiting.extendleft(preempted)
+        return batch
+
+    def _preempt(self, state: RequestState) -> None:
+        self._release(state)
+        state.phase = Phase.WAITING
+        self.stats.preemptions += 1
+        self._membership += 1
+
+    def _release(self, state: RequestState) -> None:
+        self._blocks.free(state.blocks)
+        state.blocks = []
+
+    def _register_prefix(self, state: RequestState) -> None:
+        keys = state.keys or ()
+        for block, key in zip(state.blocks, keys, strict=False):
+            self._blocks.register(block, key)
+
+    def _emit_token(self, state: RequestState, now: float) -> None:
+        stats = self.stats
+        state.generated += 1
+        stats.generation_tokens += 1
+        if state.first_token_at is None:
+            state.first_token_at = now
+            stats.time_to_first_token.observe(now - state.arrival)
+        else:
+            stats.time_per_output_token.observe(now - state.last_token_at)
+        state.last_token_at = now
+        if state.generated >= state.target:
+            self._release(state)
+            state.phase = Phase.FINISHED
+            state.finished_at = now
+            reason = state.finish_reason
+            stats.finished[reason] = stats.finished.get(reason, 0) + 1
+            stats.e2e_request_latency.observe(now - state.arrival)
+            self._membership += 1
+
+    def _log_state(self, now: float) -> None:
+        """Refresh the snapshot the way vLLM logs its stats after every step."""
+        previous = self._snapshot
+        if self._membership != self._logged_membership:
+            running = _distinct_adapters(self.running)
+            waiting = _distinct_adapters(self.waiting)
+            self._logged_membership = self._membership
+        else:
+            running, waiting = previous.running_adapters, previous.waiting_adapters
+        self._snapshot = EngineSnapshot(
+            now,
+            len(self.waiting),
+            len(self.running),
+            self._blocks.usage,
+            running,
+            waiting,
+            self.profile.max_loras,
+        )
+        series = self.stats.lora_series
+        key = (",".join(running), ",".join(waiting))
+        series.pop(key, None)
+        series[key] = now
+        if len(series) > LORA_SERIES_KEPT:
+            del series[next(iter(series))]

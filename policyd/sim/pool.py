@@ -1,0 +1,69 @@
+"""A pool of simulated pods in one process, on consecutive local ports."""
+
+from __future__ import annotations
+
+import contextlib
+from types import TracebackType
+
+from policyd.sim.names import adapter_names, pod_name
+from policyd.sim.profile import L4_LLAMA2_7B, Profile
+from policyd.sim.server import SimServer
+
+
+class SimPool:
+    """``pods`` servers on ``base_port``, ``base_port + 1``, ... (all free ports if 0)."""
+
+    def __init__(
+        self,
+        pods: int = 6,
+        *,
+        base_port: int = 8000,
+        host: str = "127.0.0.1",
+        profile: Profile = L4_LLAMA2_7B,
+        adapters: int = 12,
+        time_scale: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if pods < 1:
+            raise ValueError("a pool needs at least one pod")
+        if base_port and not 0 < base_port + pods - 1 < 65536:
+            raise ValueError(f"ports {base_port}..{base_port + pods - 1} are not all valid")
+        names = adapter_names(adapters)
+        self.servers = [
+            SimServer(
+                profile,
+                name=pod_name(i),
+                host=host,
+                port=base_port + i if base_port else 0,
+                adapters=names,
+                time_scale=time_scale,
+                seed=seed * 1000 + i,
+            )
+            for i in range(pods)
+        ]
+
+    async def start(self) -> None:
+        """Start every server; if one cannot listen, stop the others and raise."""
+        try:
+            for server in self.servers:
+                await server.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                await server.stop()
+
+    async def __aenter__(self) -> SimPool:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.stop()

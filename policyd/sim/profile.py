@@ -1,0 +1,113 @@
+"""Calibration profiles: the constants that make a simulated pod behave like one GPU.
+
+Everything the scheduler rules need in numbers lives here and nowhere else, so a
+calibration changes a profile and never the rules. ``l4-llama2-7b`` is the seed
+experiment's hardware: Llama-2-7B on one NVIDIA L4, ``--max-loras 4
+--max-cpu-loras 12``. Prefill ``max(0.04, 0.02 + 0.0002 * tokens)``, the LoRA
+load costs and the 700 KV blocks are the design's figures. The decode step
+``T0 + k * batch`` was fitted: the design's first estimate (``T0 = 0.052 s``,
+``k = 0.0022 s``) reproduces the published random-routing result but caps even
+a perfect adapter partition below the published LoRA-affinity result, so
+``T0 = 0.060 s``, ``k = 0.0008 s`` were fitted to both published results at
+once (``docs/simulator.md``, "Calibration").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Final
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """The fixed characteristics of one simulated model server (times in seconds)."""
+
+    name: str
+    base_model: str
+    # Step timing.
+    decode_base_s: float
+    decode_per_sequence_s: float
+    prefill_min_s: float
+    prefill_base_s: float
+    prefill_per_token_s: float
+    # Scheduler limits (vLLM V0 defaults for this model unless noted).
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    # KV cache.
+    block_size: int
+    num_gpu_blocks: int
+    watermark: float
+    enable_prefix_caching: bool
+    # LoRA.
+    max_loras: int
+    max_cpu_loras: int
+    lora_gpu_load_s: float
+    lora_disk_load_s: float
+    # Natural length of a generated text, uniform in [min, max] before max_tokens caps it.
+    output_tokens_min: int
+    output_tokens_max: int
+    # Reported in vllm:cache_config_info only.
+    gpu_memory_utilization: float = 0.9
+    num_cpu_blocks: int = 512
+    swap_space_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_model_len:
+            # vLLM V0 without chunked prefill refuses this configuration too: a
+            # long prompt could never be scheduled.
+            raise ValueError("max_num_batched_tokens must be at least max_model_len")
+        if not 0 < self.output_tokens_min <= self.output_tokens_max:
+            raise ValueError("output lengths need 0 < output_tokens_min <= output_tokens_max")
+        if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
+            raise ValueError("LoRA slots need 1 <= max_loras <= max_cpu_loras")
+
+    def decode_step_s(self, batch: int) -> float:
+        """Duration of one decode step advancing ``batch`` sequences by a token each."""
+        return self.decode_base_s + self.decode_per_sequence_s * batch
+
+    def prefill_step_s(self, computed_tokens: int) -> float:
+        """Duration of one prefill step computing ``computed_tokens`` prompt tokens."""
+        return max(
+            self.prefill_min_s, self.prefill_base_s + self.prefill_per_token_s * computed_tokens
+        )
+
+    def with_changes(self, **changes: Any) -> Profile:
+        """A copy with some constants replaced (tests build small hand-made pods this way)."""
+        return dataclasses.replace(self, **changes)
+
+
+L4_LLAMA2_7B: Final = Profile(
+    name="l4-llama2-7b",
+    base_model="meta-llama/Llama-2-7b-hf",
+    decode_base_s=0.060,
+    decode_per_sequence_s=0.0008,
+    prefill_min_s=0.04,
+    prefill_base_s=0.02,
+    prefill_per_token_s=0.0002,
+    max_num_seqs=256,
+    max_num_batched_tokens=4096,
+    max_model_len=4096,
+    block_size=16,
+    num_gpu_blocks=700,
+    watermark=0.01,
+    enable_prefix_caching=True,
+    max_loras=4,
+    max_cpu_loras=12,
+    lora_gpu_load_s=0.03,
+    lora_disk_load_s=0.5,
+    output_tokens_min=50,
+    output_tokens_max=750,
+)
+
+PROFILES: Final[dict[str, Profile]] = {L4_LLAMA2_7B.name: L4_LLAMA2_7B}
+
+
+def get_profile(name: str) -> Profile:
+    """The named profile, or a ``KeyError`` that lists the known names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise KeyError(f"unknown simulator profile {name!r} (known: {known})") from None

@@ -1,0 +1,348 @@
+"""One simulated vLLM pod behind a real HTTP server (aiohttp) on a local port.
+
+The routes are vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``, ``GET /health`` and ``GET /metrics``. One more,
+``/sim/faults``, lets tests misbehave the pod over HTTP (the same knobs are
+methods here): fail every completion request with a chosen status, hang
+``/metrics``, or go away (stop listening, drop every connection) for a while.
+
+    server = SimServer(port=0, time_scale=10)
+    await server.start()
+    ...  # http://127.0.0.1:{server.port}/v1/completions
+    await server.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from policyd.sim.api import ApiError, CompletionCall, Reply, encode, error_body, parse_call
+from policyd.sim.engine import Engine, RequestState, SimRequest
+from policyd.sim.exposition import CONTENT_TYPE, EngineCollector, metrics_registry, render
+from policyd.sim.names import adapter_names
+from policyd.sim.profile import L4_LLAMA2_7B, Profile
+from policyd.sim.realtime import RealTimeDriver
+from policyd.sim.text import token_text
+
+_SHUTDOWN_TIMEOUT_S = 0.25
+_CREATED = int(time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """The misbehaviour a pod is told to show; the default is none."""
+
+    fail_status: int | None = None
+    hang_metrics: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {"fail_requests": self.fail_status, "hang_metrics": self.hang_metrics}
+
+
+class _Progress:
+    """Wakes the handler of one request after every step that advanced it."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def on_progress(self, state: RequestState, now: float) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+
+
+class SimServer:
+    """A simulated vLLM pod: engine, real-time driver and HTTP front on ``host:port``."""
+
+    def __init__(
+        self,
+        profile: Profile = L4_LLAMA2_7B,
+        *,
+        name: str = "vllm-0",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        adapters: Sequence[str] = adapter_names(12),
+        time_scale: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.profile = profile
+        self.name = name
+        self.host = host
+        self.port = port
+        self.adapters = tuple(adapters)
+        self.time_scale = time_scale
+        self.seed = seed
+        self.faults = Faults()
+        self._served = {profile.base_model, *self.adapters}
+        self._metrics_released = asyncio.Event()
+        self._metrics_released.set()
+        self._runner: web.AppRunner | None = None
+        self._driver: RealTimeDriver | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Serialises start, go-away and come-back (a fault timer may race a test).
+        self._lifecycle = asyncio.Lock()
+        self._text_seeds = itertools.count(seed * 7919)
+        self._registry = metrics_registry(
+            EngineCollector(lambda: self.driver.engine, profile.base_model, self._unix_time)
+        )
+
+    # -- lifecycle and fault knobs -------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """``host:port``, as a router names an endpoint."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def driver(self) -> RealTimeDriver:
+        if self._driver is None:
+            raise RuntimeError(f"{self.name} is not running")
+        return self._driver
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None
+
+    async def start(self) -> None:
+        """Listen on ``host:port`` (a free port if 0) with a fresh engine."""
+        async with self._lifecycle:
+            if self._runner is not None:
+                raise RuntimeError(f"{self.name} is already running")
+            await self._start()
+
+    async def _start(self) -> None:
+        driver = RealTimeDriver(Engine(self.profile, seed=self.seed), self.time_scale)
+        runner = web.AppRunner(
+            self._application(),
+            handler_cancellation=True,
+            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+            access_log=None,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self.port = runner.addresses[0][1]
+        driver.start()
+        self._driver, self._runner = driver, runner
+
+    async def stop(self) -> None:
+        """Stop for good: go away and cancel pending fault timers."""
+        for task in list(self._tasks):
+            task.cancel()
+        await self.go_away()
+
+    async def go_away(self) -> None:
+        """Vanish like a killed pod: stop listening, drop connections and every request."""
+        async with self._lifecycle:
+            runner, self._runner = self._runner, None
+            if runner is not None:
+                await runner.cleanup()
+            driver, self._driver = self._driver, None
+            if driver is not None:
+                await driver.stop()
+
+    async def come_back(self) -> None:
+        """Listen again on the same port, like the pod restarted (fresh engine and metrics)."""
+        async with self._lifecycle:
+            if self._runner is None:
+                await self._start()
+
+    def set_faults(self, *, fail_status: int | None = None, hang_metrics: bool = False) -> None:
+        """Replace the current faults; ``set_faults()`` heals the pod."""
+        if fail_status is not None and not 400 <= fail_status <= 599:
+            raise ValueError(f"a failure status must be 4xx or 5xx, got {fail_status}")
+        self.faults = Faults(fail_status, hang_metrics)
+        if hang_metrics:
+            self._metrics_released.clear()
+        else:
+            self._metrics_released.set()
+
+    def go_away_for(self, simulated_seconds: float) -> None:
+        """Go away now and come back after ``simulated_seconds``."""
+        task = asyncio.create_task(self._vanish(simulated_seconds))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _vanish(self, simulated_seconds: float) -> None:
+        await self.go_away()
+        await asyncio.sleep(simulated_seconds / self.time_scale)
+        await self.come_back()
+
+    def _unix_time(self, simulated: float) -> float:
+        return self.driver.unix_time(simulated)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def _application(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/sim/faults", self._get_faults)
+        app.router.add_post("/sim/faults", self._post_faults)
+        return app
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        driver = self.driver
+        progress = _Progress()
+        try:
+            if self.faults.fail_status is not None:
+                raise ApiError(self.faults.fail_status, "simulated failure injected on this pod")
+            call = parse_call(await request.read(), chat=chat)
+            state = driver.submit(self._engine_request(call, progress))
+        except ApiError as error:
+            return _json(error.body(), error.status)
+        except ValueError as error:
+            return _json(error_body(400, str(error)), 400)
+        reply = Reply(call, state.request.request_id, int(time.time()))
+        text_seed = next(self._text_seeds)
+        try:
+            if call.stream:
+                return await _stream(request, reply, state, progress, text_seed)
+            while not state.finished:
+                await progress.wait()
+            text = "".join(token_text(text_seed, i) for i in range(state.generated))
+            return _json(reply.full(text, state.finish_reason, state.generated), 200)
+        finally:
+            if not state.finished:
+                driver.abort(state)
+
+    def _engine_request(self, call: CompletionCall, progress: _Progress) -> SimRequest:
+        if call.model not in self._served:
+            raise ApiError(404, f"The model `{call.model}` does not exist.", "model")
+        max_tokens = call.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.profile.max_model_len - len(call.prompt), 1)
+        prefix = "chatcmpl" if call.chat else "cmpl"
+        return SimRequest(
+            f"{prefix}-{uuid.uuid4().hex}",
+            call.prompt,
+            max_tokens,
+            adapter=None if call.model == self.profile.base_model else call.model,
+            listener=progress,
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        base = self.profile.base_model
+        cards = [_model_card(base, base, None, self.profile.max_model_len)]
+        cards += [_model_card(name, f"/adapters/{name}", base, None) for name in self.adapters]
+        return _json({"object": "list", "data": cards}, 200)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        await self._metrics_released.wait()
+        return web.Response(body=render(self._registry), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return _json(self.faults.as_json(), 200)
+
+    async def _post_faults(self, request: web.Request) -> web.StreamResponse:
+        """Set faults: ``{"fail_requests": 503|null, "hang_metrics": bool, "go_away_for": s}``."""
+        try:
+            payload = json.loads(await request.read())
+            if not isinstance(payload, dict):
+                raise ValueError("the body must be a JSON object")
+            unknown = set(payload) - {"fail_requests", "hang_metrics", "go_away_for"}
+            if unknown:
+                raise ValueError(f"unknown fault knobs: {', '.join(sorted(unknown))}")
+            fail = payload.get("fail_requests")
+            hang = payload.get("hang_metrics", False)
+            away = payload.get("go_away_for")
+            if fail is not None and (not isinstance(fail, int) or isinstance(fail, bool)):
+                raise ValueError("`fail_requests` must be an HTTP status or null")
+            if not isinstance(hang, bool):
+                raise ValueError("`hang_metrics` must be a boolean")
+            if away is not None and (not isinstance(away, int | float) or away <= 0):
+                raise ValueError("`go_away_for` must be a positive number of seconds")
+            self.set_faults(fail_status=fail, hang_metrics=hang)
+        except ValueError as error:  # json.JSONDecodeError is a ValueError too
+            return _json(error_body(400, str(error)), 400)
+        response = _json(self.faults.as_json(), 200)
+        if away is not None:
+            await response.prepare(request)
+            await response.write_eof()
+            self.go_away_for(float(away))
+        return response
+
+
+async def _stream(
+    request: web.Request,
+    reply: Reply,
+    state: RequestState,
+    progress: _Progress,
+    text_seed: int,
+) -> web.StreamResponse:
+    """Server-sent events: one chunk per generated token, usage if asked, then ``[DONE]``."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    if reply.call.chat:
+        await response.write(_event(reply.role_chunk()))
+    sent = 0
+    while not state.finished:
+        await progress.wait()
+        events = []
+        for position in range(sent, state.generated):
+            last = state.finished and position == state.generated - 1
+            chunk = reply.token_chunk(
+                token_text(text_seed, position), state.finish_reason if last else None
+            )
+            events.append(_event(chunk))
+        sent = state.generated
+        await response.write(b"".join(events))
+    tail = [_event(reply.usage_chunk(state.generated))] if reply.call.include_usage else []
+    await response.write(b"".join([*tail, b"data: [DONE]\n\n"]))
+    await response.write_eof()
+    return response
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + encode(payload) + b"\n\n"
+
+
+def _json(payload: dict[str, Any], status: int) -> web.Response:
+    return web.Response(body=encode(payload), status=status, content_type="application/json")
+
+
+def _model_card(model: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": _CREATED,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_len,
+    }

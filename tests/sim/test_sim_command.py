@@ -1,0 +1,61 @@
+"""``policyd sim`` as a separate process: a pool on free ports, addresses printed, clean stop."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from policyd.cli import main
+
+
+def test_policyd_sim_serves_a_pool_and_stops_on_interrupt() -> None:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "policyd",
+            "sim",
+            "--pods",
+            "2",
+            "--base-port",
+            "0",
+            "--adapters",
+            "3",
+            "--time-scale",
+            "20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        header = process.stdout.readline()
+        assert "2 pods of l4-llama2-7b" in header
+        assert "3 adapters (adapter-0..adapter-2)" in header
+        pods = [process.stdout.readline().split() for _ in range(2)]
+        assert [name for name, _ in pods] == ["vllm-0", "vllm-1"]
+        urls = [url for _, url in pods]
+        assert len(set(urls)) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
+        for url in urls:
+            with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+                models = [card["id"] for card in json.load(response)["data"]]
+            assert models == ["meta-llama/Llama-2-7b-hf", "adapter-0", "adapter-1", "adapter-2"]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_policyd_sim_rejects_nonsense_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--pods", "0"]) == 2
+    assert "--pods must be >= 1" in capsys.readouterr().err
+    assert main(["sim", "--base-port", "65535", "--pods", "3"]) == 2
+    assert "ports 65535..65537 are not all valid" in capsys.readouterr().err

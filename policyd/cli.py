@@ -20,6 +20,10 @@ from policyd import __version__
 # name -> (module that implements it, one-line help)
 COMMANDS: Final[dict[str, tuple[str, str]]] = {
     "demo": ("policyd.demo", "run Envoy + policyd + a simulated vLLM pool and show decisions"),
+    "envoy-config": (
+        "policyd.extproc.envoy_config",
+        "print an Envoy bootstrap that routes inference requests through policyd",
+    ),
 }
 
 

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import pytest
-from conftest import Gateway
+from e2e_rig import Gateway
 from e2e_support import JSON_USAGE, SSE_USAGE, ScriptedRouter, Snapshot, sse_events
 from multidict import CIMultiDict
 

@@ -203,6 +203,7 @@ def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
         "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "policyd"}},
         "failure_mode_allow": False,
+        "status_on_error": {"code": 503},
         "allow_mode_override": False,
         "message_timeout": f"{options.message_timeout_ms / 1000:g}s",
         "processing_mode": {

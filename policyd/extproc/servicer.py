@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -209,7 +209,12 @@ class Exchange:
 
     def _on_request_trailers(self) -> pb.ProcessingResponse:
         if self._span is None:
-            return self._route()  # trailers end a STREAMED body that had no end_of_stream
+            # A STREAMED body ended by trailers: a trailers reply cannot set the
+            # destination, so the request cannot be routed.
+            raise RequestError.bad_request(
+                "request trailers are not supported by policyd's streamed body mode",
+                "unsupported_trailers",
+            )
         return replies.REQUEST_TRAILERS_CONTINUE
 
     def _route(self) -> pb.ProcessingResponse:
@@ -295,7 +300,7 @@ class Exchange:
         if self._span is not None:
             self._safely(self._span.response_headers, error.status, self._elapsed())
         self._end(completed=True)
-        log.info("request %s: %d %s", self._request_id, error.status, error.message)
+        log.debug("request %s: %d %s", self._request_id, error.status, error.message)
         return replies.immediate(error)
 
     # -- response path --------------------------------------------------------------
@@ -353,7 +358,7 @@ class Exchange:
     def _elapsed(self) -> float:
         return time.perf_counter() - self._decided_at
 
-    def _safely(self, call: Any, *arguments: Any) -> None:
+    def _safely(self, call: Callable[..., object], *arguments: object) -> None:
         try:
             call(*arguments)
         except Exception:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc_support import (
     EnvoySide,
     Mode,
@@ -136,6 +137,23 @@ async def test_a_streamed_body_is_gathered_until_its_end(rig: Rig) -> None:
 async def test_a_buffered_body_followed_by_trailers_is_routed_at_once(rig: Rig) -> None:
     _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY, end_of_stream=False))
     assert DESTINATION_HEADER in set_headers(reply)
+
+
+async def test_trailers_after_a_streamed_body_cannot_be_routed_and_say_so(rig: Rig) -> None:
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    _, _, reply = await rig.envoy.exchange(
+        request_headers(body_mode=Mode.STREAMED),
+        request_body(BODY, end_of_stream=False),
+        trailers,
+    )
+    status, error = error_of(reply)
+    assert (status, error["code"]) == (400, "unsupported_trailers")
+
+
+async def test_trailers_after_a_routed_request_continue(rig: Rig) -> None:
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    replies = await rig.envoy.exchange(request_headers(), request_body(BODY), trailers)
+    assert replies[2].WhichOneof("response") == "request_trailers"
 
 
 async def test_a_body_cut_by_envoys_partial_buffer_is_a_413(rig: Rig) -> None:

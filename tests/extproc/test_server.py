@@ -241,6 +241,21 @@ async def worker_pid_of_one_stream(port: int) -> int:
     return int(header.raw_value.decode().rpartition(":")[2])
 
 
+async def worker_pids(port: int, expected: int) -> set[int]:
+    """Open fresh connections until ``expected`` workers have answered (bounded).
+
+    A worker that is still starting has not bound the port yet, so the first
+    connections may all land on the one that is up.
+    """
+    pids: set[int] = set()
+    deadline = time.monotonic() + 20
+    for _ in range(400):
+        pids.add(await worker_pid_of_one_stream(port))
+        if len(pids) >= expected or time.monotonic() > deadline:
+            break
+    return pids
+
+
 async def test_sigterm_drains_an_open_stream_then_exits_cleanly() -> None:
     port = free_port()
     process = start_policyd(port, workers=1)
@@ -270,7 +285,7 @@ async def test_workers_share_the_port_and_stop_together_on_sigterm() -> None:
     process = start_policyd(port, workers=2)
     try:
         await wait_serving(port, process)
-        pids = {await worker_pid_of_one_stream(port) for _ in range(24)}
+        pids = await worker_pids(port, expected=2)
         assert len(pids) == 2  # both workers took connections
         assert process.pid not in pids
         process.send_signal(signal.SIGTERM)
@@ -287,8 +302,7 @@ async def test_when_one_worker_dies_the_others_stop_and_the_exit_says_so() -> No
     process = start_policyd(port, workers=2)
     try:
         await wait_serving(port, process)
-        pids = {await worker_pid_of_one_stream(port) for _ in range(24)}
-        victim, survivor = sorted(pids)
+        victim, survivor = sorted(await worker_pids(port, expected=2))
         os.kill(victim, signal.SIGKILL)
         assert await asyncio.to_thread(wait_exit, process) == 128 + signal.SIGKILL
         assert not alive(survivor)

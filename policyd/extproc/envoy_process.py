@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 
@@ -121,15 +120,3 @@ class EnvoyProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def __enter__(self) -> EnvoyProcess:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()

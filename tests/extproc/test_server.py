@@ -62,6 +62,15 @@ async def status_of(channel: grpc.aio.Channel, service: str) -> int:
     return int(reply.status)
 
 
+async def settles_to(channel: grpc.aio.Channel, service: str, status: int) -> bool:
+    """Whether ``service`` reaches ``status`` within a few seconds (readiness is polled)."""
+    for _ in range(250):
+        if await status_of(channel, service) == status:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 async def test_liveness_serves_at_once_and_readiness_follows_the_callable() -> None:
     ready = [False]
     server, _, _ = make_server(ready=lambda: ready[0], readiness_poll_seconds=0.02)
@@ -73,12 +82,10 @@ async def test_liveness_serves_at_once_and_readiness_follows_the_callable() -> N
         assert await status_of(channel, READINESS) == NOT_SERVING
         assert await status_of(channel, EXT_PROC_SERVICE) == NOT_SERVING
         ready[0] = True
-        await asyncio.sleep(0.1)
-        assert await status_of(channel, READINESS) == SERVING
+        assert await settles_to(channel, READINESS, SERVING)
         assert await status_of(channel, EXT_PROC_SERVICE) == SERVING
         ready[0] = False  # e.g. every pod's metrics went stale
-        await asyncio.sleep(0.1)
-        assert await status_of(channel, READINESS) == NOT_SERVING
+        assert await settles_to(channel, READINESS, NOT_SERVING)
     finally:
         await channel.close()
         await server.stop(0)

@@ -12,7 +12,8 @@
   matching on the new header are re-evaluated.
 - Errors are ImmediateResponses with an OpenAI-style JSON body.
 
-Replies that never change are built once and reused.
+Replies that never change are built once and reused, and routing replies
+are cached per destination (:class:`RouteReplies`).
 """
 
 from __future__ import annotations
@@ -69,24 +70,55 @@ def destination_value(endpoint: str, fallbacks: Iterable[str] = ()) -> str:
     return ",".join((endpoint, *fallbacks))
 
 
-def route(
-    destination: str,
-    extra_headers: Iterable[tuple[str, str]] = (),
-    new_body: bytes | None = None,
-) -> pb.ProcessingResponse:
-    """The request-body reply that sends the request to ``destination``.
+class RouteReplies:
+    """Builds routing replies, reusing the part that depends only on the destination.
 
-    ``extra_headers`` are added to the upstream request (trace context).
-    ``new_body`` replaces the body (model rewrite); ``content-length`` is then
-    set to its exact length.
+    Building the ``envoy.lb`` metadata Struct costs about as much as the rest
+    of a request's handling, and a pool has few destinations; so the reply for
+    each destination is built once and handed out as is (replies are never
+    mutated after they are built) or copied when a request adds headers or a
+    new body. Used from the event loop only, so the cache needs no lock; it is
+    emptied when it holds ``limit`` destinations, which bounds it when pods
+    come and go.
     """
-    headers = [_header(DESTINATION_HEADER, destination)]
-    headers.extend(_header(name, value) for name, value in extra_headers)
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._by_destination: dict[str, pb.ProcessingResponse] = {}
+
+    def route(
+        self,
+        destination: str,
+        extra_headers: Iterable[tuple[str, str]] = (),
+        new_body: bytes | None = None,
+    ) -> pb.ProcessingResponse:
+        """The request-body reply that sends the request to ``destination``.
+
+        ``extra_headers`` are added to the upstream request (trace context).
+        ``new_body`` replaces the body (model rewrite); ``content-length`` is
+        then set to its exact length.
+        """
+        base = self._by_destination.get(destination)
+        if base is None:
+            if len(self._by_destination) >= self._limit:
+                self._by_destination.clear()
+            base = self._by_destination[destination] = _route(destination)
+        extra = [_header(name, value) for name, value in extra_headers]
+        if not extra and new_body is None:
+            return base
+        reply = pb.ProcessingResponse()
+        reply.CopyFrom(base)
+        common = reply.request_body.response
+        if new_body is not None:
+            extra.append(_header("content-length", str(len(new_body))))
+            common.body_mutation.body = new_body
+        common.header_mutation.set_headers.extend(extra)
+        return reply
+
+
+def _route(destination: str) -> pb.ProcessingResponse:
     common = pb.CommonResponse(clear_route_cache=True)
-    if new_body is not None:
-        headers.append(_header("content-length", str(len(new_body))))
-        common.body_mutation.body = new_body
-    common.header_mutation.set_headers.extend(headers)
+    common.header_mutation.set_headers.append(_header(DESTINATION_HEADER, destination))
     metadata = struct_pb2.Struct()
     metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
     return pb.ProcessingResponse(

@@ -77,6 +77,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.snapshots = snapshots
         self.telemetry = telemetry
         self.settings = settings
+        self.route_replies = replies.RouteReplies()
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -112,7 +113,7 @@ class Exchange:
         "_decided_at",
         "_ended",
         "_first_body_at",
-        "_headers",
+        "_headers",  # regular request headers: what policies see as request.headers
         "_load",
         "_path",
         "_server",
@@ -178,12 +179,20 @@ class Exchange:
         return self._headers.get("x-request-id", "-")
 
     def _on_request_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        # Pseudo-headers (:path, :method, ...) are not part of what policies see,
+        # nor is a client's destination header.
+        headers = self._headers
         for header in message.headers.headers:
-            name = header.key.lower()
-            value = _value(header)
-            previous = self._headers.get(name)
-            self._headers[name] = value if previous is None else f"{previous},{value}"
-        self._path = self._headers.get(":path", "").split("?", 1)[0]
+            name = header.key.lower()  # Envoy's are already; other clients' may not be
+            raw = header.raw_value
+            value = raw.decode("utf-8", "replace") if raw else header.value
+            if name.startswith(":"):
+                if name == ":path":
+                    self._path = value.split("?", 1)[0]
+            elif name in headers:
+                headers[name] += "," + value
+            elif name != replies.DESTINATION_HEADER:
+                headers[name] = value
         if message.end_of_stream:
             raise RequestError.bad_request(
                 "the request has no body: policyd routes OpenAI requests with a JSON body",
@@ -241,7 +250,9 @@ class Exchange:
         )
         target = decision.target_model or body.model
         new_body = rewrite_model(body, target) if target != body.model else None
-        return replies.route(destination, self._upstream_headers(self._span), new_body)
+        return self._server.route_replies.route(
+            destination, self._upstream_headers(self._span), new_body
+        )
 
     def _build_request(self, body: InferenceBody) -> Request:
         headers = self._headers
@@ -252,15 +263,10 @@ class Exchange:
                 f"header {header_name!r} must be one of critical, standard, sheddable",
                 "invalid_criticality",
             )
-        visible = {
-            name: value
-            for name, value in headers.items()
-            if not name.startswith(":") and name != replies.DESTINATION_HEADER
-        }
         return Request(
             model=body.model,
             criticality=criticality,
-            headers=visible,
+            headers=headers,
             prompt_tokens=body.prompt_tokens,
             max_tokens=body.max_tokens,
             stream=body.stream,

@@ -5,8 +5,8 @@ at the end of a JSON answer, or in the last ``data:`` event of a stream when
 the client asked for ``stream_options.include_usage``. The reader sees the
 response body chunk by chunk as Envoy streams it and keeps as little as it
 can: a stream is scanned event by event and only events that mention
-``"usage"`` are parsed; a JSON body is kept (up to a cap) to parse once at the
-end. Bodies of other types are ignored.
+``"usage"`` are parsed; a JSON body is kept (up to a cap) and only its
+``usage`` member is decoded at the end. Bodies of other types are ignored.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ class UsageReader:
 
     def finish(self) -> Usage | None:
         """Call at end of stream: parses a JSON body, flushes a last unterminated event."""
-        if self._kind == "json" and self._json:
-            self._take(bytes(self._json))
+        if self._kind == "json":
+            usage = _usage_member(self._json)
+            if usage is not None:
+                self.usage = usage
             self._json = bytearray()
         elif self._kind == "sse" and self._pending:
             self._scan_lines(bytes(self._pending))
@@ -87,6 +89,33 @@ class UsageReader:
         usage = _usage_of(document)
         if usage is not None:
             self.usage = usage
+
+
+_DECODER: Final = json.JSONDecoder()
+
+
+def _usage_member(body: bytearray) -> Usage | None:
+    """The ``"usage"`` member of a JSON answer, decoding only that member.
+
+    Servers put ``usage`` last, so the last ``"usage"`` key is the answer's; the
+    key cannot occur inside a JSON string, where quotes are escaped. Generated
+    text can be long, and this keeps the cost independent of it.
+    """
+    at = body.rfind(b'"usage"')
+    if at < 0:
+        return None
+    tail = body[at + len(b'"usage"') :].decode("utf-8", "replace")
+    colon = tail.find(":")
+    if colon < 0 or tail[:colon].strip():
+        return None
+    start = colon + 1
+    while start < len(tail) and tail[start] in " \t\r\n":
+        start += 1
+    try:
+        value, _ = _DECODER.raw_decode(tail, start)
+    except ValueError:
+        return None
+    return _usage_of({"usage": value})
 
 
 def _usage_of(document: Any) -> Usage | None:

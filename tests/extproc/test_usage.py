@@ -72,3 +72,17 @@ def test_a_json_answer_larger_than_the_cap_is_not_kept() -> None:
     reader.feed(b'{"pad": "' + b"x" * MAX_JSON_BODY)
     reader.feed(b'", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}')
     assert reader.finish() is None
+
+
+def test_only_the_answers_own_usage_member_counts() -> None:
+    answer = {
+        "choices": [{"text": 'he said "usage": {"prompt_tokens": 99} and left'}],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 2},
+        },
+    }
+    pretty = json.dumps(answer, indent=2).encode()
+    assert read("application/json", [pretty]) == Usage(7, 3)
+    assert read("application/json", [b'{"choices": [], "usage": null}']) is None

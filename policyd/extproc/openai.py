@@ -53,7 +53,9 @@ def parse_body(raw: bytes, path: str) -> InferenceBody:
     estimated from ``prompt`` or ``messages`` when present.
     """
     if not raw:
-        raise RequestError.bad_request("the request body is empty; a JSON object is required")
+        raise RequestError.bad_request(
+            "the request body is empty; a JSON object is required", "missing_body"
+        )
     try:
         document = json.loads(raw)
     except (ValueError, RecursionError) as error:

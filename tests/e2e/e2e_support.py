@@ -86,11 +86,10 @@ class TestUpstream:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listening.bind(("127.0.0.1", 0))
+        self.port = listening.getsockname()[1]
+        await web.SockSite(self._runner, listening).start()
 
     async def stop(self) -> None:
         if self._runner is not None:

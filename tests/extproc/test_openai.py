@@ -79,7 +79,7 @@ def test_other_paths_need_only_a_model() -> None:
 @pytest.mark.parametrize(
     ("raw", "path", "code"),
     [
-        (b"", COMPLETIONS, "invalid_request"),
+        (b"", COMPLETIONS, "missing_body"),
         (b"{", COMPLETIONS, "invalid_json"),
         (b"\xff\xfe", COMPLETIONS, "invalid_json"),
         (b"[" * 100_000, COMPLETIONS, "invalid_json"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -104,6 +105,18 @@ async def test_a_readiness_check_that_raises_reads_as_not_ready() -> None:
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_a_port_in_use_is_an_error_unless_workers_share_it() -> None:
+    first, _, _ = make_server()
+    port = await first.start()
+    second, _, _ = make_server()
+    second.options = dataclasses.replace(second.options, port=port)
+    try:
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            await second.start()
+    finally:
+        await first.stop(0)
 
 
 async def test_tls_serves_clients_that_trust_the_ca(certificates: Any) -> None:

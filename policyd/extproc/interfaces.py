@@ -1,0 +1,133 @@
+"""What the serving path needs from the other rooms, as small structural types.
+
+The ext_proc servicer depends on three things it does not own:
+
+- the current router (``policy``): read once per request, because policies are
+  hot-swapped while requests are in flight;
+- the current pool snapshot (``pool``): read once per request, immutable;
+- telemetry: a span per routed request, parented on the trace context Envoy
+  sent, which also returns the headers that carry the trace to the model
+  server and records the response's status, timing and token usage.
+
+They are Protocols so any object with the right shape plugs in: the real
+``Router`` and datastore in ``policyd serve``, small doubles in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final, Protocol
+
+from policyd.policy.decision import Decision
+from policyd.policy.request import Request
+from policyd.pool.pod import Pod
+
+
+class RouterLike(Protocol):
+    """``policyd.policy.Router``: pure, non-blocking, safe to call concurrently."""
+
+    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision: ...
+
+
+class SnapshotLike(Protocol):
+    """A published pool snapshot: the pods a policy may choose from."""
+
+    @property
+    def candidates(self) -> Sequence[Pod]: ...
+
+
+RouterSource = Callable[[], RouterLike]
+"""Returns the router in force now (e.g. ``lambda: loader.router``)."""
+
+SnapshotSource = Callable[[], SnapshotLike]
+"""Returns the newest pool snapshot (e.g. ``lambda: datastore.snapshot``)."""
+
+Readiness = Callable[[], bool]
+"""True once pods and their metrics are loaded; drives the gRPC readiness check."""
+
+
+class RequestSpan(Protocol):
+    """Telemetry for one request that reached a decision."""
+
+    @property
+    def upstream_headers(self) -> Mapping[str, str]:
+        """Headers to add to the request sent to the model server (``traceparent``)."""
+        ...
+
+    def response_headers(self, status: int, seconds_to_headers: float) -> None:
+        """The response status arrived; ``seconds_to_headers`` counts from the decision."""
+        ...
+
+    def end(
+        self,
+        *,
+        completed: bool,
+        duration_seconds: float,
+        first_body_seconds: float | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        """The exchange is over (called exactly once).
+
+        ``completed`` is False when the stream ended before the response did
+        (client gone, Envoy reset, policyd shutting down). Times count from the
+        decision; ``first_body_seconds`` is when the first response body bytes
+        arrived (the time to first token of a stream). Token counts are the
+        model server's ``usage`` when it sent one, else None.
+        """
+        ...
+
+
+class Telemetry(Protocol):
+    def start(
+        self,
+        request: Request,
+        decision: Decision,
+        trace_carrier: Mapping[str, str],
+        decision_seconds: float,
+    ) -> RequestSpan:
+        """A decision was made (routed or not).
+
+        ``trace_carrier`` holds the W3C ``traceparent`` / ``tracestate`` to
+        parent the span on: Envoy's own (from the ext_proc stream's gRPC
+        metadata) when present, else the client's HTTP headers; empty when
+        neither has one. ``decision_seconds`` is how long ``decide`` took, so
+        the span can start when the decision did.
+        """
+        ...
+
+
+class NullSpan:
+    """A span that records nothing."""
+
+    upstream_headers: Mapping[str, str] = {}
+
+    def response_headers(self, status: int, seconds_to_headers: float) -> None:
+        return None
+
+    def end(
+        self,
+        *,
+        completed: bool,
+        duration_seconds: float,
+        first_body_seconds: float | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        return None
+
+
+NULL_SPAN: Final = NullSpan()
+
+
+class NoTelemetry:
+    """Telemetry that records nothing, for a server built without it."""
+
+    def start(
+        self,
+        request: Request,
+        decision: Decision,
+        trace_carrier: Mapping[str, str],
+        decision_seconds: float,
+    ) -> RequestSpan:
+        return NULL_SPAN

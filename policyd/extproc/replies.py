@@ -1,0 +1,138 @@
+"""The ext_proc replies policyd sends Envoy, built per the wire facts of Envoy 1.40.
+
+- Header values are set with ``raw_value`` only (``value`` yields an empty
+  header, both yield a 500) and always with OVERWRITE_IF_EXISTS_OR_ADD, so a
+  client-supplied ``x-gateway-destination-endpoint`` never survives; it is also
+  removed at the request-headers phase.
+- The chosen endpoint (then the fallbacks, comma separated, when enabled) goes
+  in the header and, identically, in dynamic metadata ``envoy.lb`` as the
+  Gateway API Inference Extension endpoint-picker protocol asks.
+- The routing reply is a request-*body* reply, whose header mutations Envoy
+  applies only in BUFFERED body mode; it clears the route cache so routes
+  matching on the new header are re-evaluated.
+- Errors are ImmediateResponses with an OpenAI-style JSON body.
+
+Replies that never change are built once and reused, and routing replies
+are cached per destination (:class:`RouteReplies`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from policyd.extproc.errors import RequestError
+
+DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
+LB_METADATA_NAMESPACE: Final = "envoy.lb"
+
+_OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+# Request headers: continue, but drop any destination the client tried to pick.
+REQUEST_HEADERS_CONTINUE: Final = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+        )
+    )
+)
+# A request body chunk that is not the last one (STREAMED mode): nothing to do yet.
+REQUEST_BODY_CONTINUE: Final = pb.ProcessingResponse(request_body=pb.BodyResponse())
+REQUEST_TRAILERS_CONTINUE: Final = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+RESPONSE_HEADERS_CONTINUE: Final = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+RESPONSE_BODY_CONTINUE: Final = pb.ProcessingResponse(response_body=pb.BodyResponse())
+RESPONSE_TRAILERS_CONTINUE: Final = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+_JSON_CONTENT_TYPE: Final = pb.HeaderMutation(
+    set_headers=[
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+            append_action=_OVERWRITE,
+        )
+    ]
+)
+
+
+def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+        append_action=_OVERWRITE,
+    )
+
+
+def destination_value(endpoint: str, fallbacks: Iterable[str] = ()) -> str:
+    """``ip:port`` of the pick, then the fallbacks in order: ``a:1,b:2,...``."""
+    return ",".join((endpoint, *fallbacks))
+
+
+class RouteReplies:
+    """Builds routing replies, reusing the part that depends only on the destination.
+
+    Building the ``envoy.lb`` metadata Struct costs about as much as the rest
+    of a request's handling, and a pool has few destinations; so the reply for
+    each destination is built once and handed out as is (replies are never
+    mutated after they are built) or copied when a request adds headers or a
+    new body. Used from the event loop only, so the cache needs no lock; it is
+    emptied when it holds ``limit`` destinations, which bounds it when pods
+    come and go.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._by_destination: dict[str, pb.ProcessingResponse] = {}
+
+    def route(
+        self,
+        destination: str,
+        extra_headers: Iterable[tuple[str, str]] = (),
+        new_body: bytes | None = None,
+    ) -> pb.ProcessingResponse:
+        """The request-body reply that sends the request to ``destination``.
+
+        ``extra_headers`` are added to the upstream request (trace context).
+        ``new_body`` replaces the body (model rewrite); ``content-length`` is
+        then set to its exact length.
+        """
+        base = self._by_destination.get(destination)
+        if base is None:
+            if len(self._by_destination) >= self._limit:
+                self._by_destination.clear()
+            base = self._by_destination[destination] = _route(destination)
+        extra = [_header(name, value) for name, value in extra_headers]
+        if not extra and new_body is None:
+            return base
+        reply = pb.ProcessingResponse()
+        reply.CopyFrom(base)
+        common = reply.request_body.response
+        if new_body is not None:
+            extra.append(_header("content-length", str(len(new_body))))
+            common.body_mutation.body = new_body
+        common.header_mutation.set_headers.extend(extra)
+        return reply
+
+
+def _route(destination: str) -> pb.ProcessingResponse:
+    common = pb.CommonResponse(clear_route_cache=True)
+    common.header_mutation.set_headers.append(_header(DESTINATION_HEADER, destination))
+    metadata = struct_pb2.Struct()
+    metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+    )
+
+
+def immediate(error: RequestError) -> pb.ProcessingResponse:
+    """An error answered by Envoy directly; the request never reaches a pod."""
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),
+            headers=_JSON_CONTENT_TYPE,
+            body=error.json_body(),
+            details=f"policyd_{error.code}",
+        )
+    )

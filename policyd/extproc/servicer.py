@@ -1,0 +1,391 @@
+"""The ext_proc ``Process`` stream: one gRPC stream per HTTP request.
+
+Envoy opens a stream per request and sends its phases in order: request
+headers, the request body (one BUFFERED message, or STREAMED chunks that are
+accumulated to the end), response headers, response body chunks, trailers if
+configured. :class:`Exchange` holds one request's state across those messages
+and answers each one; the servicer only moves messages.
+
+Isolation is the rule: whatever one request does (bad JSON, a router that
+raises, a telemetry bug) ends as an answer for that request alone, and the
+stream handler never raises into gRPC. The in-flight count of the chosen pod
+goes up when a request is routed and down exactly once when its exchange ends,
+however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from policyd.extproc import replies
+from policyd.extproc.errors import RequestError
+from policyd.extproc.interfaces import (
+    NULL_SPAN,
+    RequestSpan,
+    RouterSource,
+    SnapshotSource,
+    Telemetry,
+)
+from policyd.extproc.openai import InferenceBody, parse_body, rewrite_model
+from policyd.extproc.usage import UsageReader
+from policyd.policy.decision import Decision, Outcome
+from policyd.policy.request import Request
+from policyd.pool.pod import InFlight, Pod
+
+log = logging.getLogger("policyd.extproc")
+
+CRITICALITIES: Final = frozenset({"critical", "standard", "sheddable"})
+TRACE_KEYS: Final = ("traceparent", "tracestate")
+_BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
+
+
+@dataclass(frozen=True, slots=True)
+class ServingSettings:
+    """Per-server knobs of the request path.
+
+    ``send_fallbacks`` puts the decision's fallbacks after the chosen endpoint
+    (``a:1,b:2``) as the endpoint-picker protocol allows; enable it only when
+    Envoy's cluster understands a list (the override-host load-balancing
+    policy). An ORIGINAL_DST cluster, which ``policyd envoy-config``
+    generates, takes exactly one ``ip:port`` and fails on a list.
+    """
+
+    criticality_header: str = "x-gateway-criticality"
+    send_fallbacks: bool = False
+    max_body_bytes: int = 16 * 1024 * 1024
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The gRPC servicer; reads the current router and pool snapshot per request."""
+
+    def __init__(
+        self,
+        routers: RouterSource,
+        snapshots: SnapshotSource,
+        telemetry: Telemetry,
+        settings: ServingSettings,
+    ) -> None:
+        self.routers = routers
+        self.snapshots = snapshots
+        self.telemetry = telemetry
+        self.settings = settings
+        self.route_replies = replies.RouteReplies()
+
+    async def Process(  # noqa: N802 (the gRPC method name)
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = Exchange(self, _trace_metadata(context.invocation_metadata()))
+        try:
+            async for message in request_iterator:
+                reply = exchange.handle(message)
+                yield reply
+                if reply.HasField("immediate_response"):
+                    return
+        finally:
+            exchange.close()
+
+
+def _trace_metadata(metadata: Any) -> dict[str, str]:
+    """Envoy's own trace context, sent as gRPC metadata of the ext_proc stream."""
+    carrier: dict[str, str] = {}
+    for key, value in metadata or ():
+        text = value if isinstance(value, str) else value.decode()
+        if key in TRACE_KEYS and text:
+            carrier[key] = text
+    return carrier
+
+
+class Exchange:
+    """One HTTP request's life through policyd, phase by phase."""
+
+    __slots__ = (
+        "_body",
+        "_body_mode",
+        "_carrier",
+        "_decided_at",
+        "_ended",
+        "_first_body_at",
+        "_headers",  # regular request headers: what policies see as request.headers
+        "_load",
+        "_path",
+        "_server",
+        "_span",
+        "_usage",
+    )
+
+    def __init__(self, server: ExternalProcessor, trace_metadata: dict[str, str]) -> None:
+        self._server = server
+        self._carrier = trace_metadata
+        self._headers: dict[str, str] = {}
+        self._path = ""
+        self._body = bytearray()
+        self._body_mode: int | None = None  # unknown until protocol_config says
+        self._span: RequestSpan | None = None
+        self._load: InFlight | None = None
+        self._decided_at = 0.0
+        self._first_body_at: float | None = None
+        self._usage: UsageReader | None = None
+        self._ended = False
+
+    # -- dispatch -------------------------------------------------------------------
+
+    def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        """The reply to one message; never raises."""
+        phase = message.WhichOneof("request")
+        try:
+            if message.HasField("protocol_config"):
+                self._configure(message.protocol_config)
+            if phase == "request_headers":
+                return self._on_request_headers(message.request_headers)
+            if phase == "request_body":
+                return self._on_request_body(message.request_body)
+            if phase == "request_trailers":
+                return self._on_request_trailers()
+            if phase == "response_headers":
+                return self._on_response_headers(message.response_headers)
+            if phase == "response_body":
+                return self._on_response_body(message.response_body)
+            if phase == "response_trailers":
+                self._end(completed=True)
+                return replies.RESPONSE_TRAILERS_CONTINUE
+            raise RequestError.internal(f"unexpected ext_proc message {phase!r}")
+        except RequestError as error:
+            return self._reject(error)
+        except Exception:
+            log.exception("request %s: internal error in phase %s", self._request_id, phase)
+            if phase is not None and phase.startswith("response"):
+                return _CONTINUE[phase]  # the response is on its way: never break it
+            return self._reject(RequestError.internal())
+
+    def close(self) -> None:
+        """The stream is gone; settle what a normal end would have settled."""
+        self._end(completed=False)
+
+    def _configure(self, config: pb.ProtocolConfiguration) -> None:
+        self._body_mode = config.request_body_mode
+
+    # -- request path ---------------------------------------------------------------
+
+    @property
+    def _request_id(self) -> str:
+        return self._headers.get("x-request-id", "-")
+
+    def _on_request_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        # Pseudo-headers (:path, :method, ...) are not part of what policies see,
+        # nor is a client's destination header.
+        headers = self._headers
+        for header in message.headers.headers:
+            name = header.key.lower()  # Envoy's are already; other clients' may not be
+            raw = header.raw_value
+            value = raw.decode("utf-8", "replace") if raw else header.value
+            if name.startswith(":"):
+                if name == ":path":
+                    self._path = value.split("?", 1)[0]
+            elif name in headers:
+                headers[name] += "," + value
+            elif name != replies.DESTINATION_HEADER:
+                headers[name] = value
+        if message.end_of_stream:
+            raise RequestError.bad_request(
+                "the request has no body: policyd routes OpenAI requests with a JSON body",
+                "missing_body",
+            )
+        return replies.REQUEST_HEADERS_CONTINUE
+
+    def _on_request_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+        if self._span is not None:
+            return replies.REQUEST_BODY_CONTINUE  # already routed; nothing left to decide
+        self._body += message.body
+        if len(self._body) > self._server.settings.max_body_bytes:
+            raise RequestError(
+                413, "the request body is larger than policyd accepts", "body_too_large"
+            )
+        if message.end_of_stream or self._body_mode == _BodyMode.BUFFERED:
+            return self._route()  # BUFFERED: the one body message, even when trailers follow
+        if self._body_mode == _BodyMode.BUFFERED_PARTIAL:
+            raise RequestError(
+                413, "the request body exceeds the proxy's buffer limit", "body_too_large"
+            )
+        return replies.REQUEST_BODY_CONTINUE  # STREAMED: wait for the rest
+
+    def _on_request_trailers(self) -> pb.ProcessingResponse:
+        if self._span is None:
+            # A STREAMED body ended by trailers: a trailers reply cannot set the
+            # destination, so the request cannot be routed.
+            raise RequestError.bad_request(
+                "request trailers are not supported by policyd's streamed body mode",
+                "unsupported_trailers",
+            )
+        return replies.REQUEST_TRAILERS_CONTINUE
+
+    def _route(self) -> pb.ProcessingResponse:
+        body = parse_body(bytes(self._body), self._path)
+        self._body = bytearray()
+        request = self._build_request(body)
+        started = time.perf_counter()
+        candidates: Sequence[Pod] = ()
+        try:
+            candidates = self._server.snapshots().candidates
+            decision = self._checked(self._server.routers().decide(request, candidates))
+        except Exception as error:
+            log.exception("request %s: the router raised", request.id or "-")
+            reason = f"the routing policy failed on this request ({type(error).__name__})"
+            decision = Decision(Outcome.ERROR, "", "", request.model, reason=reason)
+        self._decided_at = time.perf_counter()
+        self._span = self._start_span(request, decision, self._decided_at - started)
+        if decision.outcome is not Outcome.ROUTED:
+            raise RequestError.from_decision(decision)
+        self._load = _claim(decision, candidates)
+        settings = self._server.settings
+        destination = replies.destination_value(
+            decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
+        )
+        target = decision.target_model or body.model
+        new_body = rewrite_model(body, target) if target != body.model else None
+        return self._server.route_replies.route(
+            destination, self._upstream_headers(self._span), new_body
+        )
+
+    def _build_request(self, body: InferenceBody) -> Request:
+        headers = self._headers
+        header_name = self._server.settings.criticality_header
+        criticality = headers.get(header_name, "standard").strip().lower() or "standard"
+        if criticality not in CRITICALITIES:
+            raise RequestError.bad_request(
+                f"header {header_name!r} must be one of critical, standard, sheddable",
+                "invalid_criticality",
+            )
+        return Request(
+            model=body.model,
+            criticality=criticality,
+            headers=headers,
+            prompt_tokens=body.prompt_tokens,
+            max_tokens=body.max_tokens,
+            stream=body.stream,
+            path=self._path,
+            id=headers.get("x-request-id", ""),
+        )
+
+    def _checked(self, decision: Decision) -> Decision:
+        """A routed decision must name an endpoint; one that does not is a router bug."""
+        if decision.outcome is Outcome.ROUTED and not decision.endpoint:
+            log.error("request %s: routed decision without an endpoint", self._request_id)
+            return Decision(
+                Outcome.ERROR,
+                decision.policy,
+                decision.policy_version,
+                decision.target_model,
+                reason="the routing policy chose no endpoint",
+            )
+        return decision
+
+    def _start_span(self, request: Request, decision: Decision, seconds: float) -> RequestSpan:
+        carrier = self._carrier or {k: v for k in TRACE_KEYS if (v := self._headers.get(k))}
+        try:
+            return self._server.telemetry.start(request, decision, carrier, seconds)
+        except Exception:
+            log.exception("request %s: telemetry failed to start a span", request.id or "-")
+            return NULL_SPAN
+
+    def _upstream_headers(self, span: RequestSpan) -> tuple[tuple[str, str], ...]:
+        try:
+            return tuple(span.upstream_headers.items())
+        except Exception:
+            log.exception("request %s: telemetry failed to give trace headers", self._request_id)
+            return ()
+
+    def _reject(self, error: RequestError) -> pb.ProcessingResponse:
+        if self._span is not None:
+            self._safely(self._span.response_headers, error.status, self._elapsed())
+        self._end(completed=True)
+        log.debug("request %s: %d %s", self._request_id, error.status, error.message)
+        return replies.immediate(error)
+
+    # -- response path --------------------------------------------------------------
+
+    def _on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        status = 0
+        content_type = ""
+        for header in message.headers.headers:
+            if header.key == ":status":
+                status = int(_value(header) or 0)
+            elif header.key == "content-type":
+                content_type = _value(header)
+        self._usage = UsageReader(content_type)
+        if self._span is not None:
+            self._safely(self._span.response_headers, status, self._elapsed())
+        if message.end_of_stream:
+            self._end(completed=True)
+        return replies.RESPONSE_HEADERS_CONTINUE
+
+    def _on_response_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+        if self._first_body_at is None and message.body:
+            self._first_body_at = time.perf_counter()
+        if self._usage is not None:
+            self._usage.feed(message.body)
+        if message.end_of_stream:
+            self._end(completed=True)
+        return replies.RESPONSE_BODY_CONTINUE
+
+    def _end(self, *, completed: bool) -> None:
+        """Settle the exchange once: release the pod, close the span."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._load is not None:
+            self._load.count -= 1
+            self._load = None
+        span = self._span
+        if span is None:
+            return
+        usage = self._usage.finish() if self._usage is not None else None
+        first_body = (
+            self._first_body_at - self._decided_at if self._first_body_at is not None else None
+        )
+        try:
+            span.end(
+                completed=completed,
+                duration_seconds=self._elapsed(),
+                first_body_seconds=first_body,
+                prompt_tokens=usage.prompt_tokens if usage else None,
+                completion_tokens=usage.completion_tokens if usage else None,
+            )
+        except Exception:
+            log.exception("request %s: telemetry failed to end a span", self._request_id)
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._decided_at
+
+    def _safely(self, call: Callable[..., object], *arguments: object) -> None:
+        try:
+            call(*arguments)
+        except Exception:
+            log.exception("request %s: telemetry hook failed", self._request_id)
+
+
+def _claim(decision: Decision, candidates: Sequence[Pod]) -> InFlight | None:
+    """Count the request against the chosen pod until its exchange ends."""
+    for pod in candidates:
+        if pod.name == decision.pod or (not decision.pod and pod.address == decision.endpoint):
+            pod.load.count += 1
+            return pod.load
+    return None
+
+
+def _value(header: Any) -> str:
+    return header.raw_value.decode("utf-8", "replace") if header.raw_value else str(header.value)
+
+
+_CONTINUE: Final[dict[str, pb.ProcessingResponse]] = {
+    "response_headers": replies.RESPONSE_HEADERS_CONTINUE,
+    "response_body": replies.RESPONSE_BODY_CONTINUE,
+    "response_trailers": replies.RESPONSE_TRAILERS_CONTINUE,
+}

@@ -1,0 +1,131 @@
+"""Token usage read from a model server's response, JSON or server-sent events.
+
+OpenAI-style servers report ``usage`` (``prompt_tokens``, ``completion_tokens``)
+at the end of a JSON answer, or in the last ``data:`` event of a stream when
+the client asked for ``stream_options.include_usage``. The reader sees the
+response body chunk by chunk as Envoy streams it and keeps as little as it
+can: a stream is scanned event by event and only events that mention
+``"usage"`` are parsed; a JSON body is kept (up to a cap) and only its
+``usage`` member is decoded at the end. Bodies of other types are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+MAX_JSON_BODY: Final = 8 * 1024 * 1024  # a JSON answer larger than this is not kept for usage
+MAX_SSE_LINE: Final = 1024 * 1024  # an unterminated event line larger than this is dropped
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageReader:
+    """Feeds on response body chunks; ``usage`` is the last usage object seen."""
+
+    __slots__ = ("_json", "_kind", "_pending", "usage")
+
+    def __init__(self, content_type: str) -> None:
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        self._kind = (
+            "sse"
+            if media_type == "text/event-stream"
+            else "json"
+            if media_type == "application/json"
+            else ""
+        )
+        self._pending = bytearray()
+        self._json = bytearray()
+        self.usage: Usage | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self._kind == "sse":
+            self._feed_events(chunk)
+        elif self._kind == "json" and len(self._json) + len(chunk) <= MAX_JSON_BODY:
+            self._json += chunk
+        elif self._kind == "json":
+            self._kind = ""  # too large to keep: give up on this body's usage
+            self._json = bytearray()
+
+    def finish(self) -> Usage | None:
+        """Call at end of stream: parses a JSON body, flushes a last unterminated event."""
+        if self._kind == "json":
+            usage = _usage_member(self._json)
+            if usage is not None:
+                self.usage = usage
+            self._json = bytearray()
+        elif self._kind == "sse" and self._pending:
+            self._scan_lines(bytes(self._pending))
+            self._pending = bytearray()
+        return self.usage
+
+    def _feed_events(self, chunk: bytes) -> None:
+        self._pending += chunk
+        end = self._pending.rfind(b"\n")
+        if end < 0:
+            if len(self._pending) > MAX_SSE_LINE:
+                self._pending = bytearray()
+            return
+        complete = bytes(self._pending[: end + 1])
+        del self._pending[: end + 1]
+        if b'"usage"' in complete:
+            self._scan_lines(complete)
+
+    def _scan_lines(self, text: bytes) -> None:
+        for line in text.splitlines():
+            if line.startswith(b"data:") and b'"usage"' in line:
+                self._take(line[5:])
+
+    def _take(self, payload: bytes) -> None:
+        try:
+            document = json.loads(payload)
+        except (ValueError, RecursionError):
+            return
+        usage = _usage_of(document)
+        if usage is not None:
+            self.usage = usage
+
+
+_DECODER: Final = json.JSONDecoder()
+
+
+def _usage_member(body: bytearray) -> Usage | None:
+    """The ``"usage"`` member of a JSON answer, decoding only that member.
+
+    Servers put ``usage`` last, so the last ``"usage"`` key is the answer's; the
+    key cannot occur inside a JSON string, where quotes are escaped. Generated
+    text can be long, and this keeps the cost independent of it.
+    """
+    at = body.rfind(b'"usage"')
+    if at < 0:
+        return None
+    tail = body[at + len(b'"usage"') :].decode("utf-8", "replace")
+    colon = tail.find(":")
+    if colon < 0 or tail[:colon].strip():
+        return None
+    start = colon + 1
+    while start < len(tail) and tail[start] in " \t\r\n":
+        start += 1
+    try:
+        value, _ = _DECODER.raw_decode(tail, start)
+    except ValueError:
+        return None
+    return _usage_of({"usage": value})
+
+
+def _usage_of(document: Any) -> Usage | None:
+    if not isinstance(document, dict):
+        return None
+    usage = document.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0)
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return Usage(prompt, completion)

@@ -1,0 +1,90 @@
+"""``--workers N``: N policyd processes sharing one port.
+
+One Python process routes on one core. Each worker is a full, independent
+policyd (its own gRPC server, pool scraper, policy loader and router), bound to
+the same port with ``SO_REUSEPORT`` so the kernel spreads Envoy's connections
+across them. Nothing is shared, so nothing needs a lock; the cost is that each
+worker scrapes the pods itself and counts in-flight requests only for the
+streams it serves.
+
+Workers are started with ``spawn`` (a forked gRPC runtime is not safe), so the
+target must be an importable module-level function and its argument
+picklable; the target builds everything inside the worker. SIGTERM/SIGINT to
+the parent is passed on to every worker, which then drains gracefully; if one
+worker dies, the others are stopped too, so the supervisor (Kubernetes)
+restarts a whole, healthy set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+from collections.abc import Callable
+from types import FrameType
+from typing import TypeVar
+
+log = logging.getLogger("policyd.extproc.workers")
+
+T = TypeVar("T")
+
+
+def run_in_workers(count: int, target: Callable[[T], int], argument: T) -> int:
+    """Run ``target(argument)`` in ``count`` processes; returns the worst exit code.
+
+    With ``count == 1`` the target runs in this process. The target must bind
+    its server with ``reuse_port=True`` when ``count > 1``.
+    """
+    if count <= 1:
+        return target(argument)
+    context = multiprocessing.get_context("spawn")
+    workers = [
+        context.Process(target=_worker, args=(target, argument), name=f"policyd-worker-{index}")
+        for index in range(count)
+    ]
+
+    stopping = False
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        for worker in workers:
+            if worker.is_alive() and worker.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for worker in workers:
+            worker.start()
+        log.info("started %d workers: %s", count, ", ".join(str(w.pid) for w in workers))
+        pending = {worker.sentinel: worker for worker in workers}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending)):
+                assert isinstance(sentinel, int)  # process sentinels are file descriptors
+                finished = pending.pop(sentinel)
+                finished.join()
+                if not stopping and pending:
+                    log.error(
+                        "worker %s exited on its own (code %s); stopping the others",
+                        finished.pid,
+                        finished.exitcode,
+                    )
+                    forward(signal.SIGTERM, None)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return max(_exit_status(worker.exitcode) for worker in workers)
+
+
+def _exit_status(exitcode: int | None) -> int:
+    if exitcode is None:
+        return 1
+    return exitcode if exitcode >= 0 else 128 - exitcode  # killed by signal n: 128 + n
+
+
+def _worker(target: Callable[[T], int], argument: T) -> None:
+    raise SystemExit(target(argument))

@@ -1,0 +1,144 @@
+"""``policyd envoy-config``: the bootstrap the real Envoy accepts, with the settings that matter."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from policyd.cli import main
+from policyd.extproc.envoy_config import EnvoyConfigOptions, PolicydTls, bootstrap, render
+from policyd.extproc.envoy_process import envoy_binary
+
+
+def envoy_validates(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def ext_proc_of(config: dict[str, Any]) -> dict[str, Any]:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = manager["typed_config"]["http_filters"]
+    names = [f["name"] for f in filters]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    typed: dict[str, Any] = filters[0]["typed_config"]
+    return typed
+
+
+def cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(
+        c for c in config["static_resources"]["clusters"] if c["name"] == name
+    )
+    return found
+
+
+def test_the_printed_config_is_accepted_by_envoy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["envoy-config", "--port", "18081", "--policyd-port", "19002"]) == 0
+    config = tmp_path / "envoy.yaml"
+    config.write_text(capsys.readouterr().out)
+    result = envoy_validates(config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+def test_a_config_with_mtls_to_policyd_and_tracing_is_accepted_by_envoy(
+    tmp_path: Path, certificates: Any
+) -> None:
+    config = tmp_path / "envoy.yaml"
+    arguments = [
+        "envoy-config",
+        "--policyd-tls-ca", str(certificates.ca),
+        "--policyd-tls-cert", str(certificates.client_cert),
+        "--policyd-tls-key", str(certificates.client_key),
+        "--policyd-tls-server-name", "policyd",
+        "--otlp-endpoint", "127.0.0.1:4317",
+        "-o", str(config),
+    ]  # fmt: skip
+    assert main(arguments) == 0
+    result = envoy_validates(config)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_config_asks_envoy_for_what_policyd_needs() -> None:
+    config = bootstrap(EnvoyConfigOptions())
+    ext_proc = ext_proc_of(config)
+    assert ext_proc["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP",
+        "response_header_mode": "SEND",
+        "response_body_mode": "STREAMED",
+        "response_trailer_mode": "SKIP",
+    }
+    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["allow_mode_override"] is False
+    assert ext_proc["metadata_options"] == {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
+    assert ext_proc["message_timeout"] == "1s"
+    pods = cluster(config, "model_servers")
+    assert (pods["type"], pods["lb_policy"]) == ("ORIGINAL_DST", "CLUSTER_PROVIDED")
+    assert pods["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": "x-gateway-destination-endpoint",
+    }
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    listener = config["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == 4 * 1024 * 1024
+    assert pods["per_connection_buffer_limit_bytes"] == 4 * 1024 * 1024
+
+
+def test_long_generations_are_not_cut_by_a_route_timeout() -> None:
+    manager = bootstrap(EnvoyConfigOptions(stream_idle_timeout_s=600))["static_resources"][
+        "listeners"
+    ][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    to_pod = routes[0]
+    assert to_pod["match"]["headers"] == [
+        {"name": "x-gateway-destination-endpoint", "present_match": True}
+    ]
+    assert (to_pod["route"]["timeout"], to_pod["route"]["idle_timeout"]) == ("0s", "600s")
+    assert manager["stream_idle_timeout"] == "600s"
+    assert routes[1]["direct_response"]["status"] == 503  # never to an unnamed destination
+
+
+def test_policyd_by_dns_name_uses_strict_dns_and_tls_sets_the_server_name() -> None:
+    tls = PolicydTls(Path("/ca.pem"), server_name="policyd.ns.svc")
+    config = bootstrap(EnvoyConfigOptions(policyd_address="policyd.ns.svc", policyd_tls=tls))
+    policyd = cluster(config, "policyd")
+    assert policyd["type"] == "STRICT_DNS"
+    assert policyd["health_checks"][0]["grpc_health_check"] == {"service_name": "readiness"}
+    socket = policyd["transport_socket"]["typed_config"]
+    assert socket["sni"] == "policyd.ns.svc"
+    assert "tls_certificates" not in socket["common_tls_context"]  # TLS, not mTLS
+
+
+def test_the_rendered_text_is_the_bootstrap_as_yaml() -> None:
+    options = EnvoyConfigOptions(port=1234, buffer_limit_bytes=8 * 1024 * 1024)
+    assert yaml.safe_load(render(options)) == bootstrap(options)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["--otlp-endpoint", "collector"],
+        ["--policyd-tls-cert", "c.pem", "--policyd-tls-key", "k.pem"],
+        ["--policyd-tls-ca", "ca.pem", "--policyd-tls-cert", "c.pem"],
+        ["--buffer-limit-mib", "0"],
+    ],
+)
+def test_inconsistent_options_are_refused_with_a_reason(
+    arguments: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["envoy-config", *arguments]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("policyd envoy-config: ")

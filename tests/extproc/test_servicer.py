@@ -1,0 +1,379 @@
+"""The ext_proc stream, phase by phase, over a real gRPC channel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from extproc_support import (
+    EnvoySide,
+    Mode,
+    PickFirst,
+    RecordingTelemetry,
+    error_of,
+    request_body,
+    request_headers,
+    response_body,
+    response_headers,
+    set_headers,
+)
+
+from policyd.extproc.replies import DESTINATION_HEADER
+from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.servicer import ServingSettings
+from policyd.policy.decision import Decision, Outcome
+from policyd.pool.pod import Pod
+
+BODY = {"model": "m", "prompt": "hello"}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    candidates: tuple[Pod, ...]
+
+
+@dataclass
+class Rig:
+    server: ExtProcServer
+    envoy: EnvoySide
+    telemetry: RecordingTelemetry
+    pods: tuple[Pod, ...]
+    router: PickFirst = field(default_factory=PickFirst)
+    snapshot: Snapshot = field(default_factory=lambda: Snapshot(()))
+
+
+async def start_rig(settings: ServingSettings | None = None) -> Rig:
+    pods = (Pod("pod-a", "10.0.0.1:8000"), Pod("pod-b", "10.0.0.2:8000"))
+    telemetry = RecordingTelemetry()
+    holder: list[Rig] = []
+    server = ExtProcServer(
+        lambda: holder[0].router,
+        lambda: holder[0].snapshot,
+        telemetry=telemetry,
+        options=ServerOptions(port=0, settings=settings or ServingSettings()),
+    )
+    await server.start()
+    rig = Rig(server, EnvoySide(server.port), telemetry, pods, snapshot=Snapshot(pods))
+    holder.append(rig)
+    return rig
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    rig = await start_rig()
+    yield rig
+    await rig.envoy.close()
+    await rig.server.stop(0)
+
+
+async def test_request_headers_continue_and_strip_a_client_destination(rig: Rig) -> None:
+    call = rig.envoy.open()
+    await call.write(request_headers({DESTINATION_HEADER: "6.6.6.6:80"}))
+    reply = await call.read()
+    mutation = reply.request_headers.response.header_mutation
+    assert list(mutation.remove_headers) == [DESTINATION_HEADER]
+    assert not mutation.set_headers
+    call.cancel()
+
+
+async def test_the_routing_reply_follows_the_wire_facts(rig: Rig) -> None:
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    common = reply.request_body.response
+    header = set_headers(reply)[DESTINATION_HEADER]
+    assert header.header.raw_value == b"10.0.0.1:8000"
+    assert header.header.value == ""  # raw_value only: both would make Envoy answer 500
+    assert header.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields[DESTINATION_HEADER].string_value == "10.0.0.1:8000"
+    assert common.clear_route_cache
+    assert not common.HasField("body_mutation")  # the model was not rewritten
+    assert "content-length" not in set_headers(reply)
+
+
+async def test_fallbacks_follow_the_pick_when_enabled() -> None:
+    rig = await start_rig(ServingSettings(send_fallbacks=True))
+    try:
+        _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    finally:
+        await rig.envoy.close()
+        await rig.server.stop(0)
+    expected = b"10.0.0.1:8000,10.0.0.2:8000"
+    assert set_headers(reply)[DESTINATION_HEADER].header.raw_value == expected
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields[DESTINATION_HEADER].string_value == expected.decode()
+
+
+async def test_a_model_rewrite_replaces_the_body_and_its_length(rig: Rig) -> None:
+    pod = rig.pods[1]
+    rig.router.decision = Decision(
+        Outcome.ROUTED, "p", "1", "m-lora", endpoint=pod.address, pod=pod.name
+    )
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    new_body = reply.request_body.response.body_mutation.body
+    assert json.loads(new_body) == {**BODY, "model": "m-lora"}
+    assert set_headers(reply)["content-length"].header.raw_value == str(len(new_body)).encode()
+    assert set_headers(reply)[DESTINATION_HEADER].header.raw_value == pod.address.encode()
+
+
+async def test_a_streamed_body_is_gathered_until_its_end(rig: Rig) -> None:
+    raw = json.dumps(BODY).encode()
+    first, second, last = await rig.envoy.exchange(
+        request_headers(body_mode=Mode.STREAMED),
+        request_body(raw[:7], end_of_stream=False),
+        request_body(raw[7:], end_of_stream=True),
+    )
+    assert first.WhichOneof("response") == "request_headers"
+    assert second.WhichOneof("response") == "request_body"
+    assert not second.request_body.response.header_mutation.set_headers  # not decided yet
+    assert DESTINATION_HEADER in set_headers(last)
+    assert rig.router.seen[0].prompt_tokens == 2
+
+
+async def test_a_buffered_body_followed_by_trailers_is_routed_at_once(rig: Rig) -> None:
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY, end_of_stream=False))
+    assert DESTINATION_HEADER in set_headers(reply)
+
+
+async def test_trailers_after_a_streamed_body_cannot_be_routed_and_say_so(rig: Rig) -> None:
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    _, _, reply = await rig.envoy.exchange(
+        request_headers(body_mode=Mode.STREAMED),
+        request_body(BODY, end_of_stream=False),
+        trailers,
+    )
+    status, error = error_of(reply)
+    assert (status, error["code"]) == (400, "unsupported_trailers")
+
+
+async def test_trailers_after_a_routed_request_continue(rig: Rig) -> None:
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    replies = await rig.envoy.exchange(request_headers(), request_body(BODY), trailers)
+    assert replies[2].WhichOneof("response") == "request_trailers"
+
+
+async def test_a_body_cut_by_envoys_partial_buffer_is_a_413(rig: Rig) -> None:
+    _, reply = await rig.envoy.exchange(
+        request_headers(body_mode=Mode.BUFFERED_PARTIAL),
+        request_body(b'{"model"', end_of_stream=False),
+    )
+    assert error_of(reply)[0] == 413
+    assert rig.router.seen == []
+
+
+async def test_a_streamed_body_larger_than_policyd_accepts_is_a_413() -> None:
+    rig = await start_rig(ServingSettings(max_body_bytes=10))
+    try:
+        _, reply = await rig.envoy.exchange(
+            request_headers(body_mode=Mode.STREAMED), request_body(b"x" * 11, end_of_stream=False)
+        )
+    finally:
+        await rig.envoy.close()
+        await rig.server.stop(0)
+    assert error_of(reply)[0] == 413
+
+
+async def test_a_request_without_a_body_is_a_400(rig: Rig) -> None:
+    (reply,) = await rig.envoy.exchange(request_headers(end_of_stream=True))
+    status, error = error_of(reply)
+    assert (status, error["code"]) == (400, "missing_body")
+
+
+async def test_headers_reach_the_router_lower_cased_joined_and_without_pseudo_headers(
+    rig: Rig,
+) -> None:
+    message = request_headers({"X-Tenant": "t1", "x-gateway-criticality": " Critical "})
+    message.request_headers.headers.headers.add(key="x-tag", raw_value=b"a")
+    message.request_headers.headers.headers.add(key="x-tag", raw_value=b"b")
+    message.request_headers.headers.headers.add(key="x-legacy", value="plain")
+    message.request_headers.headers.headers[1].raw_value = b"/v1/completions?debug=1"
+    await rig.envoy.exchange(message, request_body(BODY))
+    seen = rig.router.seen[0]
+    assert seen.headers["x-tenant"] == "t1"
+    assert seen.headers["x-tag"] == "a,b"
+    assert seen.headers["x-legacy"] == "plain"
+    assert not any(name.startswith(":") for name in seen.headers)
+    assert (seen.path, seen.criticality, seen.id) == ("/v1/completions", "critical", "req-1")
+
+
+async def test_an_unknown_criticality_is_a_400_naming_the_header(rig: Rig) -> None:
+    _, reply = await rig.envoy.exchange(
+        request_headers({"x-gateway-criticality": "vip"}), request_body(BODY)
+    )
+    status, error = error_of(reply)
+    assert status == 400
+    assert "x-gateway-criticality" in error["message"]
+
+
+async def test_the_criticality_header_name_is_configurable() -> None:
+    rig = await start_rig(ServingSettings(criticality_header="x-priority"))
+    try:
+        await rig.envoy.exchange(request_headers({"x-priority": "sheddable"}), request_body(BODY))
+    finally:
+        await rig.envoy.close()
+        await rig.server.stop(0)
+    assert rig.router.seen[0].criticality == "sheddable"
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [
+        (Outcome.SHED, 429),
+        (Outcome.NO_CAPACITY, 503),
+        (Outcome.UNKNOWN_MODEL, 404),
+        (Outcome.ERROR, 500),
+    ],
+)
+async def test_an_unrouted_decision_is_an_immediate_json_error(
+    rig: Rig, outcome: Outcome, status: int
+) -> None:
+    rig.router.decision = Decision(outcome, "p", "1", "m", reason=f"because {outcome.value}")
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    got_status, error = error_of(reply)
+    assert (got_status, error["message"]) == (status, f"because {outcome.value}")
+    content_type = reply.immediate_response.headers.set_headers[0].header
+    assert (content_type.key, content_type.raw_value) == ("content-type", b"application/json")
+    assert rig.telemetry.spans[0].statuses == [status]
+    assert rig.telemetry.spans[0].ends[0]["completed"] is True
+
+
+async def test_a_router_that_raises_is_a_500_and_the_next_request_is_fine(rig: Rig) -> None:
+    rig.router.error = KeyError("boom")
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    status, error = error_of(reply)
+    assert (status, error["code"]) == (500, "policy_error")
+    assert rig.telemetry.decisions[0].outcome is Outcome.ERROR
+    rig.router.error = None
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    assert DESTINATION_HEADER in set_headers(reply)
+
+
+async def test_a_routed_decision_without_an_endpoint_is_a_500(rig: Rig) -> None:
+    rig.router.decision = Decision(Outcome.ROUTED, "p", "1", "m")
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    assert error_of(reply)[0] == 500
+
+
+async def test_a_pool_that_cannot_give_a_snapshot_is_a_500(rig: Rig) -> None:
+    rig.snapshot = None  # type: ignore[assignment]  # .candidates now raises
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    assert error_of(reply)[0] == 500
+
+
+@pytest.mark.parametrize("hook", ["start", "upstream_headers", "response_headers", "end"])
+async def test_a_telemetry_bug_never_fails_the_request(rig: Rig, hook: str) -> None:
+    rig.telemetry.fail_on = hook
+    replies = await rig.envoy.exchange(
+        request_headers(),
+        request_body(BODY),
+        response_headers(),
+        response_body(b"{}", end_of_stream=True),
+    )
+    assert DESTINATION_HEADER in set_headers(replies[1])
+    kinds = [r.WhichOneof("response") for r in replies]
+    assert kinds == ["request_headers", "request_body", "response_headers", "response_body"]
+
+
+async def test_the_trace_context_is_envoys_from_grpc_metadata_else_the_clients(rig: Rig) -> None:
+    client = "00-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-bbbbbbbbbbbbbbbb-01"
+    envoys = "00-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-cccccccccccccccc-01"
+    call = rig.envoy.open(metadata=[("traceparent", envoys), ("tracestate", "")])
+    await call.write(request_headers({"traceparent": client}))
+    await call.read()
+    await call.write(request_body(BODY))
+    await call.read()
+    await call.done_writing()
+    await rig.envoy.exchange(request_headers({"traceparent": client}), request_body(BODY))
+    await rig.envoy.exchange(request_headers(), request_body(BODY))
+    carriers = [span.carrier for span in rig.telemetry.spans]
+    assert carriers == [{"traceparent": envoys}, {"traceparent": client}, {}]
+
+
+async def test_telemetry_trace_headers_go_to_the_model_server(rig: Rig) -> None:
+    _, reply = await rig.envoy.exchange(request_headers(), request_body(BODY))
+    assert set_headers(reply)["traceparent"].header.raw_value.startswith(b"00-1111")
+
+
+async def test_the_response_is_recorded_and_the_pod_released_at_its_end(rig: Rig) -> None:
+    chunks = [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\n'
+        b"data: [DONE]\n\n",
+    ]
+    call = rig.envoy.open()
+    for message in (request_headers(), request_body({**BODY, "stream": True})):
+        await call.write(message)
+        await call.read()
+    assert [p.in_flight for p in rig.pods] == [1, 0]
+    await call.write(response_headers(200, "text/event-stream"))
+    assert (await call.read()).WhichOneof("response") == "response_headers"
+    await call.write(response_body(chunks[0]))
+    await call.read()
+    assert rig.telemetry.spans[0].ends == []
+    await call.write(response_body(chunks[1], end_of_stream=True))
+    await call.read()
+    span = rig.telemetry.spans[0]
+    assert span.statuses == [200]
+    assert len(span.ends) == 1
+    assert span.ends[0]["completed"] is True
+    assert (span.ends[0]["prompt_tokens"], span.ends[0]["completion_tokens"]) == (2, 1)
+    assert span.ends[0]["first_body_seconds"] <= span.ends[0]["duration_seconds"]
+    assert [p.in_flight for p in rig.pods] == [0, 0]
+    await call.done_writing()
+
+
+async def test_a_response_without_a_body_ends_at_its_headers(rig: Rig) -> None:
+    await rig.envoy.exchange(
+        request_headers(), request_body(BODY), response_headers(204, "", end_of_stream=True)
+    )
+    assert rig.telemetry.spans[0].ends[0]["completed"] is True
+    assert rig.telemetry.spans[0].ends[0]["first_body_seconds"] is None
+    assert rig.pods[0].in_flight == 0
+
+
+async def test_a_stream_that_ends_early_releases_the_pod_and_says_so(rig: Rig) -> None:
+    call = rig.envoy.open()
+    for message in (request_headers(), request_body(BODY), response_headers()):
+        await call.write(message)
+        await call.read()
+    assert rig.pods[0].in_flight == 1
+    call.cancel()  # the client went away mid-response
+    for _ in range(100):
+        if rig.telemetry.spans[0].ends:
+            break
+        await asyncio.sleep(0.01)
+    assert rig.telemetry.spans[0].ends[0]["completed"] is False
+    assert rig.pods[0].in_flight == 0
+
+
+async def test_a_pick_is_matched_to_its_pod_by_address_when_unnamed(rig: Rig) -> None:
+    pod = rig.pods[1]
+    rig.router.decision = Decision(Outcome.ROUTED, "p", "1", "m", endpoint=pod.address)
+    call = rig.envoy.open()
+    for message in (request_headers(), request_body(BODY)):
+        await call.write(message)
+        await call.read()
+    assert [p.in_flight for p in rig.pods] == [0, 1]
+    await call.write(response_headers(end_of_stream=True))
+    await call.read()
+    assert [p.in_flight for p in rig.pods] == [0, 0]
+    await call.done_writing()
+
+
+async def test_many_concurrent_streams_keep_their_own_state(rig: Rig) -> None:
+    async def one(index: int) -> tuple[int, str]:
+        body = {"model": f"m{index}", "prompt": "p"} if index % 4 else b"{bad"
+        replies = await rig.envoy.exchange(
+            request_headers({"x-request-id": f"r{index}"}), request_body(body)
+        )
+        kind = replies[1].WhichOneof("response")
+        return index, kind
+
+    results = await asyncio.gather(*(one(i) for i in range(40)))
+    for index, kind in results:
+        assert kind == ("request_body" if index % 4 else "immediate_response")
+    assert sorted(r.model for r in rig.router.seen) == sorted(f"m{i}" for i in range(40) if i % 4)

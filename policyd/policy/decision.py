@@ -31,14 +31,25 @@ _STATUS = {
 
 @dataclass(frozen=True, slots=True)
 class NodeTrace:
-    """One filter-tree node visited: how many pods went in, which stayed."""
+    """One filter-tree node visited (or the scoring step): what went in, what stayed.
+
+    ``kind`` is the node kind ("filter", "condition", "band", "top-k", "shed") or
+    "score" for the scorers. ``errors`` pairs a pod name with its CEL error (an
+    empty name for a request-level condition); whether an erroring pod was kept
+    depends on the node's ``on_error``. ``branch`` is the way the walk left the
+    node ("on_success", "on_failure", "then", "else"; "" for shed and score) and
+    ``next`` the node it went to ("" when the walk ended here). ``note`` is a
+    short detail: the band limits, the condition's value, the shed reason.
+    """
 
     node: str
     kind: str
     candidates_in: int
     kept: tuple[str, ...]  # pod names
     errors: tuple[tuple[str, str], ...] = ()  # (pod name, CEL error message)
-    branch: str = ""  # "on_success" / "on_failure" / "" when the walk stopped here
+    branch: str = ""
+    next: str = ""
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +57,22 @@ class Decision:
     """The router's answer for one request.
 
     ``endpoint`` and ``fallbacks`` are ``ip:port`` strings; ``reason`` is a short
-    human sentence used in error bodies and spans.
+    human sentence used in error bodies and spans. ``survivors`` names the pods
+    left when the filter tree ended, which the picker chose from; ``scores``
+    gives the total score of the best candidates, best first (empty when the
+    picker does not use scores).
     """
 
     outcome: Outcome
     policy: str
     policy_version: str
     target_model: str
+    criticality: str = ""
     endpoint: str = ""
     pod: str = ""
     fallbacks: tuple[str, ...] = ()
     reason: str = ""
     score: float | None = None
+    survivors: tuple[str, ...] = ()
     trace: tuple[NodeTrace, ...] = ()
     scores: tuple[tuple[str, float], ...] = field(default=())  # top candidates, best first

@@ -20,6 +20,9 @@ from policyd import __version__
 # name -> (module that implements it, one-line help)
 COMMANDS: Final[dict[str, tuple[str, str]]] = {
     "demo": ("policyd.demo", "run Envoy + policyd + a simulated vLLM pool and show decisions"),
+    "check": ("policyd.policy.commands", "validate policy files; errors as file:line:col"),
+    "explain": ("policyd.policy.commands", "show why a request would go where it goes"),
+    "test": ("policyd.policy.commands", "run the policy unit tests (*.test.yaml)"),
 }
 
 

@@ -79,6 +79,8 @@ class CompiledPolicy:
     path: str
     version: str
     description: str
+    name_at: tuple[int, int]  # where the name / match are written, for set-level errors
+    match_at: tuple[int, int]
     models_matched: tuple[str, ...]  # empty: every model
     headers: tuple[tuple[str, str], ...]
     pool_labels: tuple[tuple[str, str], ...]
@@ -163,6 +165,8 @@ class _Compiler:
             path=self.source.path,
             version=content_version(self.source.text),
             description=spec.description,
+            name_at=spec.name_at,
+            match_at=spec.match_node.at if spec.match_node is not None else (1, 1),
             models_matched=spec.models_matched,
             headers=spec.headers,
             pool_labels=spec.pool_labels,

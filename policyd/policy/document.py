@@ -155,6 +155,7 @@ class ModelSpec:
 class PolicySpec:
     source: Source
     name: str
+    name_at: tuple[int, int]
     description: str
     models_matched: tuple[str, ...]  # empty: every model
     match_node: YNode | None
@@ -202,6 +203,7 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
     spec = PolicySpec(
         source=source,
         name=str(name_node.value) if name_node else default_name,
+        name_at=name_node.at if name_node else (1, 1),
         description=_text(fields, "description"),
         models_matched=models_matched,
         match_node=match_node,

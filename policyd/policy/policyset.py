@@ -58,8 +58,7 @@ def build_policy_set(
             diagnostics.append(
                 Diagnostic(
                     policy.path,
-                    1,
-                    1,
+                    *policy.name_at,
                     f"policy name '{policy.name}' is also used by {seen[policy.name].path}",
                 )
             )
@@ -71,8 +70,7 @@ def build_policy_set(
                 diagnostics.append(
                     Diagnostic(
                         later.path,
-                        1,
-                        1,
+                        *later.match_at,
                         f"policy '{later.name}' and policy '{earlier.name}' ({earlier.path}) "
                         f"both match {overlap} equally specifically; "
                         "name the models or add a header condition to tell them apart",

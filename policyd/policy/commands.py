@@ -70,7 +70,8 @@ def _print(lines: list[Diagnostic] | tuple[Diagnostic, ...], out: TextIO) -> Non
         print(diagnostic, file=out)
 
 
-def run_check(arguments: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_check(arguments: argparse.Namespace) -> int:
+    out = sys.stdout
     failed = False
     for path in arguments.paths:
         if path.is_file() and is_test_file(path):
@@ -102,7 +103,8 @@ def run_check(arguments: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 1 if failed else 0
 
 
-def run_explain(arguments: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_explain(arguments: argparse.Namespace) -> int:
+    out = sys.stdout
     problems: list[Diagnostic] = []
     pods_source = _read_input(arguments.pods, problems)
     request_source = _read_input(arguments.request, problems)
@@ -136,7 +138,8 @@ def _read_input(path: Path, problems: list[Diagnostic]) -> YNode | None:
     return node
 
 
-def run_test(arguments: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_test(arguments: argparse.Namespace) -> int:
+    out = sys.stdout
     files: list[Path] = []
     for path in arguments.paths:
         if path.is_dir():

@@ -116,21 +116,31 @@ def content_version(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def compile_policy(spec: PolicySpec) -> tuple[CompiledPolicy | None, list[Diagnostic]]:
-    """The compiled policy (None if there is any error) and every diagnostic."""
-    return _Compiler(spec).run()
+def compile_policy(
+    spec: PolicySpec, *, shape_errors: bool = False
+) -> tuple[CompiledPolicy | None, list[Diagnostic]]:
+    """The compiled policy (None if there is any error) and every diagnostic.
+
+    ``shape_errors`` says the file already had errors when it was read: the
+    compiler still reports what it finds, but not warnings that the missing
+    parts could make wrong (an "unused" param used by a broken node).
+    """
+    return _Compiler(spec, shape_errors).run()
 
 
 class _Compiler:
-    def __init__(self, spec: PolicySpec) -> None:
+    def __init__(self, spec: PolicySpec, shape_errors: bool) -> None:
         self.spec = spec
+        self.shape_errors = shape_errors
         self.source = spec.source
         self.diagnostics: list[Diagnostic] = []
         self.referenced: set[str] = set()
         self.param_types: dict[str, cel.Type] = {
             f"params.{p.name}": cel_type_of(p.type) for p in spec.params
         }
-        self.constants: dict[str, Any] = {f"params.{p.name}": p.value for p in spec.params}
+        self.constants: dict[str, Any] = {
+            f"params.{p.name}": p.value for p in spec.params if p.valid
+        }
         self.variable_types: dict[str, cel.Type] = {}
         self.variable_needs: dict[str, Needs] = {}
 
@@ -157,9 +167,9 @@ class _Compiler:
         self._check_models()
         picker = picker_for(spec.pick_strategy)
         self._check_pick(picker)
+        if self.shape_errors or any(d.severity == "error" for d in self.diagnostics):
+            return None, self.diagnostics  # what is "unused" is not known when some failed
         self._warn_unused()
-        if any(d.severity == "error" for d in self.diagnostics):
-            return None, self.diagnostics
         policy = CompiledPolicy(
             name=spec.name,
             path=self.source.path,
@@ -297,7 +307,7 @@ class _Compiler:
         specs = {node.name: node for node in self.spec.nodes}
         for spec in self.spec.nodes:
             for link in spec.links:
-                if link.name not in specs:
+                if link.name not in specs and link.name not in self.spec.broken:
                     hint = did_you_mean(link.name, specs)
                     self.error(link.node, f"unknown node '{link.name}' in '{link.field}'{hint}")
         order = self._check_cycles(specs)

@@ -103,6 +103,7 @@ class ParamSpec:
     type: str
     value: object
     value_node: YNode
+    valid: bool = True  # False: declared with its type (so CEL still checks) but no value
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -130,6 +131,8 @@ class NodeSpec:
 
     @property
     def links(self) -> tuple[Reference, ...]:
+        if self.on_success is self.on_failure:  # `next`: one link for both
+            return (self.on_success,) if self.on_success is not None else ()
         return tuple(link for link in (self.on_success, self.on_failure) if link is not None)
 
 
@@ -167,6 +170,8 @@ class PolicySpec:
     params: tuple[ParamSpec, ...]
     variables: tuple[VariableSpec, ...]
     nodes: tuple[NodeSpec, ...]  # the first one is where the walk starts
+    broken: frozenset[str]  # params, variables (as params.x / variables.x) and nodes
+    # that are declared but could not be read: the compiler does not report them again
     scorers: tuple[ScorerSpec, ...]
     pick_strategy: str
     pick_node: YNode | None
@@ -200,6 +205,7 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         strategy = pick_fields.choice("strategy", PICK_STRATEGIES, "")
         fallbacks = pick_fields.integer("fallbacks", minimum=0, default=0) or 0
     scorers = _read_scorers(fields)
+    broken: set[str] = set()
     spec = PolicySpec(
         source=source,
         name=str(name_node.value) if name_node else default_name,
@@ -212,9 +218,10 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         criticality_header=header,
         criticality_default=default,
         models=_read_models(fields),
-        params=_read_params(fields),
-        variables=_read_variables(fields),
-        nodes=_read_nodes(fields),
+        params=_read_params(fields, broken),
+        variables=_read_variables(fields, broken),
+        nodes=_read_nodes(fields, broken),
+        broken=frozenset(broken),
         scorers=scorers,
         pick_strategy=strategy or ("max-score" if scorers else "random"),
         pick_node=fields.raw("pick"),
@@ -303,7 +310,7 @@ def _read_models(fields: Fields) -> tuple[ModelSpec, ...]:
     return tuple(specs)
 
 
-def _read_params(fields: Fields) -> tuple[ParamSpec, ...]:
+def _read_params(fields: Fields, broken: set[str]) -> tuple[ParamSpec, ...]:
     node = fields.mapping("params")
     if node is None:
         return ()
@@ -314,6 +321,7 @@ def _read_params(fields: Fields) -> tuple[ParamSpec, ...]:
             continue
         if not isinstance(value, YMapping):
             fields.error(value, f"param '{name}' must be a mapping like {{type: int, value: 5}}")
+            broken.add(f"params.{name}")
             continue
         reader = Fields(value, ("type", "value", "description"), fields.diagnostics, what="a param")
         type_node = reader.string("type", required=True)
@@ -321,16 +329,19 @@ def _read_params(fields: Fields) -> tuple[ParamSpec, ...]:
         if value_node is None:
             reader.error(value, f"param '{name}' has no 'value'")
         if type_node is None or value_node is None:
+            broken.add(f"params.{name}")
             continue
         kind = str(type_node.value).replace(" ", "")
         if kind not in PARAM_TYPES:
             reader.error(
                 type_node, f"unknown param type '{kind}'; use one of {', '.join(PARAM_TYPES)}"
             )
+            broken.add(f"params.{name}")
             continue
         parsed = _param_value(kind, value_node)
         if isinstance(parsed, str):
             reader.error(value_node, f"param '{name}' is declared {kind} but {parsed}")
+            specs.append(ParamSpec(name, key, kind, None, value_node, valid=False))
             continue
         specs.append(ParamSpec(name, key, kind, parsed[0], value_node))
     return tuple(specs)
@@ -397,7 +408,7 @@ def parse_duration(text: str) -> int | None:
     return sign * round(sum(float(number) * _NANOS[unit] for number, unit in parts))
 
 
-def _read_variables(fields: Fields) -> tuple[VariableSpec, ...]:
+def _read_variables(fields: Fields, broken: set[str]) -> tuple[VariableSpec, ...]:
     node = fields.mapping("variables")
     if node is None:
         return ()
@@ -407,7 +418,9 @@ def _read_variables(fields: Fields) -> tuple[VariableSpec, ...]:
             fields.error(key, f"variable name '{name}' must be an identifier (letters, digits, _)")
             continue
         expression = _expression(fields, value, f"variable '{name}'")
-        if expression is not None:
+        if expression is None:
+            broken.add(f"variables.{name}")
+        else:
             specs.append(VariableSpec(name, key, expression))
     return tuple(specs)
 
@@ -421,17 +434,20 @@ def _expression(fields: Fields, node: YNode, what: str) -> Expression | None:
     return Expression(node.value, node)
 
 
-def _read_nodes(fields: Fields) -> tuple[NodeSpec, ...]:
+def _read_nodes(fields: Fields, broken: set[str]) -> tuple[NodeSpec, ...]:
     node = fields.mapping("filters")
     if node is None:
         return ()
     specs: list[NodeSpec] = []
     for name, (key, value) in node.entries.items():
-        if not isinstance(value, YMapping):
+        spec = None
+        if isinstance(value, YMapping):
+            spec = _read_node(fields.diagnostics, name, key, value)
+        else:
             fields.error(value, f"node '{name}' must be a mapping, not {kind_name(value)}")
-            continue
-        spec = _read_node(fields.diagnostics, name, key, value)
-        if spec is not None:
+        if spec is None:
+            broken.add(name)
+        else:
             specs.append(spec)
     return tuple(specs)
 

@@ -46,9 +46,10 @@ def read_source(path: Path) -> Source:
 def compile_source(source: Source) -> CompiledPolicy:
     """Compile one policy or raise ``PolicyError`` with every problem (warnings too)."""
     spec, diagnostics = read_policy(source)
-    if spec is None or any(d.severity == "error" for d in diagnostics):
+    if spec is None:
         raise PolicyError(diagnostics)
-    policy, more = compile_policy(spec)
+    shape_errors = any(d.severity == "error" for d in diagnostics)
+    policy, more = compile_policy(spec, shape_errors=shape_errors)  # reports the rest too
     if policy is None:
         raise PolicyError([*diagnostics, *more])
     return policy

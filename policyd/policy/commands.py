@@ -19,7 +19,7 @@ from policyd.policy.explain import explain, render_text, to_json
 from policyd.policy.inputs import read_pods, read_request
 from policyd.policy.loader import is_test_file, load_policy, load_policy_set, read_source
 from policyd.policy.source import YNode, parse_yaml
-from policyd.policy.testing import failure_diagnostic, run_policy_tests, tests_path_for
+from policyd.policy.testing import failure_diagnostic, policy_tests_path, run_policy_tests
 
 Runner = Callable[[argparse.Namespace], int]
 
@@ -151,7 +151,7 @@ def run_test(arguments: argparse.Namespace) -> int:
         elif is_test_file(path):
             files.append(path)
         else:
-            tests = tests_path_for(path)
+            tests = policy_tests_path(path)
             if not tests.exists():
                 print(f"{path}: no tests: expected them in {tests}", file=out)
                 return 1

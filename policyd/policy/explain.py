@@ -46,6 +46,7 @@ class Explanation:
     candidates: int
     nodes: tuple[NodeDetail, ...]
     scores: tuple[ScoreDetail, ...]
+    fallback_pods: tuple[str, ...]  # names of the decision's fallback endpoints
 
 
 def explain(
@@ -65,8 +66,10 @@ def explain(
         path=request.path,
         id=request.id,
     )
+    by_address = {pod.address: pod.name for pod in pods}
+    fallback_pods = tuple(by_address.get(a, a) for a in decision.fallbacks)
     if policy is None:
-        return Explanation(decision, None, resolved, len(pods), (), ())
+        return Explanation(decision, None, resolved, len(pods), (), (), fallback_pods)
     ev = Evaluation(resolved)
     by_name = {pod.name: pod for pod in pods}
     entering: list[Any] = [
@@ -94,7 +97,7 @@ def explain(
         details.append(NodeDetail(trace, node.expression.source, node.description, shown))
         if trace.branch == "on_success":
             entering = [by_name[name] for name in trace.kept]
-    return Explanation(decision, policy, resolved, len(pods), tuple(details), scores)
+    return Explanation(decision, policy, resolved, len(pods), tuple(details), scores, fallback_pods)
 
 
 def _errors(trace: NodeTrace, pods: Sequence[Any]) -> list[str]:
@@ -136,7 +139,6 @@ def _scores(policy: CompiledPolicy, pods: Sequence[Any], ev: Evaluation) -> tupl
 
 def render_text(explanation: Explanation) -> str:
     """The walk for a terminal: one block per node, then scores and the pick."""
-    d = explanation.decision
     r = explanation.request
     lines: list[str] = []
     policy = explanation.policy
@@ -174,25 +176,34 @@ def render_text(explanation: Explanation) -> str:
         where = f"{t.branch}: {t.next}" if t.next else f"{t.branch}: end of the walk"
         lines.append(f"{summary} -> {where}")
     if explanation.scores:
-        lines.append("")
         assert policy is not None
-        header = "   ".join(f"{s.name} (x{s.weight:g})" for s in policy.scorers)
-        lines.append(f"scores    total   {header}")
-        for detail in explanation.scores:
-            parts = "   ".join(value for _, value in detail.parts)
-            lines.append(f"   {detail.pod}  {detail.total:.4g}   {parts}")
+        lines.append("")
+        lines.append(f"scores ({policy.picker.name}, each clamped to [0, 1], times its weight)")
+        header = ["pod", "total", *(f"{s.name} x{s.weight:g}" for s in policy.scorers)]
+        rows = [
+            [detail.pod, f"{detail.total:.4g}", *(value for _, value in detail.parts)]
+            for detail in explanation.scores
+        ]
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            lines.append(
+                "   "
+                + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            )
     lines.append("")
-    lines.append(_outcome_line(d, policy))
+    lines.append(_outcome_line(explanation))
     return "\n".join(lines) + "\n"
 
 
-def _outcome_line(d: Decision, policy: CompiledPolicy | None) -> str:
+def _outcome_line(explanation: Explanation) -> str:
+    d = explanation.decision
     if d.outcome is not Outcome.ROUTED:
         return f"outcome   {d.outcome.value} ({d.outcome.http_status}): {d.reason}"
-    picker = policy.picker.name if policy else ""
+    picker = explanation.policy.picker.name if explanation.policy else ""
     line = f"pick      {d.pod} ({d.endpoint}) by {picker} among {len(d.survivors)}"
     if d.fallbacks:
-        line += f"; fallbacks {', '.join(d.fallbacks)}"
+        pairs = zip(explanation.fallback_pods, d.fallbacks, strict=True)
+        line += "; fallbacks " + ", ".join(f"{name} ({address})" for name, address in pairs)
     return line
 
 
@@ -214,6 +225,7 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
         "pod": d.pod,
         "endpoint": d.endpoint,
         "fallbacks": list(d.fallbacks),
+        "fallback_pods": list(explanation.fallback_pods),
         "survivors": list(d.survivors),
         "nodes": [
             {

@@ -77,7 +77,7 @@ class CaseResult:
         return not self.failures
 
 
-def tests_path_for(policy: Path) -> Path:
+def policy_tests_path(policy: Path) -> Path:
     """Where the tests of a policy file live."""
     return policy.with_name(policy.name.rsplit(".", 1)[0] + TEST_SUFFIXES[0])
 

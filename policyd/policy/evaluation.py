@@ -111,16 +111,25 @@ class PodExpression:
         evaluate = self.evaluate
         kept: list[Any] = []
         errors: list[tuple[str, str]] = []
-        needs = self.needs
-        activation = ev.activation
-        scope = ev.scope
-        for pod in pods:
-            try:
-                if needs:
+        if self.needs:
+            needs = self.needs
+            scope = ev.scope
+            for pod in pods:
+                try:
                     result = evaluate(scope(pod, needs))
-                else:
-                    activation["pod"] = pod
-                    result = evaluate(activation)
+                except CelEvalError as error:
+                    errors.append((pod.name, str(error)))
+                    if keep_failed:
+                        kept.append(pod)
+                    continue
+                if result is True:
+                    kept.append(pod)
+            return kept, errors
+        activation = ev.activation
+        for pod in pods:
+            activation["pod"] = pod
+            try:
+                result = evaluate(activation)
             except CelEvalError as error:
                 errors.append((pod.name, str(error)))
                 if keep_failed:

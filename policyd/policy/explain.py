@@ -171,8 +171,8 @@ def render_text(explanation: Explanation) -> str:
             summary = f"   {t.note}"
         else:
             summary = f"   kept {len(t.kept)} of {t.candidates_in}"
-            if t.kind == "band":
-                summary += f", band {t.note}"
+            if t.band is not None:
+                summary += f", band [{t.band[0]:g}, {t.band[1]:g}]"
         where = f"{t.branch}: {t.next}" if t.next else f"{t.branch}: end of the walk"
         lines.append(f"{summary} -> {where}")
     if explanation.scores:
@@ -237,6 +237,7 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
                 "branch": n.trace.branch,
                 "next": n.trace.next,
                 "note": n.trace.note,
+                "band": list(n.trace.band) if n.trace.band is not None else None,
                 "errors": [{"pod": pod, "error": error} for pod, error in n.trace.errors],
                 "values": dict(n.values),
             }

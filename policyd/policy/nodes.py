@@ -16,7 +16,7 @@ import heapq
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from policyd.cel import CelEvalError
 from policyd.policy.decision import NodeTrace
@@ -29,13 +29,10 @@ def pod_names(pods: Sequence[Any]) -> tuple[str, ...]:
     return tuple(map(_pod_name, pods))
 
 
-class Visit(NamedTuple):
-    """What one node did: its trace, the pods handed on, where the walk goes."""
-
-    trace: NodeTrace
-    forward: Sequence[Any]
-    next: Node | None
-    shed: str  # non-empty: stop and answer 429 with this reason
+# What one node did: its trace, the pods handed on, the next node (None: the walk
+# ends), and a shed reason (non-empty: stop and answer 429). A plain tuple, as it
+# is built once per node and decision.
+Visit = tuple[NodeTrace, Sequence[Any], "Node | None", str]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -55,7 +52,7 @@ class _Filtering:
         pods: Sequence[Any],
         kept: list[Any],
         errors: list[tuple[str, str]],
-        note: str,
+        band: tuple[float, float] | None = None,
     ) -> Visit:
         forward: Sequence[Any] = kept
         if kept:
@@ -72,9 +69,10 @@ class _Filtering:
             tuple(errors),
             branch,
             following.name if following is not None else "",
-            note,
+            "",
+            band,
         )
-        return Visit(trace, forward, following, "")
+        return trace, forward, following, ""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -85,7 +83,7 @@ class KeepNode(_Filtering):
 
     def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
         kept, errors = self.expression.select(pods, ev, keep_failed=self.keep_failed)
-        return self._continue(self.kind, pods, kept, errors, "")
+        return self._continue(self.kind, pods, kept, errors)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -106,7 +104,7 @@ class BandNode(_Filtering):
         numbers = [v for v in values if v is not FAILED] if errors else values
         if not numbers:
             kept = list(pods) if self.keep_failed else []
-            return self._continue(self.kind, pods, kept, errors, "no values")
+            return self._continue(self.kind, pods, kept, errors)
         low = min(numbers)
         limit = low + (max(numbers) - low) / len(pods)
         if errors:
@@ -118,7 +116,7 @@ class BandNode(_Filtering):
             ]
         else:
             kept = [pod for pod, value in zip(pods, values, strict=True) if value <= limit]
-        return self._continue(self.kind, pods, kept, errors, f"[{low:g}, {limit:g}]")
+        return self._continue(self.kind, pods, kept, errors, (low, limit))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -143,7 +141,7 @@ class TopKNode(_Filtering):
         if errors and self.keep_failed:
             ranked = sorted({*ranked, *(i for i, v in enumerate(values) if v is FAILED)})
         kept = [pods[i] for i in ranked]
-        return self._continue(self.kind, pods, kept, errors, "")
+        return self._continue(self.kind, pods, kept, errors)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -151,6 +149,7 @@ class ConditionNode:
     """``if: <bool CEL over request>``: choose a branch; every pod goes on.
 
     It runs once per request. An error takes the ``else`` branch and is traced.
+    Its trace leaves ``kept`` empty: every pod goes on (``candidates_in`` of them).
     """
 
     name: str
@@ -173,13 +172,13 @@ class ConditionNode:
             self.name,
             self.kind,
             len(pods),
-            pod_names(pods),
+            (),
             errors,
             branch,
             following.name if following is not None else "",
             "error" if errors else str(result).lower(),
         )
-        return Visit(trace, pods, following, "")
+        return trace, pods, following, ""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -194,7 +193,7 @@ class ShedNode:
 
     def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
         trace = NodeTrace(self.name, self.kind, len(pods), (), note=self.reason)
-        return Visit(trace, (), None, self.reason)
+        return trace, (), None, self.reason
 
 
 Node = KeepNode | BandNode | TopKNode | ConditionNode | ShedNode

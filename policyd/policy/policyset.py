@@ -30,10 +30,10 @@ class PolicySet:
     def select(self, model: str, headers: Mapping[str, str]) -> CompiledPolicy | None:
         """The policy serving this request, or None (an unknown model: 404)."""
         for policy in self.by_model.get(model, ()):
-            if _headers_match(policy, headers):
+            if not policy.headers or _headers_match(policy, headers):
                 return policy
         for policy in self.any_model:
-            if _headers_match(policy, headers):
+            if not policy.headers or _headers_match(policy, headers):
                 return policy
         return None
 

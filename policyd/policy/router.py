@@ -86,11 +86,10 @@ class Router:
         node = policy.start
         survivors: Sequence[Any] = pods
         while node is not None:
-            visit = node.visit(survivors, ev)
-            trace.append(visit.trace)
-            if visit.shed:
-                return self._answer(policy, resolved, Outcome.SHED, reason=visit.shed, trace=trace)
-            survivors, node = visit.forward, visit.next
+            step, survivors, node, shed = node.visit(survivors, ev)
+            trace.append(step)
+            if shed:
+                return self._answer(policy, resolved, Outcome.SHED, reason=shed, trace=trace)
         if not survivors:
             last = trace[-1].node if trace else ""
             return self._answer(
@@ -122,7 +121,7 @@ class Router:
             criticality=resolved.criticality,
             endpoint=pod.address,
             pod=pod.name,
-            fallbacks=tuple(survivors[i].address for i in chosen[1:]),
+            fallbacks=tuple([survivors[i].address for i in chosen[1:]]) if policy.fallbacks else (),
             score=totals[chosen[0]] if totals is not None and policy.scorers else None,
             survivors=pod_names(survivors),
             trace=tuple(trace),

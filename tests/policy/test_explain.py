@@ -37,7 +37,8 @@ pods      3 candidates
    c  true     kept
    kept 3 of 3 -> on_success: lora affinity
 
-3. lora affinity  [filter]  variables.has_adapter
+3. lora affinity  [filter]  request.target_model in pod.active_loras
+   the pod already runs the requested adapter
    a  true     kept
    b  true     kept
    c  false
@@ -137,7 +138,7 @@ def test_json_carries_nodes_values_scores_and_the_pick(
     assert band["kind"] == "band"
     assert band["values"] == {"a": "2", "b": "3"}
     assert band["kept"] == ["a"]
-    assert band["note"] == "[2, 2.5]"
+    assert band["band"] == [2, 2.5]
     assert data["survivors"] == ["a"]
     assert data["scores"] == []
 

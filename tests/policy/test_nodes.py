@@ -120,7 +120,8 @@ def test_condition_branches_on_the_request_and_filters_nothing(tmp_path: Path) -
         "then",
         "fastest",
     )
-    assert gold.trace[0].kept == ("a", "b", "c", "d")
+    assert (gold.trace[0].candidates_in, gold.trace[0].kept) == (4, ())  # every pod goes on
+    assert gold.trace[1].candidates_in == 4
     silver = router(tmp_path, text).decide(request(headers={"x-tier": "silver"}), PODS)
     assert silver.trace[0].branch == "else"
     assert silver.survivors == ("a", "b", "c", "d")
@@ -154,7 +155,7 @@ def test_band_keeps_min_to_min_plus_range_over_n(tmp_path: Path) -> None:
         request(), PODS
     )
     assert decision.survivors == ("a", "d")
-    assert decision.trace[0].note == "[0, 2.25]"
+    assert decision.trace[0].band == (0, 2.25)
     # kv 0.9, 0.1, 0.5, 0.3: limit 0.1 + 0.8 / 4 = 0.3 keeps 0.1 and 0.3
     decision = router(tmp_path, "filters:\n  b:\n    band: pod.kv_cache\n").decide(request(), PODS)
     assert decision.survivors == ("b", "d")

@@ -103,12 +103,16 @@ class CompiledPolicy:
         parts = [
             f"policy '{self.name}' (version {self.version})",
             f"models {models}",
-            f"{len(self.nodes)} filter nodes",
-            f"{len(self.scorers)} scorers",
+            _count(len(self.nodes), "filter node"),
+            _count(len(self.scorers), "scorer"),
             f"pick {self.picker.name}"
-            + (f" +{self.fallbacks} fallbacks" if self.fallbacks else ""),
+            + (f" + {_count(self.fallbacks, 'fallback')}" if self.fallbacks else ""),
         ]
         return ", ".join(parts)
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}" + ("" if number == 1 else "s")
 
 
 def content_version(text: str) -> str:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from policyd.cel import POD_FIELDS
 from policyd.cli import main
+from policyd.policy.inputs import StaticPod
 
 from .helpers import RULES, write
 
@@ -180,3 +182,7 @@ def test_bad_inputs_are_reported_with_positions_and_exit_1(
         "x-gateway-inference-criticality header or the model; target_model from the "
         "model's targets)",
     ]
+
+
+def test_hand_written_pods_carry_every_pod_field_of_the_cel_schema() -> None:
+    assert set(StaticPod.__slots__) == {f.name for f in POD_FIELDS}

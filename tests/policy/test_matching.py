@@ -179,3 +179,15 @@ def test_pool_labels_limit_the_candidates(tmp_path: Path) -> None:
     decision = router.decide(request(), PODS[1:])
     assert decision.outcome is Outcome.NO_CAPACITY
     assert decision.reason == "no ready pods in the policy's pool"
+
+
+def test_a_bug_costs_one_request_a_500_not_the_caller(tmp_path: Path) -> None:
+    class Unlabelled:  # a candidate without the pod's `labels`: an impossible state
+        name, address = "x", "10.0.0.9:8000"
+
+    write(tmp_path, "pool: {labels: {pool: blue}}\n")
+    router = Router(load_policy_set(tmp_path / "policy.yaml"))
+    decision = router.decide(request(), [Unlabelled()])
+    assert decision.outcome is Outcome.ERROR
+    assert decision.outcome.http_status == 500
+    assert decision.reason.startswith("internal error: AttributeError")

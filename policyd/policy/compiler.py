@@ -92,8 +92,6 @@ class CompiledPolicy:
     scorers: tuple[Scorer, ...]
     picker: Picker
     fallbacks: int
-    params: Mapping[str, Any]
-    variables: tuple[str, ...]
     warnings: tuple[Diagnostic, ...] = field(default=())
 
     @property
@@ -194,8 +192,6 @@ class _Compiler:
             scorers=scorers,
             picker=picker,
             fallbacks=spec.fallbacks,
-            params=MappingProxyType({p.name: p.value for p in spec.params}),
-            variables=tuple(v.name for v in spec.variables),
             warnings=tuple(sorted(self.diagnostics)),
         )
         return policy, self.diagnostics
@@ -302,7 +298,7 @@ class _Compiler:
                 env, spec.expression, what=f"scorer '{spec.name}'", want=(*_NUMBERS, "BOOL")
             )
             if expression is not None:
-                scorers.append(Scorer(spec.name, "", spec.weight, expression))
+                scorers.append(Scorer(spec.name, spec.weight, expression))
         return tuple(scorers)
 
     # --- the filter tree ---------------------------------------------------------------

@@ -35,37 +35,39 @@ class _Failed:
 FAILED: Final = _Failed()
 
 
-@dataclass(frozen=True, slots=True)
-class _VariableFailure:
-    message: str
-
-
 class Evaluation:
     """Activation state for one decision over one request."""
 
-    __slots__ = ("_scopes", "activation", "request")
+    __slots__ = ("_failures", "_scopes", "activation", "request")
 
     def __init__(self, request: Any) -> None:
         self.request = request
         self.activation: dict[str, Any] = {"request": request, "pod": None}
-        self._scopes: dict[int, dict[str, Any]] = {}
+        self._scopes: dict[int, dict[str, Any]] = {}  # id(pod) -> its activation
+        self._failures: dict[tuple[int, str], str] = {}  # (id(pod), variable) -> error
 
     def scope(self, pod: Any, needs: Needs) -> dict[str, Any]:
-        """The pod's own activation, with every variable in ``needs`` evaluated."""
-        scope = self._scopes.get(id(pod))
+        """The pod's own activation, with every variable in ``needs`` evaluated.
+
+        Raises ``CelEvalError`` naming the first needed variable that failed for
+        this pod (remembered, so it is not evaluated again).
+        """
+        key = id(pod)
+        scope = self._scopes.get(key)
         if scope is None:
             scope = {"request": self.request, "pod": pod}
-            self._scopes[id(pod)] = scope
+            self._scopes[key] = scope
         for name, evaluate in needs:
-            value = scope.get(name, FAILED)
-            if value is FAILED:
+            if name in scope:
+                continue
+            failure = self._failures.get((key, name))
+            if failure is None:
                 try:
-                    value = evaluate(scope)
+                    scope[name] = evaluate(scope)
+                    continue
                 except CelEvalError as error:
-                    value = _VariableFailure(f"{name}: {error}")
-                scope[name] = value
-            if type(value) is _VariableFailure:
-                raise CelEvalError(value.message)
+                    failure = self._failures[key, name] = f"{name}: {error}"
+            raise CelEvalError(failure)
         return scope
 
 

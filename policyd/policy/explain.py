@@ -146,6 +146,8 @@ def render_text(explanation: Explanation) -> str:
         lines.append(f"no policy serves model '{r.model}'")
     else:
         lines.append(f"policy    {policy.name}  ({policy.path}, version {policy.version})")
+        if policy.description:
+            lines.append(f"          {policy.description}")
     lines.append(
         f"request   model={r.model} target_model={r.target_model or r.model} "
         f"criticality={r.criticality or '-'}"

@@ -38,9 +38,6 @@ class Fields:
     def error(self, node: YNode, message: str) -> None:
         self.diagnostics.append(node.source.diagnostic(node.at, message))
 
-    def warning(self, node: YNode, message: str) -> None:
-        self.diagnostics.append(node.source.diagnostic(node.at, message, warning=True))
-
     def has(self, key: str) -> bool:
         return key in self.node.entries
 

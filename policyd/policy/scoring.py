@@ -18,7 +18,6 @@ from policyd.policy.evaluation import FAILED, Evaluation, PodExpression
 @dataclass(frozen=True, slots=True)
 class Scorer:
     name: str
-    description: str
     weight: float
     expression: PodExpression
 

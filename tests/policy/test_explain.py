@@ -27,6 +27,7 @@ CRITICAL = '{"model": "sql-lora", "headers": {"X-Gateway-Inference-Criticality":
 
 EXPECTED_TEXT = f"""\
 policy    default  ({RULES}/default.yaml, version VERSION)
+          The seed LoRA-affinity filter tree; final pick uniformly at random.
 request   model=sql-lora target_model=sql-lora criticality=critical
 pods      3 candidates
 

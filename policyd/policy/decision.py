@@ -76,12 +76,12 @@ class Decision:
     policy: str
     policy_version: str
     target_model: str
-    criticality: str = ""
     endpoint: str = ""
     pod: str = ""
     fallbacks: tuple[str, ...] = ()
     reason: str = ""
     score: float | None = None
-    survivors: tuple[str, ...] = ()
     trace: tuple[NodeTrace, ...] = ()
     scores: tuple[tuple[str, float], ...] = field(default=())  # top candidates, best first
+    criticality: str = ""  # as the policy decided it
+    survivors: tuple[str, ...] = ()

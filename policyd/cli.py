@@ -25,6 +25,9 @@ COMMANDS: Final[dict[str, tuple[str, str]]] = {
         "policyd.extproc.envoy_config",
         "print an Envoy bootstrap that routes inference requests through policyd",
     ),
+    "check": ("policyd.policy.commands", "validate policy files; errors as file:line:col"),
+    "explain": ("policyd.policy.commands", "show why a request would go where it goes"),
+    "test": ("policyd.policy.commands", "run the policy unit tests (*.test.yaml)"),
 }
 
 

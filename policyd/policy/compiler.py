@@ -1,0 +1,447 @@
+"""From a policy spec to an immutable ``CompiledPolicy``, or every reason it cannot be.
+
+The loader makes each decision it can so the hot path makes none: params are
+folded into the CEL programs as constants, each expression knows the variables
+it needs (dependencies first), node links are resolved to the node objects
+themselves, and the picker is chosen. What it checks, each reported at the
+offending place in the file:
+
+- every CEL expression type-checks against the schema (a misspelt field, a
+  type error, an undeclared param or variable; the CEL column lands in the file)
+  and has the type its place requires (bool to keep, a number to rank);
+- node links name existing nodes, and the filter tree has no cycle;
+- nodes never reached from the first one, params and variables never used,
+  and scores a picker would ignore are warnings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final
+
+from cel.expr import checked_pb2
+from cel_expr_python import cel
+from google.protobuf import any_pb2
+
+from policyd.cel import (
+    POD_FIELDS,
+    REQUEST_FIELDS,
+    CelCompileError,
+    Environment,
+    Program,
+    cel_type_of,
+    pod_type,
+    request_type,
+)
+from policyd.policy.diagnostics import Diagnostic, did_you_mean
+from policyd.policy.document import Expression, NodeSpec, PolicySpec
+from policyd.policy.evaluation import Needs, PodExpression
+from policyd.policy.nodes import BandNode, ConditionNode, KeepNode, Node, ShedNode, TopKNode
+from policyd.policy.pickers import Picker, picker_for
+from policyd.policy.scoring import Scorer
+from policyd.policy.source import YNode
+
+_NUMBERS: Final = ("INT", "UINT", "DOUBLE")
+_UNDECLARED: Final = re.compile(r"undeclared reference to '([^']*)'")
+_NO_FIELD: Final = re.compile(r"undefined field '([^']*)' not found in struct 'policyd\.(\w+)'")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRule:
+    """What a policy does with one model name: criticality and traffic split."""
+
+    criticality: str | None
+    targets: tuple[str, ...] = ()
+    cumulative_weights: tuple[int, ...] = ()
+
+    def target_for(self, model: str, draw: Callable[[], float]) -> str:
+        """The model to send the request to; ``draw()`` is uniform in [0, 1)."""
+        if not self.targets:
+            return model
+        if len(self.targets) == 1:
+            return self.targets[0]
+        point = draw() * self.cumulative_weights[-1]
+        for target, bound in zip(self.targets, self.cumulative_weights, strict=True):
+            if point < bound:
+                return target
+        return self.targets[-1]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledPolicy:
+    """One loaded policy, ready to decide; immutable except the round-robin turn."""
+
+    name: str
+    path: str
+    version: str
+    description: str
+    name_at: tuple[int, int]  # where the name / match are written, for set-level errors
+    match_at: tuple[int, int]
+    models_matched: tuple[str, ...]  # empty: every model
+    headers: tuple[tuple[str, str], ...]
+    pool_labels: tuple[tuple[str, str], ...]
+    criticality_header: str
+    criticality_default: str
+    models: Mapping[str, ModelRule]
+    start: Node | None
+    nodes: Mapping[str, Node]
+    scorers: tuple[Scorer, ...]
+    picker: Picker
+    fallbacks: int
+    warnings: tuple[Diagnostic, ...] = field(default=())
+
+    @property
+    def summary(self) -> str:
+        """One line for ``policyd check``."""
+        models = ", ".join(self.models_matched) or "*"
+        parts = [
+            f"policy '{self.name}' (version {self.version})",
+            f"models {models}",
+            _count(len(self.nodes), "filter node"),
+            _count(len(self.scorers), "scorer"),
+            f"pick {self.picker.name}"
+            + (f" + {_count(self.fallbacks, 'fallback')}" if self.fallbacks else ""),
+        ]
+        return ", ".join(parts)
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}" + ("" if number == 1 else "s")
+
+
+def content_version(text: str) -> str:
+    """A policy's version: the start of the SHA-256 of its source."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def compile_policy(
+    spec: PolicySpec, *, shape_errors: bool = False
+) -> tuple[CompiledPolicy | None, list[Diagnostic]]:
+    """The compiled policy (None if there is any error) and every diagnostic.
+
+    ``shape_errors`` says the file already had errors when it was read: the
+    compiler still reports what it finds, but not warnings that the missing
+    parts could make wrong (an "unused" param used by a broken node).
+    """
+    return _Compiler(spec, shape_errors).run()
+
+
+class _Compiler:
+    def __init__(self, spec: PolicySpec, shape_errors: bool) -> None:
+        self.spec = spec
+        self.shape_errors = shape_errors
+        self.source = spec.source
+        self.diagnostics: list[Diagnostic] = []
+        self.referenced: set[str] = set()
+        self.param_types: dict[str, cel.Type] = {
+            f"params.{p.name}": cel_type_of(p.type) for p in spec.params
+        }
+        self.constants: dict[str, Any] = {
+            f"params.{p.name}": p.value for p in spec.params if p.valid
+        }
+        self.variable_types: dict[str, cel.Type] = {}
+        self.variable_needs: dict[str, Needs] = {}
+
+    def error(self, node: YNode, message: str) -> None:
+        self.diagnostics.append(self.source.diagnostic(node.at, message))
+
+    def warning(self, node: YNode, message: str) -> None:
+        self.diagnostics.append(self.source.diagnostic(node.at, message, warning=True))
+
+    def run(self) -> tuple[CompiledPolicy | None, list[Diagnostic]]:
+        spec = self.spec
+        self._compile_variables()
+        pod_env = Environment(
+            {
+                "pod": pod_type(),
+                "request": request_type(),
+                **self.param_types,
+                **self.variable_types,
+            }
+        )
+        request_env = Environment({"request": request_type(), **self.param_types})
+        scorers = self._compile_scorers(pod_env)
+        nodes = self._compile_tree(pod_env, request_env)
+        self._check_models()
+        picker = picker_for(spec.pick_strategy)
+        self._check_pick(picker)
+        if self.shape_errors or any(d.severity == "error" for d in self.diagnostics):
+            return None, self.diagnostics  # what is "unused" is not known when some failed
+        self._warn_unused()
+        policy = CompiledPolicy(
+            name=spec.name,
+            path=self.source.path,
+            version=content_version(self.source.text),
+            description=spec.description,
+            name_at=spec.name_at,
+            match_at=spec.match_node.at if spec.match_node is not None else (1, 1),
+            models_matched=spec.models_matched,
+            headers=spec.headers,
+            pool_labels=spec.pool_labels,
+            criticality_header=spec.criticality_header,
+            criticality_default=spec.criticality_default,
+            models=MappingProxyType(
+                {m.name: _model_rule(m.criticality, m.targets) for m in spec.models}
+            ),
+            start=nodes[spec.nodes[0].name] if spec.nodes else None,
+            nodes=MappingProxyType(nodes),
+            scorers=scorers,
+            picker=picker,
+            fallbacks=spec.fallbacks,
+            warnings=tuple(sorted(self.diagnostics)),
+        )
+        return policy, self.diagnostics
+
+    # --- CEL -------------------------------------------------------------------------
+
+    def _compile(
+        self, env: Environment, expression: Expression, *, what: str, want: tuple[str, ...]
+    ) -> tuple[Program, frozenset[str], cel.Type] | None:
+        """Check and compile one expression; report errors at their place in the file."""
+        try:
+            checked = env.check(expression.source)
+            program = env.compile(expression.source, constants=self.constants)
+        except CelCompileError as error:
+            at = expression.locate(error.line, error.column)
+            self.diagnostics.append(self.source.diagnostic(at, self._explain(error.message, env)))
+            return None
+        names = _references(checked)
+        self.referenced |= names
+        if want and program.return_type not in want:
+            expected = " or ".join(w.lower() for w in want)
+            self.error(
+                expression.node,
+                f"{what} must be {expected}, but this expression is {program.return_type.lower()}",
+            )
+            return None
+        return program, names, checked.return_type()
+
+    def _explain(self, message: str, env: Environment) -> str:
+        """The checker's message, plus what the policy author most likely meant."""
+        message = message.replace(" (in container '')", "")
+        if match := _NO_FIELD.search(message):
+            fields = POD_FIELDS if match.group(2) == "Pod" else REQUEST_FIELDS
+            return message + did_you_mean(match.group(1), (f.name for f in fields))
+        match = _UNDECLARED.search(message)
+        if match is None:
+            return message
+        name = match.group(1)
+        declared = env.variables
+        if (name == "pod" or name.startswith(("pod.", "variables."))) and "pod" not in declared:
+            return (
+                f"{message}: an 'if' condition runs once per request and sees only "
+                "request and params (use 'keep' to test pods)"
+            )
+        if name.startswith("params."):
+            params = [n.removeprefix("params.") for n in self.param_types]
+            known = f"declared params: {', '.join(params)}" if params else "no params are declared"
+            hint = did_you_mean(name.removeprefix("params."), params)
+            return f"{message}{hint} ({known})"
+        if name.startswith("variables."):
+            short = name.removeprefix("variables.")
+            if short in {v.name for v in self.spec.variables} and name not in declared:
+                return f"{message}: a variable can use only the variables declared above it"
+            return message + did_you_mean(short, [v.name for v in self.spec.variables])
+        return message
+
+    def _compile_variables(self) -> None:
+        for variable in self.spec.variables:
+            env = Environment(
+                {
+                    "pod": pod_type(),
+                    "request": request_type(),
+                    **self.param_types,
+                    **self.variable_types,
+                }
+            )
+            full_name = f"variables.{variable.name}"
+            compiled = self._compile(
+                env, variable.expression, what=f"variable '{variable.name}'", want=()
+            )
+            if compiled is None:
+                self.variable_types[full_name] = cel.Type.DYN  # checked on, reported once
+                self.variable_needs[full_name] = ()
+                continue
+            program, names, return_type = compiled
+            self.variable_types[full_name] = return_type
+            self.variable_needs[full_name] = (
+                *self._needs(names),
+                (full_name, program.evaluate),
+            )
+
+    def _needs(self, names: frozenset[str]) -> Needs:
+        """Variables behind ``names``, transitively, in declaration order, each once."""
+        needs: dict[str, Any] = {}
+        for name in self.variable_needs:  # declaration order
+            if name in names:
+                for dependency, evaluate in self.variable_needs[name]:
+                    needs.setdefault(dependency, evaluate)
+        return tuple(needs.items())
+
+    def _pod_expression(
+        self, env: Environment, expression: Expression, *, what: str, want: tuple[str, ...]
+    ) -> PodExpression | None:
+        compiled = self._compile(env, expression, what=what, want=want)
+        if compiled is None:
+            return None
+        program, names, _ = compiled
+        return PodExpression(expression.source, program.evaluate, self._needs(names))
+
+    def _compile_scorers(self, env: Environment) -> tuple[Scorer, ...]:
+        scorers: list[Scorer] = []
+        for spec in self.spec.scorers:
+            expression = self._pod_expression(
+                env, spec.expression, what=f"scorer '{spec.name}'", want=(*_NUMBERS, "BOOL")
+            )
+            if expression is not None:
+                scorers.append(Scorer(spec.name, spec.weight, expression))
+        return tuple(scorers)
+
+    # --- the filter tree ---------------------------------------------------------------
+
+    def _compile_tree(self, pod_env: Environment, request_env: Environment) -> dict[str, Node]:
+        specs = {node.name: node for node in self.spec.nodes}
+        for spec in self.spec.nodes:
+            for link in spec.links:
+                if link.name not in specs and link.name not in self.spec.broken:
+                    hint = did_you_mean(link.name, specs)
+                    self.error(link.node, f"unknown node '{link.name}' in '{link.field}'{hint}")
+        order = self._check_cycles(specs)
+        if self.spec.nodes:
+            reached = _reachable(self.spec.nodes[0].name, specs)
+            start = self.spec.nodes[0].name
+            for spec in self.spec.nodes:
+                if spec.name not in reached:
+                    self.warning(spec.key, f"node '{spec.name}' is never reached from '{start}'")
+        built: dict[str, Node] = {}
+        for name in order:  # leaves first, so links resolve to built nodes
+            node = self._build_node(specs[name], built, pod_env, request_env)
+            if node is not None:
+                built[name] = node
+        return {spec.name: built[spec.name] for spec in self.spec.nodes if spec.name in built}
+
+    def _check_cycles(self, specs: Mapping[str, NodeSpec]) -> list[str]:
+        """Report each cycle once; return the node names leaves first."""
+        done: set[str] = set()
+        order: list[str] = []
+        path: list[str] = []
+
+        def visit(name: str) -> None:
+            path.append(name)
+            for link in specs[name].links:
+                if link.name not in specs or link.name in done:
+                    continue
+                if link.name in path:
+                    loop = [*path[path.index(link.name) :], link.name]
+                    self.error(link.node, f"cycle in the filter tree: {' -> '.join(loop)}")
+                    continue
+                visit(link.name)
+            path.pop()
+            if name not in done:
+                done.add(name)
+                order.append(name)
+
+        for name in specs:
+            if name not in done:
+                visit(name)
+        return order
+
+    def _build_node(
+        self,
+        spec: NodeSpec,
+        built: Mapping[str, Node],
+        pod_env: Environment,
+        request_env: Environment,
+    ) -> Node | None:
+        success = built.get(spec.on_success.name) if spec.on_success else None
+        failure = built.get(spec.on_failure.name) if spec.on_failure else None
+        if spec.kind == "shed":
+            return ShedNode(spec.name, spec.description, spec.reason)
+        assert spec.expression is not None
+        what = f"node '{spec.name}'"
+        if spec.kind == "condition":
+            compiled = self._compile(request_env, spec.expression, what=what, want=("BOOL",))
+            if compiled is None:
+                return None
+            return ConditionNode(
+                spec.name,
+                spec.description,
+                spec.expression.source,
+                compiled[0].evaluate,
+                success,
+                failure,
+            )
+        want = ("BOOL",) if spec.kind == "filter" else _NUMBERS
+        expression = self._pod_expression(pod_env, spec.expression, what=what, want=want)
+        if expression is None:
+            return None
+        common = (spec.name, spec.description, expression, spec.pass_on_error, success, failure)
+        if spec.kind == "filter":
+            return KeepNode(*common)
+        if spec.kind == "band":
+            return BandNode(*common)
+        return TopKNode(*common, spec.k, spec.highest)
+
+    # --- the rest ------------------------------------------------------------------------
+
+    def _check_models(self) -> None:
+        matched = self.spec.models_matched
+        for model in self.spec.models:
+            if matched and model.name not in matched:
+                self.error(
+                    model.key,
+                    f"model '{model.name}' has settings but 'match.models' does not list it",
+                )
+
+    def _check_pick(self, picker: Picker) -> None:
+        node = self.spec.pick_node
+        at = node if node is not None else self.spec.nodes[0].key if self.spec.nodes else None
+        if picker.uses_scores and not self.spec.scorers and at is not None:
+            self.warning(at, f"pick '{picker.name}' without scorers picks at random")
+        if not picker.uses_scores and self.spec.scorers and at is not None:
+            self.warning(at, f"pick '{picker.name}' ignores the scores; they are not computed")
+
+    def _warn_unused(self) -> None:
+        for param in self.spec.params:
+            if f"params.{param.name}" not in self.referenced:
+                self.warning(param.key, f"param '{param.name}' is never used")
+        for variable in self.spec.variables:
+            if f"variables.{variable.name}" not in self.referenced:
+                self.warning(variable.key, f"variable '{variable.name}' is never used")
+
+
+def _reachable(start: str, specs: Mapping[str, NodeSpec]) -> set[str]:
+    seen = {start}
+    stack = [start]
+    while stack:
+        for link in specs[stack.pop()].links:
+            if link.name in specs and link.name not in seen:
+                seen.add(link.name)
+                stack.append(link.name)
+    return seen
+
+
+def _references(checked: cel.Expression) -> frozenset[str]:
+    """Names (variables, params, pod, request) an expression refers to, from the checker."""
+    wrapped = any_pb2.Any.FromString(checked.serialize())
+    expression = checked_pb2.CheckedExpr()
+    wrapped.Unpack(expression)
+    return frozenset(
+        reference.name
+        for reference in expression.reference_map.values()
+        if not reference.overload_id
+    )
+
+
+def _model_rule(criticality: str | None, targets: tuple[tuple[str, int], ...]) -> ModelRule:
+    kept = [(target, weight) for target, weight in targets if weight > 0]
+    cumulative: list[int] = []
+    running = 0
+    for _, weight in kept:
+        running += weight
+        cumulative.append(running)
+    return ModelRule(criticality, tuple(t for t, _ in kept), tuple(cumulative))

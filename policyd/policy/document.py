@@ -1,0 +1,568 @@
+"""The policy file, read into plain specs that still know where each part was written.
+
+This is the *shape* check: which fields exist, which kinds of values they take,
+which node kind a filter node is. Meaning (CEL types, node references, cycles,
+unused params) is the compiler's job (``policyd.policy.compiler``). The JSON
+Schema in ``policy.schema.json`` describes the same shape for editors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from policyd.cel.values import Duration
+from policyd.policy.diagnostics import Diagnostic
+from policyd.policy.reader import IDENTIFIER, Fields, is_int, is_number, string_map
+from policyd.policy.source import (
+    Source,
+    YMapping,
+    YNode,
+    YScalar,
+    YSequence,
+    kind_name,
+    parse_yaml,
+)
+
+CRITICALITIES: Final = ("critical", "standard", "sheddable")
+PICK_STRATEGIES: Final = ("max-score", "weighted-random", "round-robin", "random")
+PARAM_TYPES: Final = (
+    "int",
+    "double",
+    "string",
+    "bool",
+    "duration",
+    "list<string>",
+    "list<int>",
+    "list<double>",
+    "map<string,string>",
+)
+DEFAULT_CRITICALITY_HEADER: Final = "x-gateway-inference-criticality"
+
+# Which key makes a filter node which kind, and what else that kind accepts.
+NODE_KINDS: Final[dict[str, str]] = {
+    "keep": "filter",
+    "if": "condition",
+    "band": "band",
+    "top_k": "top-k",
+    "shed": "shed",
+}
+_LINKS: Final = ("next", "on_success", "on_failure")
+_NODE_FIELDS: Final[dict[str, tuple[str, ...]]] = {
+    "filter": ("keep", "on_error", *_LINKS),
+    "condition": ("if", "then", "else"),
+    "band": ("band", "on_error", *_LINKS),
+    "top-k": ("top_k", "lowest", "highest", "on_error", *_LINKS),
+    "shed": ("shed",),
+}
+_TOP_LEVEL: Final = (
+    "name",
+    "description",
+    "match",
+    "pool",
+    "criticality",
+    "models",
+    "params",
+    "variables",
+    "filters",
+    "score",
+    "pick",
+)
+
+NodeKind = Literal["filter", "condition", "band", "top-k", "shed"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Expression:
+    """CEL source as written in the file, able to place a CEL error in the file."""
+
+    source: str
+    node: YScalar
+
+    def locate(self, line: int, column: int) -> tuple[int, int]:
+        lines = self.source.split("\n")
+        line = min(max(line, 1), len(lines))
+        offset = sum(len(text) + 1 for text in lines[: line - 1]) + max(column, 1) - 1
+        return self.node.locate(min(offset, max(len(self.source) - 1, 0)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Reference:
+    """A node name used as a link (``next``, ``on_success``, ``then`` ...)."""
+
+    field: str
+    name: str
+    node: YScalar
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ParamSpec:
+    name: str
+    key: YScalar
+    type: str
+    value: object
+    value_node: YNode
+    valid: bool = True  # False: declared with its type (so CEL still checks) but no value
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VariableSpec:
+    name: str
+    key: YScalar
+    expression: Expression
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NodeSpec:
+    """One filter-tree node; ``links`` name the nodes that may follow it."""
+
+    name: str
+    key: YScalar
+    kind: NodeKind
+    description: str
+    expression: Expression | None  # keep / if / band / top_k's lowest|highest
+    reason: str = ""  # shed
+    k: int = 0  # top_k
+    highest: bool = False  # top_k
+    pass_on_error: bool = False
+    on_success: Reference | None = None  # "then" for a condition
+    on_failure: Reference | None = None  # "else" for a condition
+
+    @property
+    def links(self) -> tuple[Reference, ...]:
+        if self.on_success is self.on_failure:  # `next`: one link for both
+            return (self.on_success,) if self.on_success is not None else ()
+        return tuple(link for link in (self.on_success, self.on_failure) if link is not None)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScorerSpec:
+    name: str
+    key: YScalar
+    weight: float
+    expression: Expression
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ModelSpec:
+    """Per-model settings: default criticality and the traffic split."""
+
+    name: str
+    key: YScalar
+    criticality: str | None
+    targets: tuple[tuple[str, int], ...]  # (target model, weight); empty: no rewrite
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PolicySpec:
+    source: Source
+    name: str
+    name_at: tuple[int, int]
+    description: str
+    models_matched: tuple[str, ...]  # empty: every model
+    match_node: YNode | None
+    headers: tuple[tuple[str, str], ...]  # exact header conditions, lower-case names
+    pool_labels: tuple[tuple[str, str], ...]
+    criticality_header: str  # "" when clients cannot choose their criticality
+    criticality_default: str
+    models: tuple[ModelSpec, ...]
+    params: tuple[ParamSpec, ...]
+    variables: tuple[VariableSpec, ...]
+    nodes: tuple[NodeSpec, ...]  # the first one is where the walk starts
+    broken: frozenset[str]  # params, variables (as params.x / variables.x) and nodes
+    # that are declared but could not be read: the compiler does not report them again
+    scorers: tuple[ScorerSpec, ...]
+    pick_strategy: str
+    pick_node: YNode | None
+    fallbacks: int
+
+
+def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
+    """Read ``source``; the spec is None when the file is not even a mapping."""
+    root, diagnostics = parse_yaml(source)
+    if root is None:
+        if not diagnostics:
+            diagnostics.append(source.diagnostic((1, 1), "empty policy file"))
+        return None, diagnostics
+    if not isinstance(root, YMapping):
+        message = f"a policy file must be a mapping, not {kind_name(root)}"
+        return None, [*diagnostics, source.diagnostic(root.at, message)]
+    fields = Fields(root, _TOP_LEVEL, diagnostics, what="the policy")
+    name_node = fields.string("name")
+    default_name = source.path.rsplit("/", 1)[-1].split(".", 1)[0]
+    models_matched, headers, match_node = _read_match(fields)
+    pool_labels: tuple[tuple[str, str], ...] = ()
+    pool = fields.mapping("pool")
+    if pool is not None:
+        labels = Fields(pool, ("labels",), diagnostics, what="'pool'").mapping("labels")
+        pool_labels = string_map(labels, diagnostics, what="label") if labels else ()
+    header, default = _read_criticality(fields)
+    pick = fields.mapping("pick")
+    strategy, fallbacks = "", 0
+    if pick is not None:
+        pick_fields = Fields(pick, ("strategy", "fallbacks"), diagnostics, what="'pick'")
+        strategy = pick_fields.choice("strategy", PICK_STRATEGIES, "")
+        fallbacks = pick_fields.integer("fallbacks", minimum=0, default=0) or 0
+    scorers = _read_scorers(fields)
+    broken: set[str] = set()
+    spec = PolicySpec(
+        source=source,
+        name=str(name_node.value) if name_node else default_name,
+        name_at=name_node.at if name_node else (1, 1),
+        description=_text(fields, "description"),
+        models_matched=models_matched,
+        match_node=match_node,
+        headers=headers,
+        pool_labels=pool_labels,
+        criticality_header=header,
+        criticality_default=default,
+        models=_read_models(fields),
+        params=_read_params(fields, broken),
+        variables=_read_variables(fields, broken),
+        nodes=_read_nodes(fields, broken),
+        broken=frozenset(broken),
+        scorers=scorers,
+        pick_strategy=strategy or ("max-score" if scorers else "random"),
+        pick_node=fields.raw("pick"),
+        fallbacks=fallbacks,
+    )
+    return spec, diagnostics
+
+
+def _text(fields: Fields, key: str) -> str:
+    node = fields.string(key)
+    return str(node.value).strip() if node else ""
+
+
+def _read_match(
+    fields: Fields,
+) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], YNode | None]:
+    match = fields.mapping("match")
+    if match is None:
+        return (), (), fields.raw("match")
+    match_fields = Fields(match, ("models", "headers"), fields.diagnostics, what="'match'")
+    models: list[str] = []
+    sequence = match_fields.sequence("models")
+    if sequence is not None:
+        for item in sequence.items:
+            if not isinstance(item, YScalar) or not isinstance(item.value, str) or not item.value:
+                fields.error(item, f"a model name must be a string, not {kind_name(item)}")
+            elif item.value in models:
+                fields.error(item, f"model '{item.value}' is listed twice")
+            else:
+                models.append(item.value)
+        if not sequence.items:
+            fields.error(sequence, "'models' must list at least one model (or '*')")
+    if "*" in models:
+        if len(models) > 1:
+            fields.error(match, "'*' matches every model; list it alone")
+        models = []
+    headers_node = match_fields.mapping("headers")
+    headers: tuple[tuple[str, str], ...] = ()
+    if headers_node is not None:
+        pairs = string_map(headers_node, fields.diagnostics, what="header")
+        headers = tuple((name.lower(), value) for name, value in pairs)
+    return tuple(models), headers, match
+
+
+def _read_criticality(fields: Fields) -> tuple[str, str]:
+    node = fields.mapping("criticality")
+    if node is None:
+        return DEFAULT_CRITICALITY_HEADER, "standard"
+    reader = Fields(node, ("header", "default"), fields.diagnostics, what="'criticality'")
+    header = DEFAULT_CRITICALITY_HEADER
+    raw = reader.raw("header")
+    if isinstance(raw, YScalar) and raw.value is None:
+        header = ""  # `header: null`: clients cannot pick their criticality
+    elif raw is not None:
+        header_node = reader.string("header")
+        header = str(header_node.value).lower() if header_node else header
+    return header, reader.choice("default", CRITICALITIES, "standard")
+
+
+def _read_models(fields: Fields) -> tuple[ModelSpec, ...]:
+    node = fields.mapping("models")
+    if node is None:
+        return ()
+    specs: list[ModelSpec] = []
+    for name, (key, value) in node.entries.items():
+        if not isinstance(value, YMapping):
+            fields.error(value, f"model '{name}' must be a mapping, not {kind_name(value)}")
+            continue
+        reader = Fields(value, ("criticality", "targets"), fields.diagnostics, what="a model")
+        criticality = reader.choice("criticality", CRITICALITIES, "") or None
+        targets: list[tuple[str, int]] = []
+        targets_node = reader.mapping("targets")
+        if targets_node is not None:
+            for target, (_, weight) in targets_node.entries.items():
+                if not isinstance(weight, YScalar) or not is_int(weight.value):
+                    fields.error(weight, f"the weight of '{target}' must be an integer")
+                elif int(weight.value) < 0:  # type: ignore[arg-type]
+                    fields.error(weight, f"the weight of '{target}' must not be negative")
+                else:
+                    targets.append((target, int(weight.value)))  # type: ignore[arg-type]
+            if targets and not any(weight for _, weight in targets):
+                fields.error(targets_node, "at least one target needs a weight above 0")
+            if not targets_node.entries:
+                fields.error(targets_node, "'targets' must name at least one model")
+        specs.append(ModelSpec(name, key, criticality, tuple(targets)))
+    return tuple(specs)
+
+
+def _read_params(fields: Fields, broken: set[str]) -> tuple[ParamSpec, ...]:
+    node = fields.mapping("params")
+    if node is None:
+        return ()
+    specs: list[ParamSpec] = []
+    for name, (key, value) in node.entries.items():
+        if not IDENTIFIER.fullmatch(name):
+            fields.error(key, f"param name '{name}' must be an identifier (letters, digits, _)")
+            continue
+        if not isinstance(value, YMapping):
+            fields.error(value, f"param '{name}' must be a mapping like {{type: int, value: 5}}")
+            broken.add(f"params.{name}")
+            continue
+        reader = Fields(value, ("type", "value", "description"), fields.diagnostics, what="a param")
+        type_node = reader.string("type", required=True)
+        value_node = reader.raw("value")
+        if value_node is None:
+            reader.error(value, f"param '{name}' has no 'value'")
+        if type_node is None or value_node is None:
+            broken.add(f"params.{name}")
+            continue
+        kind = str(type_node.value).replace(" ", "")
+        if kind not in PARAM_TYPES:
+            reader.error(
+                type_node, f"unknown param type '{kind}'; use one of {', '.join(PARAM_TYPES)}"
+            )
+            broken.add(f"params.{name}")
+            continue
+        parsed = _param_value(kind, value_node)
+        if isinstance(parsed, str):
+            reader.error(value_node, f"param '{name}' is declared {kind} but {parsed}")
+            specs.append(ParamSpec(name, key, kind, None, value_node, valid=False))
+            continue
+        specs.append(ParamSpec(name, key, kind, parsed[0], value_node))
+    return tuple(specs)
+
+
+_DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|µs|ns|m|s)")
+_NANOS: Final = {
+    "h": 3_600_000_000_000,
+    "m": 60_000_000_000,
+    "s": 1_000_000_000,
+    "ms": 1_000_000,
+    "us": 1_000,
+    "µs": 1_000,
+    "ns": 1,
+}
+
+
+def _param_value(kind: str, node: YNode) -> tuple[object] | str:
+    """``(value,)`` converted to the param's type, or why the value does not fit."""
+    found = kind_name(node)
+    if kind.startswith("list<"):
+        if not isinstance(node, YSequence):
+            return f"the value is {found}"
+        items = [_param_value(kind[5:-1], item) for item in node.items]
+        problems = [item for item in items if isinstance(item, str)]
+        if problems:
+            return f"an item is not a {kind[5:-1]}: {problems[0]}"
+        return ([item[0] for item in items if not isinstance(item, str)],)
+    if kind == "map<string,string>":
+        if not isinstance(node, YMapping):
+            return f"the value is {found}"
+        values = [v for _, v in node.entries.values()]
+        if not all(isinstance(v, YScalar) and isinstance(v.value, str) for v in values):
+            return "a value is not a string"
+        return (
+            {key: str(v.value) for key, (_, v) in node.entries.items() if isinstance(v, YScalar)},
+        )
+    if not isinstance(node, YScalar):
+        return f"the value is {found}"
+    value = node.value
+    if kind == "int" and is_int(value):
+        return (value,)
+    if kind == "double" and is_number(value):
+        return (float(value),)  # type: ignore[arg-type]
+    if kind == "bool" and isinstance(value, bool):
+        return (value,)
+    if kind == "string" and isinstance(value, str):
+        return (value,)
+    if kind == "duration" and isinstance(value, str):
+        nanos = parse_duration(value)
+        if nanos is None:
+            return f"'{value}' is not a duration like 250ms, 1.5s or 1m30s"
+        return (Duration(nanos),)
+    return f"the value is {found}"
+
+
+def parse_duration(text: str) -> int | None:
+    """Nanoseconds of a CEL duration string (``"1m30s"``, ``"-250ms"``), or None."""
+    sign = -1 if text.startswith("-") else 1
+    body = text.lstrip("-")
+    parts = _DURATION.findall(body)
+    if not body or "".join(number + unit for number, unit in parts) != body:
+        return None
+    return sign * round(sum(float(number) * _NANOS[unit] for number, unit in parts))
+
+
+def _read_variables(fields: Fields, broken: set[str]) -> tuple[VariableSpec, ...]:
+    node = fields.mapping("variables")
+    if node is None:
+        return ()
+    specs: list[VariableSpec] = []
+    for name, (key, value) in node.entries.items():
+        if not IDENTIFIER.fullmatch(name):
+            fields.error(key, f"variable name '{name}' must be an identifier (letters, digits, _)")
+            continue
+        expression = _expression(fields, value, f"variable '{name}'")
+        if expression is None:
+            broken.add(f"variables.{name}")
+        else:
+            specs.append(VariableSpec(name, key, expression))
+    return tuple(specs)
+
+
+def _expression(fields: Fields, node: YNode, what: str) -> Expression | None:
+    if isinstance(node, YScalar) and isinstance(node.value, bool | int | float):
+        return Expression(str(node.value).lower(), node)  # `keep: true`, `expr: 1`
+    if not isinstance(node, YScalar) or not isinstance(node.value, str) or not node.value.strip():
+        fields.error(node, f"{what} must be a CEL expression (a string), not {kind_name(node)}")
+        return None
+    return Expression(node.value, node)
+
+
+def _read_nodes(fields: Fields, broken: set[str]) -> tuple[NodeSpec, ...]:
+    node = fields.mapping("filters")
+    if node is None:
+        return ()
+    specs: list[NodeSpec] = []
+    for name, (key, value) in node.entries.items():
+        spec = None
+        if isinstance(value, YMapping):
+            spec = _read_node(fields.diagnostics, name, key, value)
+        else:
+            fields.error(value, f"node '{name}' must be a mapping, not {kind_name(value)}")
+        if spec is None:
+            broken.add(name)
+        else:
+            specs.append(spec)
+    return tuple(specs)
+
+
+def _read_node(
+    diagnostics: list[Diagnostic], name: str, key: YScalar, node: YMapping
+) -> NodeSpec | None:
+    kinds = [k for k in node.entries if k in NODE_KINDS]
+    if not kinds:
+        listed = ", ".join(NODE_KINDS)
+        diagnostics.append(key.source.diagnostic(key.at, f"node '{name}' needs one of: {listed}"))
+        return None
+    if len(kinds) > 1:
+        second = node.entries[kinds[1]][0]
+        diagnostics.append(
+            key.source.diagnostic(
+                second.at, f"node '{name}' has both '{kinds[0]}' and '{kinds[1]}'; use one"
+            )
+        )
+        return None
+    kind_key = kinds[0]
+    kind: NodeKind = NODE_KINDS[kind_key]  # type: ignore[assignment]
+    fields = Fields(node, ("description", *_NODE_FIELDS[kind]), diagnostics, what=f"node '{name}'")
+    description = _text(fields, "description")
+    what = f"'{kind_key}' of node '{name}'"
+    if kind == "shed":
+        reason = fields.string("shed")
+        return NodeSpec(
+            name, key, kind, description, None, reason=str(reason.value) if reason else "shed"
+        )
+    if kind == "condition":
+        expression = _expression(fields, node.entries["if"][1], what)
+        return NodeSpec(
+            name,
+            key,
+            kind,
+            description,
+            expression,
+            on_success=_reference(fields, "then"),
+            on_failure=_reference(fields, "else"),
+        )
+    pass_on_error = fields.choice("on_error", ("drop", "pass"), "drop") == "pass"
+    on_success, on_failure = _read_links(fields, name)
+    k, highest = 0, False
+    if kind == "top-k":
+        k = fields.integer("top_k", minimum=1, default=1) or 1
+        ends = [end for end in ("lowest", "highest") if fields.has(end)]
+        if len(ends) != 1:
+            fields.error(
+                node.entries["top_k"][0],
+                f"node '{name}' needs exactly one of 'lowest' or 'highest'",
+            )
+            return None
+        highest = ends[0] == "highest"
+        expression = _expression(fields, node.entries[ends[0]][1], f"'{ends[0]}' of node '{name}'")
+    else:
+        expression = _expression(fields, node.entries[kind_key][1], what)
+    if expression is None:
+        return None
+    return NodeSpec(
+        name,
+        key,
+        kind,
+        description,
+        expression,
+        k=k,
+        highest=highest,
+        pass_on_error=pass_on_error,
+        on_success=on_success,
+        on_failure=on_failure,
+    )
+
+
+def _read_links(fields: Fields, name: str) -> tuple[Reference | None, Reference | None]:
+    following = _reference(fields, "next")
+    on_success = _reference(fields, "on_success")
+    on_failure = _reference(fields, "on_failure")
+    if following is not None:
+        if on_success is not None or on_failure is not None:
+            fields.error(
+                following.node,
+                f"node '{name}' has 'next' and 'on_success'/'on_failure'; "
+                "'next' already covers both",
+            )
+        return following, following
+    return on_success, on_failure
+
+
+def _reference(fields: Fields, key: str) -> Reference | None:
+    node = fields.string(key)
+    return Reference(key, str(node.value), node) if node else None
+
+
+def _read_scorers(fields: Fields) -> tuple[ScorerSpec, ...]:
+    node = fields.mapping("score")
+    if node is None:
+        return ()
+    specs: list[ScorerSpec] = []
+    for name, (key, value) in node.entries.items():
+        if not isinstance(value, YMapping):
+            fields.error(value, f"scorer '{name}' must be a mapping like {{weight: 1, expr: ...}}")
+            continue
+        reader = Fields(
+            value, ("weight", "expr", "description"), fields.diagnostics, what="a scorer"
+        )
+        weight = reader.number("weight", default=1.0)
+        if weight < 0:
+            reader.error(
+                reader.raw("weight") or value, f"the weight of scorer '{name}' must not be negative"
+            )
+        expression_node = reader.raw("expr")
+        if expression_node is None:
+            reader.error(key, f"scorer '{name}' has no 'expr'")
+            continue
+        expression = _expression(fields, expression_node, f"'expr' of scorer '{name}'")
+        if expression is not None:
+            specs.append(ScorerSpec(name, key, weight, expression))
+    return tuple(specs)

@@ -1,0 +1,145 @@
+"""Typed, position-aware reading of YAML mappings, shared by policies and policy tests.
+
+A ``Fields`` reader wraps one mapping: it hands out values of the expected
+shape, reports wrong shapes and unknown keys (with a "did you mean") at the
+exact key or value, and never raises, so one pass collects every mistake.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Final
+
+from policyd.policy.diagnostics import Diagnostic, did_you_mean
+from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name
+
+IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class Fields:
+    """One YAML mapping read field by field; problems go to ``diagnostics``."""
+
+    def __init__(
+        self,
+        node: YMapping,
+        known: Iterable[str],
+        diagnostics: list[Diagnostic],
+        *,
+        what: str,
+    ) -> None:
+        self.node = node
+        self.diagnostics = diagnostics
+        known = tuple(known)
+        for key, (key_node, _) in node.entries.items():
+            if key not in known:
+                self.error(key_node, f"unknown field '{key}' in {what}{did_you_mean(key, known)}")
+
+    def error(self, node: YNode, message: str) -> None:
+        self.diagnostics.append(node.source.diagnostic(node.at, message))
+
+    def has(self, key: str) -> bool:
+        return key in self.node.entries
+
+    def key(self, key: str) -> YScalar | None:
+        entry = self.node.entries.get(key)
+        return entry[0] if entry else None
+
+    def raw(self, key: str) -> YNode | None:
+        entry = self.node.entries.get(key)
+        return entry[1] if entry else None
+
+    def mapping(self, key: str) -> YMapping | None:
+        value = self.raw(key)
+        if value is None or _is_null(value):
+            return None
+        if not isinstance(value, YMapping):
+            self.error(value, f"'{key}' must be a mapping, not {kind_name(value)}")
+            return None
+        return value
+
+    def sequence(self, key: str) -> YSequence | None:
+        value = self.raw(key)
+        if value is None or _is_null(value):
+            return None
+        if not isinstance(value, YSequence):
+            self.error(value, f"'{key}' must be a list, not {kind_name(value)}")
+            return None
+        return value
+
+    def string(self, key: str, *, required: bool = False) -> YScalar | None:
+        """A non-empty string (a number written where text is expected is refused)."""
+        value = self.raw(key)
+        if value is None:
+            if required:
+                self.error(self.node, f"missing required field '{key}'")
+            return None
+        if not isinstance(value, YScalar) or not isinstance(value.value, str):
+            self.error(value, f"'{key}' must be a string, not {kind_name(value)}")
+            return None
+        if not value.value.strip():
+            self.error(value, f"'{key}' must not be empty")
+            return None
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = self.string(key)
+        if value is None:
+            return default
+        text = str(value.value)
+        if text not in choices:
+            listed = ", ".join(choices)
+            self.error(value, f"'{key}' must be one of {listed}, not '{text}'")
+            return default
+        return text
+
+    def integer(self, key: str, *, minimum: int, default: int | None = None) -> int | None:
+        value = self.raw(key)
+        if value is None:
+            return default
+        if not isinstance(value, YScalar) or not is_int(value.value):
+            self.error(value, f"'{key}' must be an integer, not {kind_name(value)}")
+            return default
+        number = int(value.value)  # type: ignore[arg-type]
+        if number < minimum:
+            self.error(value, f"'{key}' must be at least {minimum}, not {number}")
+            return default
+        return number
+
+    def number(self, key: str, *, default: float) -> float:
+        value = self.raw(key)
+        if value is None:
+            return default
+        if not isinstance(value, YScalar) or not is_number(value.value):
+            self.error(value, f"'{key}' must be a number, not {kind_name(value)}")
+            return default
+        return float(value.value)  # type: ignore[arg-type]
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_null(node: YNode) -> bool:
+    return isinstance(node, YScalar) and node.value is None
+
+
+def string_map(
+    node: YMapping, diagnostics: list[Diagnostic], *, what: str
+) -> tuple[tuple[str, str], ...]:
+    """A mapping of names to string values (labels, header conditions)."""
+    pairs: list[tuple[str, str]] = []
+    for key, (_, value) in node.entries.items():
+        if not isinstance(value, YScalar) or value.value is None or isinstance(value.value, bool):
+            diagnostics.append(
+                value.source.diagnostic(
+                    value.at, f"{what} '{key}' must be a string, not {kind_name(value)}"
+                )
+            )
+            continue
+        pairs.append((key, str(value.value)))
+    return tuple(pairs)

@@ -1,0 +1,185 @@
+"""``Router.decide(request, candidates) -> Decision``: one routing decision.
+
+The router reads the current ``PolicySet`` by one reference at the start of a
+decision and uses only that set to the end, so a policy swapped in meanwhile
+never mixes with the old one; nothing is locked and nothing blocks. Candidates
+are any objects carrying the CEL schema's ``pod`` attributes
+(``policyd.pool.pod.Pod`` in the service).
+
+Steps: choose the policy (none: 404), resolve criticality and target model,
+keep the policy's pool, walk the filter tree (shed or nothing left: 429; no
+candidates at all: 503), score the survivors if the picker uses scores, pick.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from policyd.policy.compiler import CompiledPolicy
+from policyd.policy.decision import Decision, NodeTrace, Outcome
+from policyd.policy.document import CRITICALITIES
+from policyd.policy.evaluation import Evaluation
+from policyd.policy.nodes import pod_names
+from policyd.policy.policyset import PolicySet
+from policyd.policy.request import Request
+from policyd.policy.scoring import score
+from policyd.policy.store import PolicyStore
+
+TOP_SCORES: Final = 5  # how many (pod, score) pairs a decision carries
+_log = logging.getLogger(__name__)
+
+
+class Router:
+    """Decides requests against the store's current policy set."""
+
+    def __init__(
+        self, policies: PolicyStore | PolicySet, *, rng: random.Random | None = None
+    ) -> None:
+        self._store = policies if isinstance(policies, PolicyStore) else PolicyStore(policies)
+        self._rng = rng if rng is not None else random.Random()
+
+    @property
+    def store(self) -> PolicyStore:
+        return self._store
+
+    def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
+        policy_set = self._store.current  # one read: this decision sees one set
+        policy = policy_set.select(request.model, request.headers)
+        if policy is None:
+            return Decision(
+                Outcome.UNKNOWN_MODEL,
+                policy="",
+                policy_version=policy_set.version,
+                target_model=request.model,
+                reason=f"no policy serves model '{request.model}'",
+            )
+        try:
+            return self._decide(policy, request, candidates)
+        except Exception as error:  # a bug must cost one request a 500, not the stream
+            _log.exception("routing decision failed under policy %s", policy.name)
+            return Decision(
+                Outcome.ERROR,
+                policy=policy.name,
+                policy_version=policy.version,
+                target_model=request.model,
+                reason=f"internal error: {type(error).__name__}: {error}",
+            )
+
+    def _decide(
+        self, policy: CompiledPolicy, request: Request, candidates: Sequence[Any]
+    ) -> Decision:
+        resolved = self._resolve(policy, request)
+        pods = _in_pool(policy.pool_labels, candidates)
+        if not pods:
+            return self._answer(
+                policy,
+                resolved,
+                Outcome.NO_CAPACITY,
+                reason="no ready pods" if not candidates else "no ready pods in the policy's pool",
+            )
+        ev = Evaluation(resolved)
+        trace: list[NodeTrace] = []
+        node = policy.start
+        survivors: Sequence[Any] = pods
+        while node is not None:
+            step, survivors, node, shed = node.visit(survivors, ev)
+            trace.append(step)
+            if shed:
+                return self._answer(policy, resolved, Outcome.SHED, reason=shed, trace=trace)
+        if not survivors:
+            last = trace[-1].node if trace else ""
+            return self._answer(
+                policy,
+                resolved,
+                Outcome.SHED,
+                reason=f"no pod passed the filters (the walk ended at '{last}')",
+                trace=trace,
+            )
+        count = len(survivors)
+        totals: list[float] | None = None
+        if policy.picker.uses_scores:
+            if policy.scorers:
+                totals, errors = score(policy.scorers, survivors, ev)
+                trace.append(NodeTrace("score", "score", count, (), tuple(errors)))
+            else:
+                totals = [0.0] * count
+        chosen = policy.picker.pick(totals, count, policy.fallbacks, self._rng)
+        pod = survivors[chosen[0]]
+        top: tuple[tuple[str, float], ...] = ()
+        if totals is not None and policy.scorers:
+            best = heapq.nlargest(TOP_SCORES, range(count), key=totals.__getitem__)
+            top = tuple((survivors[i].name, totals[i]) for i in best)
+        return Decision(
+            Outcome.ROUTED,
+            policy=policy.name,
+            policy_version=policy.version,
+            target_model=resolved.target_model,
+            criticality=resolved.criticality,
+            endpoint=pod.address,
+            pod=pod.name,
+            fallbacks=tuple([survivors[i].address for i in chosen[1:]]) if policy.fallbacks else (),
+            score=totals[chosen[0]] if totals is not None and policy.scorers else None,
+            survivors=pod_names(survivors),
+            trace=tuple(trace),
+            scores=top,
+        )
+
+    def _resolve(self, policy: CompiledPolicy, request: Request) -> Request:
+        """The request as the policy sees it: criticality and target model decided.
+
+        Criticality: a valid value of the policy's criticality header, else the
+        model's own, else the policy default. The caller's object is not changed.
+        """
+        rule = policy.models.get(request.model)
+        criticality = ""
+        if policy.criticality_header:
+            asked = request.headers.get(policy.criticality_header, "").strip().lower()
+            if asked in CRITICALITIES:
+                criticality = asked
+        if not criticality:
+            criticality = (rule.criticality if rule else None) or policy.criticality_default
+        target = rule.target_for(request.model, self._rng.random) if rule else request.model
+        return Request(
+            model=request.model,
+            target_model=target,
+            criticality=criticality,
+            headers=request.headers,
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            stream=request.stream,
+            path=request.path,
+            id=request.id,
+        )
+
+    @staticmethod
+    def _answer(
+        policy: CompiledPolicy,
+        request: Request,
+        outcome: Outcome,
+        *,
+        reason: str,
+        trace: Sequence[NodeTrace] = (),
+    ) -> Decision:
+        return Decision(
+            outcome,
+            policy=policy.name,
+            policy_version=policy.version,
+            target_model=request.target_model,
+            criticality=request.criticality,
+            reason=reason,
+            trace=tuple(trace),
+        )
+
+
+def _in_pool(labels: tuple[tuple[str, str], ...], candidates: Sequence[Any]) -> Sequence[Any]:
+    if not labels:
+        return candidates
+    return [pod for pod in candidates if _has_labels(pod.labels, labels)]
+
+
+def _has_labels(pod_labels: Mapping[str, str], wanted: tuple[tuple[str, str], ...]) -> bool:
+    return all(pod_labels.get(name) == value for name, value in wanted)

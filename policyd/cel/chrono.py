@@ -270,6 +270,8 @@ def seconds(value: Timestamp, zone: str | None = None) -> int:
 
 
 def milliseconds(value: Timestamp, zone: str | None = None) -> int:
+    if zone is not None:
+        local_fields(value, zone)  # no zone shifts milliseconds, but a bad one is an error
     return value.nanos % NANOS_PER_SECOND // NANOS_PER_MILLISECOND
 
 

@@ -12,7 +12,8 @@ handled by construction:
   their ``repr`` of an exact built-in type;
 * message fields are read with ``obj.field`` only when the name is a plain
   identifier that is not a Python keyword and does not start with ``_``;
-  anything else goes through ``getattr`` with a bound constant;
+  anything else goes through ``runtime.get_field`` with a bound constant,
+  which refuses names starting with ``_``;
 * the function runs with empty ``__builtins__``.
 
 Errors: every CEL error is a ``CelEvalError``. ``&&``, ``||``,
@@ -44,16 +45,8 @@ class GenerationError(Exception):
     """The IR could not be turned into Python (e.g. nesting beyond Python's limits)."""
 
 
-def _top_level_error(error: Exception, activation: Mapping[str, Any]) -> CelEvalError:
+def _top_level_error(error: Exception) -> CelEvalError:
     """The error a program reports for an exception that reached its top level."""
-    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], str):
-        name = error.args[0]
-        try:
-            bound = name in activation
-        except Exception:  # a broken Mapping: report the key as missing
-            bound = False
-        if not bound:
-            return CelEvalError(f"no value bound for variable {name!r}")
     try:
         return runtime.as_error(error)
     except Exception as internal:
@@ -69,15 +62,18 @@ def _base_namespace() -> dict[str, Any]:
         "_condition_error": runtime.condition_error,
         "_overflow": runtime.overflow,
         "_top_error": _top_level_error,
+        "_unbound": runtime.unbound,
         "_UInt": UInt,
         "_iterate": runtime.iterate,
         "_is_set": runtime.is_set,
         "_select": runtime.select,
         "_has": runtime.has_field,
         "_make_map": runtime.make_map,
-        "_getattr": getattr,
+        "_field": runtime.get_field,
         "len": len,
+        "_float": float,
         "Exception": Exception,
+        "KeyError": KeyError,
     }
 
 
@@ -147,12 +143,15 @@ class _Generator:
             if node.name in frame:
                 return frame[node.name]
         local = self.temp("v")
-        lookup = f"{_ACTIVATION}[{self.bind(node.name)}]"
+        name = self.bind(node.name)
+        self.emit("try:")
+        self.emit(f"    {local} = {_ACTIVATION}[{name}]")
+        self.emit("except KeyError:")
+        self.emit(f"    _unbound({name})")
         if node.type.kind == "uint":
-            lookup = f"_UInt({lookup})"
+            self.emit(f"{local} = _UInt({local})")
         elif node.type.kind == "double":
-            lookup = f"({lookup} * 1.0)"
-        self.emit(f"{local} = {lookup}")
+            self.emit(f"{local} = {local} * 1.0")
         self._bindings[-1][node.name] = local
         return local
 
@@ -167,7 +166,7 @@ class _Generator:
         if _PLAIN_FIELD.fullmatch(field) and not keyword.iskeyword(field):
             text = f"{operand}.{field}"
         else:
-            text = f"_getattr({operand}, {self.bind(field)})"
+            text = f"_field({operand}, {self.bind(field)})"
         # A double field may hold a Python int (Pod(kv_cache=0)); make it a float.
         return f"({text} * 1.0)" if node.type.kind == "double" else text
 
@@ -184,7 +183,7 @@ class _Generator:
             return f"({field} in {operand})"
         if node.test == "dyn":
             return f"_has({operand}, {field})"
-        value = f"_getattr({operand}, {field})"
+        value = f"_field({operand}, {field})"
         if node.test == "sized":
             return f"(len({value}) > 0)"
         if node.test == "message":
@@ -247,7 +246,10 @@ class _Generator:
             for operand in operands:
                 current = self.temp()
                 held.append(current)
-                self._guarded(current, operand)
+                if isinstance(operand, ir.Local):  # already a held value, maybe an error
+                    self.emit(f"{current} = {operand.slot}")
+                else:
+                    self._guarded(current, operand)
                 self.emit(f"if {current} is {decisive}:")
                 with self.block():
                     self.emit(f"{result} = {decisive}")
@@ -400,10 +402,50 @@ def _appended_element(node: ir.Comprehension) -> tuple[ir.Node | None, ir.Node] 
     return None
 
 
+def strict_variables(node: ir.Node) -> dict[str, ir.Var]:
+    """Variables every evaluation of ``node`` reads with errors propagating, so
+    that an unbound one makes the whole result an error."""
+    if isinstance(node, ir.Var):
+        return {node.name: node}
+    if isinstance(node, ir.Attr | ir.MapKey | ir.DynSelect | ir.Presence):
+        return strict_variables(node.operand)
+    if isinstance(node, ir.Call | ir.ListLit | ir.MapLit):
+        parts = (
+            node.args
+            if isinstance(node, ir.Call)
+            else node.items
+            if isinstance(node, ir.ListLit)
+            else (*node.keys, *node.values)
+        )
+        found: dict[str, ir.Var] = {}
+        for part in parts:
+            found.update(strict_variables(part))
+        return found
+    if isinstance(node, ir.And | ir.Or):
+        each = [strict_variables(operand) for operand in node.operands]
+        return {name: var for name, var in each[0].items() if all(name in e for e in each[1:])}
+    if isinstance(node, ir.Conditional):
+        then = strict_variables(node.then)
+        otherwise = strict_variables(node.otherwise)
+        both = {name: var for name, var in then.items() if name in otherwise}
+        return {**strict_variables(node.condition), **both}
+    if isinstance(node, ir.Comprehension):
+        return {
+            **strict_variables(node.range),
+            **strict_variables(node.init),
+            **strict_variables(node.result),
+        }
+    return {}
+
+
 def generate(lowered: ir.Lowered) -> tuple[Callable[[Mapping[str, Any]], Any], str]:
     """The Python function evaluating ``lowered`` and its source text."""
     generator = _Generator()
     generator._depth = 2
+    for variable in sorted(strict_variables(lowered.root).values(), key=lambda var: var.name):
+        # Needed on every path, so a missing one is an error whatever happens:
+        # load it once, up front, instead of inside each guarded operand.
+        generator.value(variable)
     result = generator.value(lowered.root)
     body = generator.lines
     source = "\n".join(
@@ -415,7 +457,7 @@ def generate(lowered: ir.Lowered) -> tuple[Callable[[Mapping[str, Any]], Any], s
             "    except _Err:",
             "        raise",
             "    except Exception as _x:",
-            f"        raise _top_error(_x, {_ACTIVATION}) from None",
+            "        raise _top_error(_x) from None",
             "",
         ]
     )

@@ -29,7 +29,6 @@ from policyd.cel.errors import CelCompileError
 
 ASSUMED_SIZE: Final = 100
 MAX_COST: Final = 100_000
-_SIZED_CALLS: Final = frozenset({"@in", "_==_", "_!=_"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +171,11 @@ class _Estimator:
         call = expr.call_expr
         args = ([call.target] if call.HasField("target") else []) + list(call.args)
         total = sum((self.cost(arg) for arg in args), ONE)
-        if call.function in _SIZED_CALLS and len(args) == 2 and self._is_collection(args[1]):
+        # ``x in list`` and equality of lists or maps walk the right operand.
+        sized = (call.function == "@in" and self._is_collection(args[-1], maps=False)) or (
+            call.function in ("_==_", "_!=_") and self._is_collection(args[-1])
+        )
+        if sized and len(args) == 2:
             total = total + self.size(args[1])
         elif call.function == "_+_" and len(args) == 2 and self._is_collection(args[0]):
             # ``@result + [x]`` inside a macro appends in place (here and in cel-cpp).
@@ -188,11 +191,14 @@ class _Estimator:
             and expr.ident_expr.name == self._accumulators[-1]
         )
 
-    def _is_collection(self, expr: syntax_pb2.Expr) -> bool:
+    def _is_collection(self, expr: syntax_pb2.Expr, *, maps: bool = True) -> bool:
+        """Whether ``expr`` may be a list (or a map, when ``maps``): an operation on it
+        may take time proportional to its size (a map lookup does not)."""
         checked = self._types.get(expr.id)
         if checked is None:  # unchecked: assume the worst
             return True
-        return checked.WhichOneof("type_kind") in ("list_type", "map_type", "dyn")
+        kinds = ("list_type", "map_type", "dyn") if maps else ("list_type", "dyn")
+        return checked.WhichOneof("type_kind") in kinds
 
     def _comprehension_cost(self, expr: syntax_pb2.Expr) -> Polynomial:
         loop = expr.comprehension_expr

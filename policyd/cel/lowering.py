@@ -309,6 +309,8 @@ class Lowerer:
             inline = "{0}[{1}]"
         elif oid == "type":
             return self._static_type_of(static, args[0])
+        elif oid == "divide_double" and _nonzero_constant(args[1]):
+            inline = "({0} / {1})"  # IEEE division; only x / 0.0 differs from Python
         elif oid in ("matches_string", "matches") and isinstance(args[1], ir.Const):
             try:
                 search = runtime.regex(args[1].value)
@@ -452,6 +454,10 @@ _KIND_TYPE_NAMES: Final = {
     "timestamp": "google.protobuf.Timestamp",
     "duration": "google.protobuf.Duration",
 }
+
+
+def _nonzero_constant(node: ir.Node) -> bool:
+    return isinstance(node, ir.Const) and isinstance(node.value, float) and node.value != 0
 
 
 def _same_kind(args: tuple[ir.Node, ...], kinds: frozenset[str]) -> bool:

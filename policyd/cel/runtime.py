@@ -169,6 +169,10 @@ def as_error(error: Exception) -> CelEvalError:
     return CelEvalError(f"{error.__class__.__name__}: {error}")
 
 
+def unbound(name: str) -> NoReturn:
+    raise CelEvalError(f"no value bound for variable {name!r}")
+
+
 def logic_error(*operands: Any) -> NoReturn:
     """``&&`` / ``||`` got no deciding operand: raise the first error, else the misuse."""
     for operand in operands:
@@ -469,6 +473,17 @@ def make_map(keys: Sequence[Any], values: Sequence[Any]) -> dict[Any, Any]:
     return result
 
 
+def get_field(message: Any, field: str) -> Any:
+    """A message field read from a Python object. Names starting with ``_`` are
+    never fields, so no expression can reach ``__class__`` and friends."""
+    if field.startswith("_"):
+        raise CelEvalError(f"no such field: {field!r}")
+    try:
+        return getattr(message, field)
+    except AttributeError:
+        raise CelEvalError(f"no such field: {field!r}") from None
+
+
 def select(operand: Any, field: str) -> Any:
     """``operand.field`` on a value whose type is only known at run time."""
     kind = kind_of(operand)
@@ -478,10 +493,7 @@ def select(operand: Any, field: str) -> Any:
             raise CelEvalError(f"no such key: {field!r}")
         return value
     if kind == MESSAGE:
-        try:
-            return getattr(operand, field)
-        except AttributeError:
-            raise CelEvalError(f"no such field: {field!r}") from None
+        return get_field(operand, field)
     raise CelEvalError(f"type {kind} does not support field selection")
 
 
@@ -492,11 +504,7 @@ def has_field(operand: Any, field: str) -> bool:
     if kind == MAP:
         return in_map(field, operand)
     if kind == MESSAGE:
-        try:
-            value = getattr(operand, field)
-        except AttributeError:
-            raise CelEvalError(f"no such field: {field!r}") from None
-        return is_set(value)
+        return is_set(get_field(operand, field))
     raise CelEvalError(f"type {kind} does not support presence tests")
 
 

@@ -30,7 +30,7 @@ from google.protobuf import any_pb2
 
 from policyd.cel import codegen, cost, lowering
 from policyd.cel.errors import CelCompileError
-from policyd.cel.fallback import fallback_evaluator
+from policyd.cel.fallback import FallbackEvaluator
 from policyd.cel.schema import descriptor_pool_for_schema
 from policyd.cel.values import Duration, Timestamp, UInt
 
@@ -118,7 +118,7 @@ class Environment:
             return Program(
                 source=source,
                 return_type=return_type,
-                evaluate=fallback_evaluator(expression, self._variables, folded_constants),
+                evaluate=FallbackEvaluator(expression, self._variables, folded_constants),
                 lowered=False,
                 report=(*notes, estimate.describe()),
             )

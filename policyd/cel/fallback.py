@@ -10,7 +10,7 @@ used as a map key comes back as a plain ``int``.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from cel_expr_python import cel
@@ -25,8 +25,6 @@ from policyd.cel.values import (
     Timestamp,
     UInt,
 )
-
-Evaluator = Callable[[Mapping[str, Any]], Any]
 
 _EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 _TYPE_NAMES: Final = {
@@ -43,37 +41,55 @@ _TYPE_NAMES: Final = {
 }
 
 
-def fallback_evaluator(
-    expression: cel.Expression, variables: Mapping[str, cel.Type], constants: Mapping[str, Any]
-) -> Evaluator:
-    """``evaluate(activation)`` for ``expression`` through cel-cpp."""
-    pool = descriptor_pool_for_schema()
-    message_classes = {
-        name: message_factory.GetMessageClass(pool.FindMessageTypeByName(declared.name()))
-        for name, declared in variables.items()
-        if declared.is_message()
-    }
-    uint_variables = frozenset(
-        name for name, declared in variables.items() if declared.name() == "UINT"
-    )
+class FallbackEvaluator:
+    """``evaluate(activation)`` through cel-cpp: convert the activation, evaluate,
+    convert the result back. Calling the instance is ``evaluate``."""
 
-    def evaluate(activation: Mapping[str, Any]) -> Any:
-        data = {**constants, **activation}
+    def __init__(
+        self,
+        expression: cel.Expression,
+        variables: Mapping[str, cel.Type],
+        constants: Mapping[str, Any],
+    ) -> None:
+        pool = descriptor_pool_for_schema()
+        self._expression = expression
+        self._constants = dict(constants)
+        self._message_classes = {
+            name: message_factory.GetMessageClass(pool.FindMessageTypeByName(declared.name()))
+            for name, declared in variables.items()
+            if declared.is_message()
+        }
+        self._uint_variables = frozenset(
+            name for name, declared in variables.items() if declared.name() == "UINT"
+        )
+
+    def convert(self, activation: Mapping[str, Any]) -> dict[str, Any]:
+        """The activation (and constants) as cel-expr-python takes them."""
+        converted = {}
+        for name, value in {**self._constants, **activation}.items():
+            if name in self._message_classes:
+                converted[name] = _to_message(self._message_classes[name], value)
+            elif name in self._uint_variables:
+                converted[name] = int(value)
+            else:
+                converted[name] = _to_cel(value)
+        return converted
+
+    def evaluate_converted(self, converted: Mapping[str, Any]) -> Any:
         try:
-            converted = {}
-            for name, value in data.items():
-                if name in message_classes:
-                    converted[name] = _to_message(message_classes[name], value)
-                elif name in uint_variables:
-                    converted[name] = int(value)
-                else:
-                    converted[name] = _to_cel(value)
-            result = expression.eval(data=converted)
+            result = self._expression.eval(data=converted)
         except Exception as error:
             raise CelEvalError(f"cannot evaluate with cel-expr-python: {error}") from None
         return from_cel_value(result)
 
-    return evaluate
+    def __call__(self, activation: Mapping[str, Any]) -> Any:
+        try:
+            converted = self.convert(activation)
+        except Exception as error:
+            raise CelEvalError(
+                f"cannot convert the activation for cel-expr-python: {error}"
+            ) from None
+        return self.evaluate_converted(converted)
 
 
 def _to_message(message_class: Any, value: Any) -> Any:

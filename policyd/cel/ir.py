@@ -10,7 +10,7 @@ what lets the generator pick exact inline Python for a node.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from cel.expr import checked_pb2
@@ -252,11 +252,10 @@ class Comprehension(Node):
 
 @dataclass(frozen=True, slots=True)
 class Lowered:
-    """A lowered expression with what the report says about it."""
+    """A lowered expression and how many subexpressions folded to constants."""
 
     root: Node
     folded: int = 0
-    notes: tuple[str, ...] = field(default=())
 
 
 def type_value(name: str) -> Const:

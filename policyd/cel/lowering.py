@@ -232,23 +232,24 @@ class Lowerer:
         return self._maybe_fold_literal(ir.MapLit(self._type(expr), tuple(keys), tuple(values)))
 
     def _maybe_fold_literal(self, node: ir.ListLit | ir.MapLit) -> ir.Node:
+        """A literal of constants becomes one immutable constant (tuple / mapping proxy),
+        so that no caller can change it for the next evaluation."""
         if isinstance(node, ir.ListLit):
-            if all(isinstance(item, ir.Const) for item in node.items):
-                self.folded += 1
-                return ir.Const(node.type, tuple(item.value for item in node.items))  # type: ignore[attr-defined]
-            return node
-        parts = (*node.keys, *node.values)
-        if all(isinstance(part, ir.Const) for part in parts):
-            try:
-                value = runtime.make_map(
-                    [key.value for key in node.keys],  # type: ignore[attr-defined]
-                    [value.value for value in node.values],  # type: ignore[attr-defined]
-                )
-            except CelEvalError:
+            items = _constant_values(node.items)
+            if items is None:
                 return node
             self.folded += 1
-            return ir.Const(node.type, MappingProxyType(value))
-        return node
+            return ir.Const(node.type, tuple(items))
+        keys = _constant_values(node.keys)
+        values = _constant_values(node.values)
+        if keys is None or values is None:
+            return node
+        try:
+            value = runtime.make_map(keys, values)
+        except CelEvalError:  # a repeated key stays a run-time error
+            return node
+        self.folded += 1
+        return ir.Const(node.type, MappingProxyType(value))
 
     # -- calls ---------------------------------------------------------------------
 
@@ -286,7 +287,7 @@ class Lowerer:
             return None
         overload = stdlib.OVERLOADS[overload_ids[0]]
         kinds = [arg.type.kind for arg in args]
-        if any(
+        if len(kinds) != len(overload.kinds) or any(
             want is not None and want != kind
             for want, kind in zip(overload.kinds, kinds, strict=True)
         ):
@@ -330,10 +331,11 @@ class Lowerer:
         return ir.Call(static, "type", lambda _value, known: known, (arg, answer), "({0}, {1})[1]")
 
     def _fold(self, node: ir.Call) -> ir.Node:
-        if not all(isinstance(arg, ir.Const) for arg in node.args):
+        args = _constant_values(node.args)
+        if args is None:
             return node
         try:
-            value = node.impl(*(arg.value for arg in node.args))  # type: ignore[attr-defined]
+            value = node.impl(*args)
         except Exception:  # an error stays a run-time error, which && / || may absorb
             return node
         self.folded += 1
@@ -454,6 +456,16 @@ _KIND_TYPE_NAMES: Final = {
     "timestamp": "google.protobuf.Timestamp",
     "duration": "google.protobuf.Duration",
 }
+
+
+def _constant_values(nodes: tuple[ir.Node, ...]) -> list[Any] | None:
+    """The values of ``nodes`` when all are constants, else None."""
+    values = []
+    for node in nodes:
+        if not isinstance(node, ir.Const):
+            return None
+        values.append(node.value)
+    return values
 
 
 def _nonzero_constant(node: ir.Node) -> bool:

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from policyd.cel import CelCompileError, CelEvalError, Environment, pod_type
-from policyd.cel.fallback import fallback_evaluator
+from policyd.cel.fallback import FallbackEvaluator
 from policyd.cel.values import Duration, UInt
 from policyd.pool.pod import Pod
 
@@ -333,7 +333,7 @@ def test_compiled_programs_agree_with_cel_expr_python(seed: int) -> None:
         assume("cost bound" not in error.message)
         raise
     assert program.lowered, program.report
-    oracle = fallback_evaluator(ENVIRONMENT.check(source), VARIABLES, {})
+    oracle = FallbackEvaluator(ENVIRONMENT.check(source), VARIABLES, {})
     for values in (activation(rng) for _ in range(4)):
         ours = outcome(program.evaluate, values)
         theirs = outcome(oracle, values)

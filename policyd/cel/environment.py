@@ -26,7 +26,7 @@ from typing import Any
 
 from cel.expr import checked_pb2, syntax_pb2
 from cel_expr_python import cel
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, message
 
 from policyd.cel import codegen, cost, lowering
 from policyd.cel.errors import CelCompileError
@@ -128,12 +128,7 @@ class Environment:
             evaluate=evaluate,
             lowered=True,
             report=(
-                "lowered to Python"
-                + (
-                    f"; {lowered.folded} subexpressions folded at load time"
-                    if lowered.folded
-                    else ""
-                ),
+                f"lowered to Python; {lowered.folded} constant folding(s)",
                 estimate.describe(),
             ),
             python_source=python_source,
@@ -192,14 +187,21 @@ def _unpack(
     Mapping[int, checked_pb2.Reference],
 ]:
     wrapper = any_pb2.Any.FromString(serialized)
-    if wrapper.type_url == _CHECKED_URL:
-        checked = checked_pb2.CheckedExpr()
-        wrapper.Unpack(checked)
-        return checked, dict(checked.type_map), dict(checked.reference_map)
-    parsed = syntax_pb2.ParsedExpr()
-    if not wrapper.Unpack(parsed):
-        raise CelCompileError(f"unexpected serialized expression {wrapper.type_url}")
-    return parsed, {}, {}
+    try:
+        if wrapper.type_url == _CHECKED_URL:
+            checked = checked_pb2.CheckedExpr()
+            wrapper.Unpack(checked)
+            return checked, dict(checked.type_map), dict(checked.reference_map)
+        parsed = syntax_pb2.ParsedExpr()
+        if wrapper.Unpack(parsed):
+            return parsed, {}, {}
+    except message.DecodeError:
+        # Deeply nested macros exceed protobuf's decoding depth (100 levels).
+        raise CelCompileError(
+            "cost bound: the expression nests too deeply to analyse; split it into "
+            "several rules or variables"
+        ) from None
+    raise CelCompileError(f"unexpected serialized expression {wrapper.type_url}")
 
 
 def _compile_error(text: str) -> CelCompileError:

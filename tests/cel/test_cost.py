@@ -77,3 +77,11 @@ def test_the_estimate_counts_constant_lists_at_their_size() -> None:
     )
     estimate = next(line for line in program.report if line.startswith("estimated cost"))
     assert "*N" not in estimate.split(" steps")[0]
+
+
+def test_nesting_too_deep_to_analyse_does_not_load() -> None:
+    source = "".join(f"[1].exists(v{i}, " for i in range(25)) + "true" + ")" * 25
+    with pytest.raises(CelCompileError, match="nests too deeply"):
+        ENVIRONMENT.compile(source)
+    with pytest.raises(CelCompileError, match="recursion"):
+        ENVIRONMENT.compile(" + ".join(["1"] * 400))

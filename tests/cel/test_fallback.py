@@ -46,3 +46,15 @@ def test_fallback_reports_that_returned_durations_lose_nanoseconds() -> None:
     assert any("rounded to microseconds" in line for line in program.report)
     assert program.evaluate({"pod": POD}) == Duration(0)  # 1 ns, rounded by the bridge
     assert ENVIRONMENT.compile("pod.metrics_age").evaluate({"pod": POD}) == Duration(1)
+
+
+def nested_exists(depth: int) -> str:
+    return "".join(f"[1].exists(v{i}, " for i in range(depth)) + "true" + ")" * depth
+
+
+def test_nesting_beyond_what_python_compiles_falls_back_with_the_reason() -> None:
+    program = ENVIRONMENT.compile(nested_exists(8))
+    assert program.lowered is False
+    assert "too many statically nested blocks" in program.report[0]
+    assert program.evaluate({}) is True
+    assert ENVIRONMENT.compile(nested_exists(4)).lowered is True

@@ -119,15 +119,15 @@ def kind_of(value: Any) -> str:
 
 
 def type_of(value: Any) -> CelType:
+    """``type(value)`` from the value alone. A message's type is known statically
+    wherever the checker saw it (``type(pod)``); a Python object reached only
+    through ``dyn`` carries no message name, so that case is an error."""
     kind = kind_of(value)
     if kind == MESSAGE:
-        name = getattr(value.__class__, "CEL_TYPE_NAME", None)
-        if not isinstance(name, str):
-            raise CelEvalError(
-                f"type() of a {value.__class__.__name__} held as dyn is unknown; "
-                "use it where its message type is declared"
-            )
-        return CelType(name)
+        raise CelEvalError(
+            f"type() of a {value.__class__.__name__} held as dyn is unknown; "
+            "apply type() where its message type is declared"
+        )
     return _TYPE_OF_KIND[kind]
 
 
@@ -364,8 +364,6 @@ def subtract_durations(left: Duration, right: Duration) -> Duration:
 
 # -- containers ---------------------------------------------------------------------
 
-_MISSING: Final = object()
-
 
 def map_lookup(container: Mapping[Any, Any], key: Any) -> tuple[bool, Any]:
     """CEL map lookup: numeric keys match across int/uint/double (``m[1.0]``
@@ -414,36 +412,12 @@ def index_list(container: Sequence[Any], index: Any) -> Any:
     return container[index]
 
 
-def index(container: Any, key: Any) -> Any:
-    kind = kind_of(container)
-    if kind == LIST:
-        return index_list(container, key)
-    if kind == MAP:
-        return index_map(container, key)
-    no_overload("_[_]", container, key)
-
-
 def in_list(element: Any, container: Sequence[Any]) -> bool:
     return any(equals(element, item) for item in container)
 
 
 def in_map(element: Any, container: Mapping[Any, Any]) -> bool:
     return map_lookup(container, element)[0]
-
-
-def contains(element: Any, container: Any) -> bool:
-    kind = kind_of(container)
-    if kind == LIST:
-        return in_list(element, container)
-    if kind == MAP:
-        return in_map(element, container)
-    no_overload("@in", element, container)
-
-
-def size(value: Any) -> int:
-    if kind_of(value) in (STRING, BYTES, LIST, MAP):
-        return len(value)
-    no_overload("size", value)
 
 
 def iterate(value: Any) -> Iterable[Any]:
@@ -604,11 +578,6 @@ def int_from_string(text: str) -> int:
 
 def int_from_timestamp(value: Timestamp) -> int:
     return value.nanos // NANOS_PER_SECOND
-
-
-def int_from_duration(value: Duration) -> int:
-    # cel-cpp declares int(duration) but has no implementation of it.
-    raise CelEvalError("no matching overload for 'int' applied to (duration)")
 
 
 def uint_from_int(value: int) -> UInt:

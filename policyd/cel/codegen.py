@@ -59,6 +59,7 @@ def _base_namespace() -> dict[str, Any]:
         "_Err": CelEvalError,
         "_as_error": runtime.as_error,
         "_logic_error": runtime.logic_error,
+        "_logic_failure": runtime.logic_failure,
         "_condition_error": runtime.condition_error,
         "_overflow": runtime.overflow,
         "_top_error": _top_level_error,
@@ -233,10 +234,12 @@ class _Generator:
             if on_error is not None:
                 self.emit(f"{target} = {on_error}")
 
-    def _logical(self, operands: tuple[ir.Node, ...], decisive: bool) -> str:
+    def _logical(self, operands: tuple[ir.Node, ...], decisive: bool, *, hold: bool = False) -> str:
         """``&&`` (decisive False) / ``||`` (decisive True) over any number of
         operands: the decisive value wins whatever the others are (errors
-        included); else all must be the other bool; else the first error."""
+        included); else all must be the other bool; else the first error,
+        raised, or with ``hold`` returned as the value (so no ``try`` is needed
+        around a comprehension step that is a logical operator)."""
         result = self.temp("r")
         held: list[str] = []
         # One pass of a loop, so that any operand can ``break`` out once decided
@@ -259,7 +262,11 @@ class _Generator:
             with self.block():
                 self.emit(f"{result} = {not decisive}")
                 self.emit("break")
-            self.emit(f"_logic_error({', '.join(held)})")
+            if hold:
+                self.emit(f"{result} = _logic_failure({', '.join(held)})")
+                self.emit("break")
+            else:
+                self.emit(f"_logic_error({', '.join(held)})")
         return result
 
     def _and(self, node: ir.And) -> str:
@@ -314,6 +321,9 @@ class _Generator:
                 self._append_step(node, *appended)
             elif node.strict:
                 self.emit(f"{node.accu_slot} = {self.value(node.step)}")
+            elif isinstance(node.step, ir.And | ir.Or):  # exists / all: errors held, not raised
+                held = self._logical(node.step.operands, isinstance(node.step, ir.Or), hold=True)
+                self.emit(f"{node.accu_slot} = {held}")
             else:
                 self._guarded(node.accu_slot, node.step)
         return self.value(node.result)

@@ -173,12 +173,16 @@ def unbound(name: str) -> NoReturn:
     raise CelEvalError(f"no value bound for variable {name!r}")
 
 
-def logic_error(*operands: Any) -> NoReturn:
-    """``&&`` / ``||`` got no deciding operand: raise the first error, else the misuse."""
+def logic_failure(*operands: Any) -> CelEvalError:
+    """``&&`` / ``||`` got no deciding operand: the first error, else the misuse."""
     for operand in operands:
         if operand.__class__ is CelEvalError:
-            raise operand
-    raise CelEvalError("no matching overload for logical operator applied to a non-bool")
+            return operand
+    return CelEvalError("no matching overload for logical operator applied to a non-bool")
+
+
+def logic_error(*operands: Any) -> NoReturn:
+    raise logic_failure(*operands)
 
 
 def condition_error(condition: Any) -> NoReturn:

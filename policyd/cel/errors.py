@@ -24,5 +24,7 @@ class CelEvalError(Exception):
     """A CEL runtime error (division by zero, missing map key, overflow, ...).
 
     It is a *value* in CEL terms: ``&&``/``||`` may absorb it. When it reaches
-    the caller, the expression as a whole evaluated to an error.
+    the caller, the expression as a whole evaluated to an error. Compiled
+    programs hold errors as instances of exactly this class (never a subclass),
+    which is how they tell an error value from an ordinary one.
     """

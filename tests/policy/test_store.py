@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -108,13 +109,18 @@ def test_decisions_during_swaps_each_see_one_whole_policy(tmp_path: Path) -> Non
     swapper = threading.Thread(target=swap)
     swapper.start()
     seen: set[str] = set()
+    expected = {one.version: (("short",), "a"), other.version: (("long",), "b")}
+    decisions = 0
+    deadline = time.monotonic() + 20
     try:
-        for _ in range(3000):
+        # At least 3000 decisions, and on until both policies were seen: how
+        # often the threads interleave is up to the interpreter's scheduler.
+        while decisions < 3000 or (len(seen) < 2 and time.monotonic() < deadline):
             decision = router.decide(request(), PODS)
             nodes = tuple(t.node for t in decision.trace)
-            expected = {one.version: (("short",), "a"), other.version: (("long",), "b")}
             assert (nodes, decision.pod) == expected[decision.policy_version]
             seen.add(decision.policy_version)
+            decisions += 1
     finally:
         stop.set()
         swapper.join(timeout=5)

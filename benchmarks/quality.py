@@ -72,17 +72,21 @@ SEED_WORKLOAD: Final = SeedWorkload()
 FIRST_POD_PORT: Final = 8000  # as `policyd sim --base-port 8000` would serve them
 
 
-def pod_from_view(view: PodView, *, labels: Mapping[str, str] = POD_LABELS) -> Pod:
+def pod_from_view(
+    view: PodView, *, labels: Mapping[str, str] = POD_LABELS, prefix: str | None = None
+) -> Pod:
     """The ``Pod`` the service would publish for one simulated pod, as the router saw it.
 
     Field for field: scraped ``waiting`` / ``running`` / KV use / running and
     waiting adapters / ``max_loras``, the age of that scrape, and policyd's own
     count of requests in flight there (a fresh ``InFlight`` holding the
     simulator's count: the simulator, not this adapter, keeps it up to date).
-    The address is the one ``policyd sim`` would give pod ``i``.
+    The address is the one ``policyd sim`` would give pod ``i``. ``prefix``
+    renames pod ``i`` to ``{prefix}{i}`` (policies that hash pod names, such as
+    rendezvous scorers, then see another layout of the same pods).
     """
     return Pod(
-        name=view.name,
+        name=view.name if prefix is None else f"{prefix}{view.index}",
         address=f"127.0.0.1:{FIRST_POD_PORT + view.index}",
         labels=labels,
         waiting_queue=view.waiting,
@@ -108,13 +112,21 @@ class PolicyRouting:
     from the experiment's seed, so a run is repeatable.
     """
 
-    def __init__(self, policy: Path, *, seed: int, headers: Mapping[str, str] = CRITICAL) -> None:
+    def __init__(
+        self,
+        policy: Path,
+        *,
+        seed: int,
+        headers: Mapping[str, str] = CRITICAL,
+        prefix: str | None = None,
+    ) -> None:
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
         self.headers = headers
+        self.prefix = prefix
         self.decisions = 0
 
     def __call__(self, request: RoutedRequest, views: Sequence[PodView], rng: random.Random) -> int:
-        pods = [pod_from_view(view) for view in views]
+        pods = [pod_from_view(view, prefix=self.prefix) for view in views]
         decision = self.router.decide(
             Request(
                 model=request.model,
@@ -138,9 +150,12 @@ class PolicyRouting:
         raise NotRoutedError(f"policy '{decision.policy}' chose an unknown pod {decision.pod!r}")
 
 
-def run_policy(policy: Path, seed: int, *, workload: SeedWorkload) -> ExperimentResult:
-    """One virtual run of the seed experiment (or ``workload``) routed by ``policy``."""
-    return run_experiment(PolicyRouting(policy, seed=seed), workload=workload, seed=seed)
+def run_policy(
+    policy: Path, seed: int, *, workload: SeedWorkload, prefix: str | None = None
+) -> ExperimentResult:
+    """One virtual run of ``workload`` routed by ``policy``."""
+    routing = PolicyRouting(policy, seed=seed, prefix=prefix)
+    return run_experiment(routing, workload=workload, seed=seed)
 
 
 # --- figures ---------------------------------------------------------------------------
@@ -254,6 +269,10 @@ def main() -> None:
         "the published experiment); other values are variants with no published figures",
     )
     parser.add_argument(
+        "--pod-prefix",
+        help="name pod i '{prefix}{i}' instead of 'vllm-{i}': another layout of rendezvous homes",
+    )
+    parser.add_argument(
         "--policy",
         type=Path,
         action="append",
@@ -275,12 +294,16 @@ def main() -> None:
     figures: dict[str, Figures] = {}
     for name, path in policies.items():
         started = time.perf_counter()
-        figures[name] = Figures.of([run_policy(path, seed, workload=workload) for seed in seeds])
+        runs = [
+            run_policy(path, seed, workload=workload, prefix=arguments.pod_prefix) for seed in seeds
+        ]
+        figures[name] = Figures.of(runs)
         print(f"  {name}: {len(seeds)} runs in {time.perf_counter() - started:.1f} s", flush=True)
     wall = time.perf_counter() - began
     print(
         f"seed experiment: {workload.requests} requests, {workload.connections} connections, "
-        f"{workload.adapters} adapters, 6 pods, {workload.timeout_s:.0f} s per request; "
+        f"{workload.adapters} adapters, 6 pods ({arguments.pod_prefix or 'vllm-'}0..5), "
+        f"{workload.timeout_s:.0f} s per request; "
         f"seeds {seeds.start}-{seeds.stop - 1}; {len(policies) * len(seeds)} virtual runs "
         f"in {wall:.0f} s of wall time"
     )

@@ -8,6 +8,7 @@ the shipped default policy routes and completes its requests.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import sys
@@ -80,6 +81,13 @@ def test_no_pod_field_is_left_at_an_idle_pods_value() -> None:
     assert pod.labels == {"pool": "sim"}
 
 
+def test_a_prefix_renames_the_pod_and_nothing_else() -> None:
+    renamed = quality.pod_from_view(VIEW, prefix="pool-a-")
+    assert renamed.name == "pool-a-4"
+    assert renamed == dataclasses.replace(quality.pod_from_view(VIEW), name="pool-a-4")
+    assert renamed.in_flight == 31  # InFlight is not compared by ==
+
+
 def test_each_pod_gets_its_own_address_so_the_endpoint_maps_back() -> None:
     views = [PodView(i, f"vllm-{i}", 0, 0, 0.0, (), (), 4, 0.0, 0) for i in range(6)]
     addresses = {quality.pod_from_view(view).address for view in views}
@@ -100,6 +108,8 @@ def test_the_routing_function_returns_the_index_of_the_pod_the_policy_chose(
     assert route(request, views, random.Random(0)) == 2
     assert route(request, views[::-1], random.Random(0)) == 2  # by identity, not position
     assert route.decisions == 2
+    renamed = quality.PolicyRouting(policy, seed=0, prefix="pool-a-")
+    assert renamed(request, views, random.Random(0)) == 2
 
 
 def test_in_flight_reaches_the_policy_live_during_a_run(tmp_path: Path) -> None:

@@ -20,9 +20,10 @@ for several seeds, once per policy, and routes every request through
 Each pod the router sees is a ``policyd.pool.pod.Pod`` built from the
 simulator's router view (``pod_from_view``): metrics as last scraped, at most
 100 ms old, and policyd's own live in-flight count. Every request carries
-``x-gateway-inference-criticality: critical``: the seed experiment served its
-adapters as critical, and the experiment has no path for a 429 (a standard
-request under ``default.yaml`` needs a nearly idle pod and is shed otherwise).
+``x-gateway-inference-criticality: critical``, as the upstream project's
+multi-LoRA regression setup declares its adapters (``criticality: Critical``),
+and because the experiment has no path for a 429 (a standard request under
+``default.yaml`` needs a nearly idle pod and is shed otherwise).
 
 Figures are means +- standard deviations over seeds; the ratios divide by the
 random and default policies measured on the same seeds in the same run (each

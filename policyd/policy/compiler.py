@@ -42,11 +42,19 @@ from policyd.policy.document import Expression, NodeSpec, PolicySpec
 from policyd.policy.evaluation import Needs, PodExpression
 from policyd.policy.nodes import BandNode, ConditionNode, KeepNode, Node, ShedNode, TopKNode
 from policyd.policy.pickers import Picker, picker_for
-from policyd.policy.scoring import Scorer
+from policyd.policy.scoring import RendezvousScore, Scorer
 from policyd.policy.source import YNode
 
 _NUMBERS: Final = ("INT", "UINT", "DOUBLE")
 _UNDECLARED: Final = re.compile(r"undeclared reference to '([^']*)'")
+_IF_SEES: Final = (
+    "an 'if' condition runs once per request and sees only request and params "
+    "(use 'keep' to test pods)"
+)
+_RENDEZVOUS_SEES: Final = (
+    "a rendezvous key is computed once per request and sees only request and params "
+    "(each pod's name is hashed with it)"
+)
 _NO_FIELD: Final = re.compile(r"undefined field '([^']*)' not found in struct 'policyd\.(\w+)'")
 
 
@@ -164,7 +172,7 @@ class _Compiler:
             }
         )
         request_env = Environment({"request": request_type(), **self.param_types})
-        scorers = self._compile_scorers(pod_env)
+        scorers = self._compile_scorers(pod_env, request_env)
         nodes = self._compile_tree(pod_env, request_env)
         self._check_models()
         picker = picker_for(spec.pick_strategy)
@@ -199,15 +207,26 @@ class _Compiler:
     # --- CEL -------------------------------------------------------------------------
 
     def _compile(
-        self, env: Environment, expression: Expression, *, what: str, want: tuple[str, ...]
+        self,
+        env: Environment,
+        expression: Expression,
+        *,
+        what: str,
+        want: tuple[str, ...],
+        per_request: str = _IF_SEES,
     ) -> tuple[Program, frozenset[str], cel.Type] | None:
-        """Check and compile one expression; report errors at their place in the file."""
+        """Check and compile one expression; report errors at their place in the file.
+
+        ``per_request`` says why a pod is out of reach, for expressions compiled
+        in the request-only environment.
+        """
         try:
             checked = env.check(expression.source)
             program = env.compile(expression.source, constants=self.constants)
         except CelCompileError as error:
             at = expression.locate(error.line, error.column)
-            self.diagnostics.append(self.source.diagnostic(at, self._explain(error.message, env)))
+            explained = self._explain(error.message, env, per_request)
+            self.diagnostics.append(self.source.diagnostic(at, explained))
             return None
         names = _references(checked)
         self.referenced |= names
@@ -220,7 +239,7 @@ class _Compiler:
             return None
         return program, names, checked.return_type()
 
-    def _explain(self, message: str, env: Environment) -> str:
+    def _explain(self, message: str, env: Environment, per_request: str) -> str:
         """The checker's message, plus what the policy author most likely meant."""
         message = message.replace(" (in container '')", "")
         if match := _NO_FIELD.search(message):
@@ -232,10 +251,7 @@ class _Compiler:
         name = match.group(1)
         declared = env.variables
         if (name == "pod" or name.startswith(("pod.", "variables."))) and "pod" not in declared:
-            return (
-                f"{message}: an 'if' condition runs once per request and sees only "
-                "request and params (use 'keep' to test pods)"
-            )
+            return f"{message}: {per_request}"
         if name.startswith("params."):
             params = [n.removeprefix("params.") for n in self.param_types]
             known = f"declared params: {', '.join(params)}" if params else "no params are declared"
@@ -291,12 +307,30 @@ class _Compiler:
         program, names, _ = compiled
         return PodExpression(expression.source, program.evaluate, self._needs(names))
 
-    def _compile_scorers(self, env: Environment) -> tuple[Scorer, ...]:
+    def _compile_scorers(
+        self, pod_env: Environment, request_env: Environment
+    ) -> tuple[Scorer, ...]:
         scorers: list[Scorer] = []
         for spec in self.spec.scorers:
-            expression = self._pod_expression(
-                env, spec.expression, what=f"scorer '{spec.name}'", want=(*_NUMBERS, "BOOL")
-            )
+            what = f"scorer '{spec.name}'"
+            expression: PodExpression | RendezvousScore | None
+            if spec.rendezvous:
+                compiled = self._compile(
+                    request_env,
+                    spec.expression,
+                    what=f"the rendezvous key of {what}",
+                    want=("STRING",),
+                    per_request=_RENDEZVOUS_SEES,
+                )
+                expression = (
+                    RendezvousScore(spec.expression.source, compiled[0].evaluate)
+                    if compiled is not None
+                    else None
+                )
+            else:
+                expression = self._pod_expression(
+                    pod_env, spec.expression, what=what, want=(*_NUMBERS, "BOOL")
+                )
             if expression is not None:
                 scorers.append(Scorer(spec.name, spec.weight, expression))
         return tuple(scorers)

@@ -138,10 +138,13 @@ class NodeSpec:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ScorerSpec:
+    """A scorer: ``expr`` (a number per pod) or ``rendezvous`` (a key per request)."""
+
     name: str
     key: YScalar
     weight: float
     expression: Expression
+    rendezvous: bool = False  # the expression is the request's rendezvous-hashing key
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -551,18 +554,23 @@ def _read_scorers(fields: Fields) -> tuple[ScorerSpec, ...]:
             fields.error(value, f"scorer '{name}' must be a mapping like {{weight: 1, expr: ...}}")
             continue
         reader = Fields(
-            value, ("weight", "expr", "description"), fields.diagnostics, what="a scorer"
+            value,
+            ("weight", "expr", "rendezvous", "description"),
+            fields.diagnostics,
+            what="a scorer",
         )
         weight = reader.number("weight", default=1.0)
         if weight < 0:
             reader.error(
                 reader.raw("weight") or value, f"the weight of scorer '{name}' must not be negative"
             )
-        expression_node = reader.raw("expr")
-        if expression_node is None:
-            reader.error(key, f"scorer '{name}' has no 'expr'")
+        given = [field for field in ("expr", "rendezvous") if reader.has(field)]
+        if len(given) != 1:
+            problem = "has no 'expr'" if not given else "has both 'expr' and 'rendezvous'"
+            reader.error(key, f"scorer '{name}' {problem}; give exactly one of them")
             continue
-        expression = _expression(fields, expression_node, f"'expr' of scorer '{name}'")
+        field = given[0]
+        expression = _expression(fields, value.entries[field][1], f"'{field}' of scorer '{name}'")
         if expression is not None:
-            specs.append(ScorerSpec(name, key, weight, expression))
+            specs.append(ScorerSpec(name, key, weight, expression, field == "rendezvous"))
     return tuple(specs)

@@ -1,0 +1,148 @@
+"""Scrape rounds: every pod's metrics fetched at once, bounded by one timeout.
+
+A round starts a GET on every pod, waits until all have answered or the
+timeout passes, abandons the stragglers and parses what came back. The pool
+runs one round per interval; with the timeout shorter than the interval,
+rounds never overlap and a pod that stops answering is reported failed by the
+first round that starts after its last answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from policyd.pool.discovery import split_address
+from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
+from policyd.pool.metric_names import VLLM, MetricNames
+from policyd.pool.metrics_client import MetricsEndpoint
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    """How pods are scraped and when their metrics count as stale.
+
+    ``timeout`` defaults to three quarters of ``interval`` (it may not exceed
+    it), ``stale_after`` to five intervals. ``include_stale`` keeps pods whose
+    last scrape failed or is too old among the candidates (policies can then
+    judge ``pod.metrics_age`` themselves); pods that never answered are never
+    candidates, their zeros would make them look idle.
+    """
+
+    interval: float = 0.1
+    timeout: float | None = None
+    stale_after: float | None = None
+    include_stale: bool = False
+    metrics: MetricNames = field(default=VLLM)
+    metrics_port: int | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.interval > 0:
+            raise ValueError(f"scrape interval must be positive, not {self.interval}")
+        if not 0 < self.request_timeout <= self.interval:
+            raise ValueError(
+                f"scrape timeout {self.request_timeout} must be positive and at most the "
+                f"interval {self.interval}, or rounds would overlap"
+            )
+        if not self.stale_threshold >= self.interval:
+            raise ValueError(
+                f"stale-after {self.stale_threshold} must be at least the interval {self.interval}"
+            )
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"metrics port {self.metrics_port} is not a port number")
+        if self.max_body_bytes <= 0:
+            raise ValueError("max body bytes must be positive")
+
+    @property
+    def request_timeout(self) -> float:
+        return self.interval * 0.75 if self.timeout is None else self.timeout
+
+    @property
+    def stale_threshold(self) -> float:
+        return self.interval * 5 if self.stale_after is None else self.stale_after
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeResult:
+    """One pod's outcome in one round: metrics, or the reason there are none."""
+
+    address: str
+    metrics: PodMetrics | None
+    error: str | None
+    latency: float  # seconds from the request to the answer, the failure or the timeout
+
+    @property
+    def ok(self) -> bool:
+        return self.metrics is not None
+
+
+class Scraper:
+    """Runs scrape rounds; keeps one endpoint (and connection) per pod address."""
+
+    def __init__(self, config: ScrapeConfig) -> None:
+        self._config = config
+        self._parser = MetricsParser(config.metrics)
+        self._endpoints: dict[str, MetricsEndpoint] = {}
+
+    async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
+        """Scrape every address once, concurrently, within the request timeout."""
+        if not addresses:
+            return []
+        endpoints = [self._endpoint(address) for address in addresses]
+        all_answered = asyncio.get_running_loop().create_future()
+        remaining = len(endpoints)
+
+        def answered() -> None:
+            nonlocal remaining
+            remaining -= 1
+            if remaining == 0 and not all_answered.done():
+                all_answered.set_result(None)
+
+        for endpoint in endpoints:
+            endpoint.fetch(answered)
+        timeout = self._config.request_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await all_answered
+        except TimeoutError:
+            reason = f"no answer within {timeout * 1000:.0f} ms"
+            for endpoint in endpoints:
+                endpoint.abandon(reason)
+        return [
+            self._result(address, endpoint)
+            for address, endpoint in zip(addresses, endpoints, strict=True)
+        ]
+
+    def retain(self, addresses: Iterable[str]) -> None:
+        """Close the connections of pods that are gone."""
+        keep = set(addresses)
+        for address in [a for a in self._endpoints if a not in keep]:
+            self._endpoints.pop(address).close()
+
+    def close(self) -> None:
+        for endpoint in self._endpoints.values():
+            endpoint.close()
+        self._endpoints.clear()
+
+    def _endpoint(self, address: str) -> MetricsEndpoint:
+        endpoint = self._endpoints.get(address)
+        if endpoint is None:
+            host, port = split_address(address)
+            config = self._config
+            endpoint = MetricsEndpoint(
+                host, config.metrics_port or port, config.metrics.path, config.max_body_bytes
+            )
+            self._endpoints[address] = endpoint
+        return endpoint
+
+    def _result(self, address: str, endpoint: MetricsEndpoint) -> ScrapeResult:
+        body = endpoint.body
+        if body is None:
+            return ScrapeResult(address, None, endpoint.error or "no answer", endpoint.latency)
+        try:
+            metrics = self._parser.parse(body)
+        except ExpositionError as error:
+            return ScrapeResult(address, None, f"bad metrics: {error}", endpoint.latency)
+        return ScrapeResult(address, metrics, None, endpoint.latency)

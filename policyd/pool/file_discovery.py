@@ -9,18 +9,19 @@ pods:
     address: "[fd00::12]:8000"
 ```
 
-The file is polled: a ``stat`` every poll interval, a read only when its
-modification time, size or inode changed (which also catches the symlink swap
-of a mounted ConfigMap). A file that is missing or invalid at start is an
-error; a later bad edit is rejected with the file, line and reason, logged,
-kept in ``last_error``, and the last good pod set stays in force.
+The file is read every poll interval (in a worker thread) and compared with
+the last read: comparing contents rather than modification times also
+catches same-size edits within one timestamp tick and the symlink swap of a
+mounted ConfigMap, and a pod file is small enough to read once a second.
+A file that is missing or invalid at start is an error; a later bad edit is
+rejected with the file, line and reason, logged, kept in ``last_error``, and
+the last good pod set stays in force.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 
 _NULL_TAG = "tag:yaml.org,2002:null"
 _POD_KEYS = ("name", "address", "labels")
-
-_Signature = tuple[int, int, int, int]
 
 
 class StaticFileDiscovery:
@@ -49,7 +48,7 @@ class StaticFileDiscovery:
     async def updates(self) -> AsyncIterator[tuple[PodIdentity, ...]]:
         source = str(self.path)
         try:
-            signature, data = await asyncio.to_thread(self._read)
+            data = await asyncio.to_thread(self.path.read_bytes)
         except OSError as error:
             raise DiscoveryError(
                 f"cannot read the pod file: {error.strerror}", source=source
@@ -61,7 +60,7 @@ class StaticFileDiscovery:
         while True:
             await asyncio.sleep(self.poll_interval)
             try:
-                changed = await asyncio.to_thread(self._read_if_changed, signature)
+                new_data = await asyncio.to_thread(self.path.read_bytes)
             except OSError as error:
                 if not unreadable:
                     log.warning(
@@ -73,9 +72,6 @@ class StaticFileDiscovery:
                 unreadable = True
                 continue
             unreadable = False
-            if changed is None:
-                continue
-            signature, new_data = changed
             if new_data == data:
                 continue
             data = new_data
@@ -94,18 +90,6 @@ class StaticFileDiscovery:
                 pods = new_pods
                 log.info("pod file %s changed: %d pods", source, len(pods))
                 yield pods
-
-    def _read(self) -> tuple[_Signature, bytes]:
-        signature = self._signature()
-        return signature, self.path.read_bytes()
-
-    def _read_if_changed(self, signature: _Signature) -> tuple[_Signature, bytes] | None:
-        current = self._signature()
-        return None if current == signature else (current, self.path.read_bytes())
-
-    def _signature(self) -> _Signature:
-        stat = os.stat(self.path)
-        return (stat.st_mtime_ns, stat.st_size, stat.st_ino, stat.st_dev)
 
 
 def parse_pod_file(data: bytes | str, source: str) -> tuple[PodIdentity, ...]:

@@ -31,8 +31,11 @@ class PoolSnapshot:
 
     ``pods`` holds every known pod (sorted by name), ``candidates`` the ones a
     policy may choose from: answered the last scrape, metrics no older than
-    the stale threshold. ``ready`` says the pool knows its pods and has tried
-    each of them at least once. ``taken_at`` is ``time.monotonic()`` when the
+    the stale threshold. ``ready`` says the pool has pods and has scraped
+    (answered or failed) each of them at least once; it then stays true while
+    pods come and go, so that scaling the model servers up does not flap the
+    service's readiness, and turns false only when the pod set is empty.
+    ``taken_at`` is ``time.monotonic()`` when the
     snapshot was built (``metrics_age`` is measured to it); ``scrape_round``
     counts the rounds that went into it.
     """
@@ -98,6 +101,7 @@ class Datastore:
         self._members: dict[str, _Member] = {}
         self._version = 0
         self._round = 0
+        self._ready = False
         self.snapshot: PoolSnapshot = EMPTY_SNAPSHOT
 
     @property
@@ -118,12 +122,14 @@ class Datastore:
         now = self._clock()
         members: dict[str, _Member] = {}
         for identity in sorted(identities, key=lambda i: (i.name, i.address)):
+            if identity.address in members:
+                continue  # sources never repeat an address; if one did, the first name wins
             member = self._members.get(identity.address)
             if member is None:
                 member = _Member(identity, now)
             else:
                 member.identity = identity
-            members.setdefault(identity.address, member)
+            members[identity.address] = member
         self._members = members
         self._publish(now)
 
@@ -168,7 +174,7 @@ class Datastore:
     def _publish(self, now: float) -> None:
         pods: list[Pod] = []
         candidates: list[Pod] = []
-        ready = bool(self._members)
+        all_tried = True
         for address, member in self._members.items():
             identity = member.identity
             metrics = member.metrics or NO_METRICS
@@ -192,13 +198,14 @@ class Datastore:
                 self._include_stale or (member.last_ok and age <= self._stale_after)
             ):
                 candidates.append(pod)
-            ready = ready and (member.stats.successes + member.stats.failures) > 0
+            all_tried = all_tried and (member.stats.successes + member.stats.failures) > 0
+        self._ready = bool(self._members) and (self._ready or all_tried)
         self._version += 1
         self.snapshot = PoolSnapshot(
             version=self._version,
             pods=tuple(pods),
             candidates=tuple(candidates),
-            ready=ready,
+            ready=self._ready,
             taken_at=now,
             scrape_round=self._round,
         )

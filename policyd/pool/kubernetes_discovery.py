@@ -106,7 +106,9 @@ class KubernetesDiscovery:
                 yield item
         finally:
             worker.stop()
-            await asyncio.to_thread(thread.join, self.options.request_timeout + 1)
+            # The read in progress ends at once; a connection attempt in progress
+            # cannot be interrupted, and the daemon thread then ends with it.
+            await asyncio.to_thread(thread.join, 2.0)
 
 
 class _GoneError(Exception):

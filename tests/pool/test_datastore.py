@@ -121,14 +121,35 @@ def test_ready_needs_pods_and_one_scrape_of_each() -> None:
     assert not data.snapshot.ready
     data.set_pods([])
     assert not data.snapshot.ready
-    data.set_pods([A])
-    assert not data.snapshot.ready
-    data.record([ok(A)])
-    assert data.snapshot.ready
     data.set_pods([A, B])
     assert not data.snapshot.ready
-    data.record([ok(A), ok(B)])
+    data.record([ok(A)])
+    assert not data.snapshot.ready
+    data.record([ok(A), failed(B)])
     assert data.snapshot.ready
+
+
+def test_readiness_does_not_flap_when_pods_are_added_but_ends_with_an_empty_pool() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A])
+    data.record([ok(A)])
+    data.set_pods([A, B])  # scaled up: B not scraped yet
+    assert data.snapshot.ready
+    assert names(data.snapshot.candidates) == ["a"]
+    data.set_pods([])
+    assert not data.snapshot.ready
+    data.set_pods([B])
+    assert not data.snapshot.ready
+    data.record([ok(B)])
+    assert data.snapshot.ready
+
+
+def test_a_repeated_address_keeps_the_first_name() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([PodIdentity.of("z", A.address), A])
+    assert names(data.snapshot.pods) == ["a"]
 
 
 def test_in_flight_counts_survive_swaps_and_leave_with_the_pod() -> None:

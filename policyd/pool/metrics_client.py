@@ -4,8 +4,9 @@ Why not aiohttp: on these machines an aiohttp ``ClientSession`` GET over a
 kept-alive loopback connection costs about 190 us of CPU, so 100 pods at 10 Hz
 would take ~0.2 of a core before a byte is parsed (``benchmarks/scrape.py``
 runs both side by side). This client keeps one connection per pod, writes a
-request built once, frames the response in ``data_received`` and reports
-through a callback, so a scrape round costs no task, future or timer per pod.
+request built once, receives into a buffer it keeps, frames the response as
+bytes arrive and reports through a callback, so a scrape round costs no
+task, future or timer per pod.
 
 What it speaks: GET over plain TCP, HTTP/1.0 and 1.1 responses framed by
 Content-Length, chunked transfer coding, or the server closing; keep-alive
@@ -23,6 +24,9 @@ from typing import Final
 from policyd import __version__
 
 _MAX_HEAD: Final = 64 * 1024
+_INITIAL_BUFFER: Final = 64 * 1024  # most metrics pages fit; larger ones grow it once
+_MIN_READ: Final = 16 * 1024  # free space offered to each socket read
+_KEPT_BUFFER: Final = 1024 * 1024  # a buffer grown past this is dropped after its response
 
 
 class MetricsEndpoint:
@@ -153,14 +157,23 @@ class MetricsEndpoint:
         on_done()
 
 
-class _Connection(asyncio.Protocol):
-    """Frames one response at a time on one TCP connection."""
+class _Connection(asyncio.BufferedProtocol):
+    """Frames one response at a time on one TCP connection.
+
+    A buffered protocol: the transport receives straight into this
+    connection's buffer, which is kept from one response to the next. A plain
+    ``Protocol`` would have asyncio allocate a fresh 256 KiB bytes object per
+    read (``sock.recv(262144)``), measured at ~30 us per 40 KB page here
+    against ~3 us for ``recv_into`` a reused buffer.
+    """
 
     def __init__(self, endpoint: MetricsEndpoint, max_body: int) -> None:
         self._endpoint = endpoint
         self._max_body = max_body
         self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
+        self._buffer = bytearray(_INITIAL_BUFFER)
+        self._filled = 0
+        self._wanted = 0  # buffer size the response being read needs
         self._expecting = False
         self._reused = False
         self._closed = False
@@ -181,6 +194,8 @@ class _Connection(asyncio.Protocol):
         assert self._transport is not None
         self._expecting = True
         self._reused = reused
+        self._filled = 0
+        self._wanted = 0
         self._body_start = -1
         self._length = -1
         self._chunked = False
@@ -199,40 +214,51 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        # The buffer may only be resized here: while ``buffer_updated`` runs,
+        # the transport still holds the view handed out for the read.
+        size = len(self._buffer)
+        if size - self._filled < _MIN_READ or size < self._wanted:
+            wanted = max(self._wanted, self._filled + _MIN_READ, 2 * size)
+            self._buffer.extend(bytes(wanted - size))
+        return memoryview(self._buffer)[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
         if not self._expecting:
             # Bytes nobody asked for: the stream is out of step, never reuse it.
             self._close()
             return
-        buffer = self._buffer
-        buffer += data
         try:
-            if self._body_start < 0:
-                head_end = buffer.find(b"\r\n\r\n")
-                if head_end < 0:
-                    if len(buffer) > _MAX_HEAD:
-                        raise ValueError("response headers exceed 64 KiB")
-                    return
-                status = self._read_head(head_end)
-                if status != 200:
-                    raise ValueError(f"HTTP status {status}")
-            if self._chunked:
-                body = self._read_chunks()
-            elif self._length >= 0:
-                body = self._read_sized()
-            else:
-                if len(buffer) - self._body_start > self._max_body:
-                    raise ValueError(f"response body exceeds {self._max_body} bytes")
-                return  # the body ends when the server closes
+            body = self._frame()
         except ValueError as error:
             self._fail(str(error))
             return
         if body is not None:
             self._complete(body)
 
+    def _frame(self) -> bytes | None:
+        """The body once the response is complete; ``ValueError`` if it is broken."""
+        if self._body_start < 0:
+            head_end = self._buffer.find(b"\r\n\r\n", 0, self._filled)
+            if head_end < 0:
+                if self._filled > _MAX_HEAD:
+                    raise ValueError("response headers exceed 64 KiB")
+                return None
+            status = self._read_head(head_end)
+            if status != 200:
+                raise ValueError(f"HTTP status {status}")
+        if self._chunked:
+            return self._read_chunks()
+        if self._length >= 0:
+            return self._read_sized()
+        if self._filled - self._body_start > self._max_body:
+            raise ValueError(f"response body exceeds {self._max_body} bytes")
+        return None  # the body ends when the server closes
+
     def eof_received(self) -> bool:
         if self._expecting and self._body_start >= 0 and not self._chunked and self._length < 0:
-            self._complete(bytes(self._buffer[self._body_start :]))
+            self._complete(self._slice(self._body_start, self._filled))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -242,14 +268,14 @@ class _Connection(asyncio.Protocol):
             return
         self._expecting = False
         # A kept-alive connection closed before answering was closed while idle.
-        retry = self._reused and not self._buffer
+        retry = self._reused and self._filled == 0
         reason = "connection closed before the response was complete"
         if exc is not None:
             reason = f"{reason}: {exc}"
         self._endpoint._failure(self, reason, retry=retry)
 
     def _read_head(self, head_end: int) -> int:
-        head = bytes(self._buffer[:head_end]).decode("latin-1")
+        head = self._slice(0, head_end).decode("latin-1")
         status_line, *header_lines = head.split("\r\n")
         version, _, rest = status_line.partition(" ")
         code = rest[:3]
@@ -278,53 +304,64 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = keep_alive
         self._body_start = head_end + 4
         self._chunk_at = self._body_start
+        if self._length >= 0:  # room for the whole body at once, not doubling towards it
+            self._wanted = self._body_start + self._length
         return int(code)
 
     def _read_sized(self) -> bytes | None:
-        start, end = self._body_start, self._body_start + self._length
-        if len(self._buffer) < end:
+        end = self._body_start + self._length
+        if self._filled < end:
             return None
-        if len(self._buffer) > end:
+        if self._filled > end:
             self._keep_alive = False  # more bytes than the response: out of step
-        return bytes(self._buffer[start:end])
+        return self._slice(self._body_start, end)
 
     def _read_chunks(self) -> bytes | None:
-        buffer = self._buffer
+        buffer, filled = self._buffer, self._filled
         while True:
-            line_end = buffer.find(b"\r\n", self._chunk_at)
+            line_end = buffer.find(b"\r\n", self._chunk_at, filled)
             if line_end < 0:
+                if filled - self._chunk_at > _MAX_HEAD:
+                    raise ValueError("chunk size line too long")
                 return None
-            size_text = bytes(buffer[self._chunk_at : line_end]).split(b";", 1)[0].strip()
+            size_text = self._slice(self._chunk_at, line_end).split(b";", 1)[0].strip()
             try:
                 size = int(size_text, 16)
             except ValueError:
                 raise ValueError(f"bad chunk size {size_text[:20]!r}") from None
             if size == 0:
-                if buffer[line_end + 2 : line_end + 4] == b"\r\n":
+                if buffer[line_end + 2 : line_end + 4] == b"\r\n" and filled >= line_end + 4:
                     end = line_end + 4
                 else:  # trailer fields, then an empty line
-                    trailers_end = buffer.find(b"\r\n\r\n", line_end)
+                    trailers_end = buffer.find(b"\r\n\r\n", line_end, filled)
                     if trailers_end < 0:
                         return None
                     end = trailers_end + 4
-                if len(buffer) > end:
+                if filled > end:
                     self._keep_alive = False
                 return b"".join(self._chunks)
             data_end = line_end + 2 + size
-            if len(buffer) < data_end + 2:
+            if filled < data_end + 2:
                 return None
             if buffer[data_end : data_end + 2] != b"\r\n":
                 raise ValueError("chunk data is not followed by CRLF")
             self._chunked_size += size
             if self._chunked_size > self._max_body:
                 raise ValueError(f"response body exceeds {self._max_body} bytes")
-            self._chunks.append(bytes(buffer[line_end + 2 : data_end]))
+            self._chunks.append(self._slice(line_end + 2, data_end))
             self._chunk_at = data_end + 2
+
+    def _slice(self, start: int, end: int) -> bytes:
+        """A copy of part of the buffer (one copy: no bytearray in between)."""
+        with memoryview(self._buffer) as view:
+            return view[start:end].tobytes()
 
     def _complete(self, body: bytes) -> None:
         self._expecting = False
-        self._buffer = bytearray()
+        self._filled = 0
         self._chunks = []
+        if len(self._buffer) > _KEPT_BUFFER:  # one huge page: do not hold on to its memory
+            self._buffer = bytearray(_INITIAL_BUFFER)
         if not self._keep_alive:
             self._close()
         self._endpoint._response(self, body)

@@ -349,3 +349,41 @@ async def test_bytes_beyond_the_response_retire_the_connection() -> None:
         finally:
             scraper.close()
         assert server.connections == 2
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked", "close"])
+async def test_pages_larger_than_the_receive_buffer_are_read_whole(framing: str) -> None:
+    padding = "".join(f"# HELP filler_{i} {'x' * 90}\n" for i in range(3000))  # ~300 KB
+    page = (padding + vllm_text(waiting=3, running=4)).encode()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if framing == "content-length":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page))
+                writer.write(page)
+            elif framing == "chunked":
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for start in range(0, len(page), 50_000):
+                    piece = page[start : start + 50_000]
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + page)
+                await writer.drain()
+                return
+            await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=1.0))
+        try:
+            for _ in range(2):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+                assert result.metrics is not None
+                assert (result.metrics.waiting_queue, result.metrics.running) == (3, 4)
+        finally:
+            scraper.close()

@@ -14,6 +14,7 @@ fail a scrape; a malformed line of a family that is read raises
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from policyd.pool.metric_names import MetricNames, MetricSpec
@@ -42,34 +43,82 @@ class PodMetrics:
 
 NO_METRICS = PodMetrics(waiting_queue=0, running=0, kv_cache=0.0)
 
-# One sample line: where it starts in the body, its raw label text, its value.
-_Sample = tuple[int, bytes, float]
+# One sample line: where it starts in the data, its raw label text, its value.
+_Sample = tuple[int, bytes | bytearray, float]
+
+# The rest of a well-formed sample line after the family name: optional labels
+# (up to the line's last '}'), the value, an optional timestamp. Lines it does
+# not match get the slow, explaining parse.
+_SAMPLE_REST = rb"(?:\{(.*)\})?[ \t]+([^ \t\r\n]+)(?:[ \t]+[^ \t\r\n]+)?[ \t]*\r?(?:\n|\Z)"
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """A family to read: its spec, its name, its slot in the hints, its line pattern."""
+
+    spec: MetricSpec
+    name: bytes
+    slot: int
+    needle: bytes  # newline + name: where one of its lines starts
+    line: re.Pattern[bytes]
+
+    @classmethod
+    def of(cls, spec: MetricSpec, slot: int) -> _Family:
+        name = spec.name.encode("ascii")
+        return cls(spec, name, slot, b"\n" + name, re.compile(re.escape(name) + _SAMPLE_REST))
 
 
 class MetricsParser:
-    """Turns exposition bodies into ``PodMetrics`` for one set of ``MetricNames``."""
+    """Turns exposition bodies into ``PodMetrics`` for one set of ``MetricNames``.
 
-    __slots__ = ("_kv_cache", "_lora", "_names", "_running", "_waiting")
+    ``parse(body, hints)`` may be given a list from ``new_hints()`` kept per
+    pod: it remembers where each family was found, and since a server prints
+    its page in the same order every time, the next parse looks there first
+    instead of scanning the page from the top (any answer is still checked,
+    so a moved or vanished family is found or missed exactly as without hints).
+    """
+
+    __slots__ = ("_families", "_kv_cache", "_lora", "_names", "_running", "_waiting")
 
     def __init__(self, names: MetricNames) -> None:
         self._names = names
-        self._waiting = _encode(names.waiting)
-        self._running = _encode(names.running)
-        self._kv_cache = _encode(names.kv_cache)
-        self._lora = None if names.lora_info is None else _encode((names.lora_info,))[0]
+        counter = iter(range(1 << 16))
 
-    def parse(self, body: bytes) -> PodMetrics:
-        """The pod's metrics; raises ``ExpositionError`` naming the line and what is wrong."""
-        waiting = _count(body, self._waiting)
-        running = _count(body, self._running)
-        kv_cache = _fraction(body, self._kv_cache)
+        def encode(specs: tuple[MetricSpec, ...]) -> tuple[_Family, ...]:
+            return tuple(_Family.of(spec, next(counter)) for spec in specs)
+
+        self._waiting = encode(names.waiting)
+        self._running = encode(names.running)
+        self._kv_cache = encode(names.kv_cache)
+        self._lora = None if names.lora_info is None else encode((names.lora_info,))[0]
+        self._families = next(counter)
+
+    def new_hints(self) -> list[int]:
+        """Per-pod memory of where each family was (see the class docstring)."""
+        return [-1] * self._families
+
+    def parse(
+        self,
+        body: bytes | bytearray,
+        hints: list[int] | None = None,
+        start: int = 0,
+        end: int | None = None,
+    ) -> PodMetrics:
+        """The metrics in ``body[start:end]`` (no copy is made of a slice of a buffer).
+
+        Raises ``ExpositionError`` naming the line (counted from ``start``) and what is wrong.
+        """
+        page = _Page(body, start, len(body) if end is None else end, hints)
+        waiting = _count(page, self._waiting)
+        running = _count(page, self._running)
+        kv_cache = _fraction(page, self._kv_cache)
         if self._lora is None:
             return PodMetrics(waiting, running, kv_cache)
-        active, queued, max_loras = self._lora_state(body, self._lora)
+        active, queued, max_loras = self._lora_state(page, self._lora)
         return PodMetrics(waiting, running, kv_cache, active, queued, max_loras)
 
     def _lora_state(
-        self, body: bytes, family: tuple[MetricSpec, bytes]
+        self, page: _Page, family: _Family
     ) -> tuple[tuple[str, ...], tuple[str, ...], int]:
         """The adapters of the newest ``lora_requests_info`` series.
 
@@ -77,22 +126,21 @@ class MetricsParser:
         linger with old times, so the largest value is the current state (on
         a tie the first such series wins). No series means no adapters.
         """
-        spec, name = family
-        samples = _matching(body, spec, name)
+        samples = page.samples(family)
         if not samples:
             return (), (), 0
         newest = samples[0]
         for sample in samples[1:]:
             if sample[2] > newest[2]:
                 newest = sample
-        offset, label_text, _ = newest
-        labels = _labels_at(body, offset, label_text, spec.name)
+        spec = family.spec
+        labels = page.labels(newest, spec.name)
         names = self._names
         max_text = labels.get(names.lora_max_label, "").strip()
         if max_text and not (max_text.isdigit() and max_text.isascii()):
             raise ExpositionError(
                 f"{spec.name}: {names.lora_max_label}={max_text!r} is not a whole number",
-                _line_of(body, offset),
+                page.line_of(newest[0]),
             )
         return (
             _adapter_list(labels.get(names.lora_running_label, "")),
@@ -101,84 +149,39 @@ class MetricsParser:
         )
 
 
-def _encode(specs: tuple[MetricSpec, ...]) -> tuple[tuple[MetricSpec, bytes], ...]:
-    return tuple((spec, spec.name.encode("ascii")) for spec in specs)
-
-
-def _count(body: bytes, family: tuple[tuple[MetricSpec, bytes], ...]) -> int:
-    """Sum of the first spec's matching series: requests across all engines."""
-    spec, samples = _first_present(body, family)
+def _count(page: _Page, families: tuple[_Family, ...]) -> int:
+    """Sum of the first present family's series: requests across all engines."""
+    spec, samples = _first_present(page, families)
     total = 0.0
     for offset, _, value in samples:
         if not math.isfinite(value) or value < 0:
             raise ExpositionError(
-                f"{spec.name}: {value} is not a request count", _line_of(body, offset)
+                f"{spec.name}: {value} is not a request count", page.line_of(offset)
             )
         total += value
     return round(total)
 
 
-def _fraction(body: bytes, family: tuple[tuple[MetricSpec, bytes], ...]) -> float:
-    """Largest of the first spec's matching series: the fullest engine's KV cache."""
-    spec, samples = _first_present(body, family)
+def _fraction(page: _Page, families: tuple[_Family, ...]) -> float:
+    """Largest of the first present family's series: the fullest engine's KV cache."""
+    spec, samples = _first_present(page, families)
     fullest = 0.0
     for offset, _, value in samples:
         if not 0.0 <= value <= 1.0:  # NaN fails too
             raise ExpositionError(
-                f"{spec.name}: {value} is not a fraction from 0 to 1", _line_of(body, offset)
+                f"{spec.name}: {value} is not a fraction from 0 to 1", page.line_of(offset)
             )
         fullest = max(fullest, value)
     return fullest
 
 
-def _first_present(
-    body: bytes, family: tuple[tuple[MetricSpec, bytes], ...]
-) -> tuple[MetricSpec, list[_Sample]]:
-    for spec, name in family:
-        samples = _matching(body, spec, name)
+def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSpec, list[_Sample]]:
+    for family in families:
+        samples = page.samples(family)
         if samples:
-            return spec, samples
-    wanted = " or ".join(str(spec) for spec, _ in family)
+            return family.spec, samples
+    wanted = " or ".join(str(family.spec) for family in families)
     raise ExpositionError(f"no {wanted} series in the response")
-
-
-def _matching(body: bytes, spec: MetricSpec, name: bytes) -> list[_Sample]:
-    """The family's samples whose labels carry every value the spec asks for."""
-    samples = _family(body, name)
-    if not spec.labels:
-        return samples
-    return [
-        sample
-        for sample in samples
-        if all(
-            _labels_at(body, sample[0], sample[1], spec.name).get(label) == value
-            for label, value in spec.labels
-        )
-    ]
-
-
-def _family(body: bytes, name: bytes) -> list[_Sample]:
-    """Every sample line of the family ``name`` (its one contiguous group)."""
-    start = _first_sample(body, name)
-    if start < 0:
-        return []
-    samples: list[_Sample] = []
-    size = len(name)
-    end_of_body = len(body)
-    while start < end_of_body:
-        end = body.find(b"\n", start)
-        if end < 0:
-            end = end_of_body
-        line = body[start:end]
-        if not (line.startswith(name) and line[size : size + 1] in _AFTER_NAME):
-            break
-        try:
-            label_text, value = _split_sample(line, size)
-        except ValueError as error:
-            raise ExpositionError(f"{name.decode()}: {error}", _line_of(body, start)) from None
-        samples.append((start, label_text, value))
-        start = end + 1
-    return samples
 
 
 # What may follow a family name on one of its sample lines (a bare name has no value,
@@ -186,22 +189,117 @@ def _family(body: bytes, name: bytes) -> list[_Sample]:
 _AFTER_NAME = (b"{", b" ", b"\t", b"\r", b"\n", b"")
 
 
-def _first_sample(body: bytes, name: bytes) -> int:
-    """Offset of the first line that is a sample of ``name``, or -1."""
-    size = len(name)
-    if body.startswith(name) and body[size : size + 1] in _AFTER_NAME:
-        return 0
-    needle = b"\n" + name
-    found = body.find(needle)
-    while found >= 0:
-        after = found + len(needle)
-        if body[after : after + 1] in _AFTER_NAME:
-            return found + 1
-        found = body.find(needle, after)
-    return -1
+class _Page:
+    """The body being parsed (``data[first:last]``) and where its families were last time.
+
+    Every look at ``data`` stays within ``first:last``: the body may be a
+    slice of a connection's receive buffer, with other bytes around it.
+    """
+
+    __slots__ = ("data", "first", "hints", "last")
+
+    def __init__(
+        self, data: bytes | bytearray, first: int, last: int, hints: list[int] | None
+    ) -> None:
+        self.data = data
+        self.first = first
+        self.last = last
+        self.hints = hints  # offsets from ``first``, -1 for "not seen"
+
+    def samples(self, family: _Family) -> list[_Sample]:
+        """The family's samples whose labels carry every value its spec asks for."""
+        spec, slot = family.spec, family.slot
+        hints = self.hints
+        hint = -1 if hints is None or hints[slot] < 0 else self.first + hints[slot]
+        start = self._locate(family, hint)
+        if hints is not None:
+            hints[slot] = -1 if start < 0 else start - self.first
+        samples = self._group(family, start) if start >= 0 else []
+        if not spec.labels or not samples:
+            return samples
+        return [
+            sample
+            for sample in samples
+            if all(self.labels(sample, spec.name).get(k) == v for k, v in spec.labels)
+        ]
+
+    def labels(self, sample: _Sample, family: str) -> dict[str, str]:
+        try:
+            return parse_labels(sample[1].decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ExpositionError(f"{family}: {error}", self.line_of(sample[0])) from None
+
+    def line_of(self, offset: int) -> int:
+        return self.data.count(b"\n", self.first, offset) + 1
+
+    def _locate(self, family: _Family, hint: int) -> int:
+        """Where the family's group of lines starts, or -1."""
+        first, last = self.first, self.last
+        if hint < 0:
+            return self._find(family, first, last)
+        # Look from where it was; if that finds nothing it can only be earlier.
+        found = self._find(family, max(hint - 1, first), last)
+        if found < 0:
+            return self._find(family, first, min(hint + len(family.needle), last))
+        # The page may have shifted: step back to the first line of the group.
+        while found > first:
+            newline = self.data.rfind(b"\n", first, found - 1)
+            previous = first if newline < 0 else newline + 1
+            if not self._is_sample(family.name, previous):
+                break
+            found = previous
+        return found
+
+    def _find(self, family: _Family, start: int, end: int) -> int:
+        """The first line starting in ``start:end`` that is a sample of the family, or -1."""
+        name = family.name
+        if start == self.first and self._is_sample(name, start):
+            return start
+        data, needle = self.data, family.needle
+        found = data.find(needle, start, end)
+        while found >= 0:
+            if self._is_sample(name, found + 1):
+                return found + 1
+            found = data.find(needle, found + len(needle), end)
+        return -1
+
+    def _is_sample(self, name: bytes, at: int) -> bool:
+        """Whether the line starting at ``at`` is a sample of ``name``."""
+        after = at + len(name)
+        return (
+            self.data.startswith(name, at, self.last)
+            and self.data[after : min(after + 1, self.last)] in _AFTER_NAME
+        )
+
+    def _group(self, family: _Family, start: int) -> list[_Sample]:
+        """The sample lines from ``start`` while they belong to the family."""
+        data, last = self.data, self.last
+        match = family.line.match
+        samples: list[_Sample] = []
+        while start < last:
+            line = match(data, start, last)
+            if line is not None:
+                try:
+                    samples.append((start, line[1] or b"", float(line[2])))
+                    start = line.end()
+                    continue
+                except ValueError:
+                    pass  # not a number: the slow parse below says so
+            if not self._is_sample(family.name, start):
+                break
+            end = data.find(b"\n", start, last)
+            if end < 0:
+                end = last
+            try:
+                label_text, value = _split_sample(data[start:end], len(family.name))
+            except ValueError as error:
+                raise ExpositionError(f"{family.spec.name}: {error}", self.line_of(start)) from None
+            samples.append((start, label_text, value))
+            start = end + 1
+        return samples
 
 
-def _split_sample(line: bytes, name_size: int) -> tuple[bytes, float]:
+def _split_sample(line: bytes | bytearray, name_size: int) -> tuple[bytes | bytearray, float]:
     """``name{labels} value [timestamp]`` -> (labels text, value).
 
     The label set ends at the line's last ``}``: label values may hold braces,
@@ -223,13 +321,6 @@ def _split_sample(line: bytes, name_size: int) -> tuple[bytes, float]:
         return label_text, float(fields[0])
     except ValueError:
         raise ValueError(f"value {fields[0].decode(errors='replace')!r} is not a number") from None
-
-
-def _labels_at(body: bytes, offset: int, label_text: bytes, family: str) -> dict[str, str]:
-    try:
-        return parse_labels(label_text.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ExpositionError(f"{family}: {error}", _line_of(body, offset)) from None
 
 
 def parse_labels(text: str) -> dict[str, str]:
@@ -286,7 +377,3 @@ def _quoted(text: str, start: int, name: str) -> tuple[str, int]:
 def _adapter_list(text: str) -> tuple[str, ...]:
     """``"a, b,"`` -> ``("a", "b")``; an empty label value means no adapters."""
     return tuple(name for name in (part.strip() for part in text.split(",")) if name)
-
-
-def _line_of(body: bytes, offset: int) -> int:
-    return body.count(b"\n", 0, offset) + 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 from policyd import __version__
@@ -27,14 +28,34 @@ _MAX_HEAD: Final = 64 * 1024
 _INITIAL_BUFFER: Final = 64 * 1024  # most metrics pages fit; larger ones grow it once
 _MIN_READ: Final = 16 * 1024  # free space offered to each socket read
 _KEPT_BUFFER: Final = 1024 * 1024  # a buffer grown past this is dropped after its response
+_DISCARD: Final = bytearray(4096)  # where bytes nobody asked for are read to
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A response body, ``data[start:end]``.
+
+    ``data`` is often the connection's receive buffer itself (no copy is
+    made): it holds still until the endpoint's next ``fetch``. ``bytes(body)``
+    makes a copy to keep.
+    """
+
+    data: bytes | bytearray
+    start: int
+    end: int
+
+    def __bytes__(self) -> bytes:
+        with memoryview(self.data) as view:
+            return view[self.start : self.end].tobytes()
 
 
 class MetricsEndpoint:
     """One pod's metrics URL over one kept-alive connection, one request at a time.
 
-    ``fetch(on_done)`` starts a GET; ``on_done()`` is called exactly once, when
-    ``body`` or ``error`` is set, unless ``abandon`` came first. ``latency`` is
-    the seconds from ``fetch`` to that moment. Must be used on one event loop.
+    ``fetch(on_done)`` starts a GET; ``on_done(endpoint)`` is called exactly
+    once, when ``body`` or ``error`` is set (``abandon`` sets an error).
+    ``latency`` is the seconds from ``fetch`` to that moment. Must be used on
+    one event loop.
     """
 
     __slots__ = (
@@ -65,10 +86,10 @@ class MetricsEndpoint:
         self._loop = asyncio.get_running_loop()
         self._connection: _Connection | None = None
         self._connect_task: asyncio.Task[None] | None = None
-        self._on_done: Callable[[], None] | None = None
+        self._on_done: Callable[[MetricsEndpoint], None] | None = None
         self._started = 0.0
         self._retried = False
-        self.body: bytes | None = None
+        self.body: Body | None = None
         self.error: str | None = None
         self.latency = 0.0
 
@@ -77,7 +98,7 @@ class MetricsEndpoint:
         """A request is in flight."""
         return self._on_done is not None
 
-    def fetch(self, on_done: Callable[[], None]) -> None:
+    def fetch(self, on_done: Callable[[MetricsEndpoint], None]) -> None:
         self.body = None
         self.error = None
         self._on_done = on_done
@@ -128,7 +149,7 @@ class MetricsEndpoint:
 
     # Called by the connection.
 
-    def _response(self, connection: _Connection, body: bytes) -> None:
+    def _response(self, connection: _Connection, body: Body) -> None:
         if connection is self._connection:
             self._finish(body, None)
 
@@ -146,7 +167,7 @@ class MetricsEndpoint:
         if connection is self._connection:
             self._connection = None
 
-    def _finish(self, body: bytes | None, error: str | None) -> None:
+    def _finish(self, body: Body | None, error: str | None) -> None:
         on_done = self._on_done
         if on_done is None:
             return
@@ -154,7 +175,7 @@ class MetricsEndpoint:
         self.body = body
         self.error = error
         self.latency = self._loop.time() - self._started
-        on_done()
+        on_done(self)
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -215,6 +236,10 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if not self._expecting:
+            # Bytes nobody asked for (``buffer_updated`` closes the connection)
+            # must not land on the last body, which is still being read.
+            return memoryview(_DISCARD)
         # The buffer may only be resized here: while ``buffer_updated`` runs,
         # the transport still holds the view handed out for the read.
         size = len(self._buffer)
@@ -237,7 +262,7 @@ class _Connection(asyncio.BufferedProtocol):
         if body is not None:
             self._complete(body)
 
-    def _frame(self) -> bytes | None:
+    def _frame(self) -> Body | None:
         """The body once the response is complete; ``ValueError`` if it is broken."""
         if self._body_start < 0:
             head_end = self._buffer.find(b"\r\n\r\n", 0, self._filled)
@@ -258,7 +283,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         if self._expecting and self._body_start >= 0 and not self._chunked and self._length < 0:
-            self._complete(self._slice(self._body_start, self._filled))
+            self._complete(Body(self._buffer, self._body_start, self._filled))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -308,15 +333,15 @@ class _Connection(asyncio.BufferedProtocol):
             self._wanted = self._body_start + self._length
         return int(code)
 
-    def _read_sized(self) -> bytes | None:
+    def _read_sized(self) -> Body | None:
         end = self._body_start + self._length
         if self._filled < end:
             return None
         if self._filled > end:
             self._keep_alive = False  # more bytes than the response: out of step
-        return self._slice(self._body_start, end)
+        return Body(self._buffer, self._body_start, end)
 
-    def _read_chunks(self) -> bytes | None:
+    def _read_chunks(self) -> Body | None:
         buffer, filled = self._buffer, self._filled
         while True:
             line_end = buffer.find(b"\r\n", self._chunk_at, filled)
@@ -339,7 +364,8 @@ class _Connection(asyncio.BufferedProtocol):
                     end = trailers_end + 4
                 if filled > end:
                     self._keep_alive = False
-                return b"".join(self._chunks)
+                joined = b"".join(self._chunks)
+                return Body(joined, 0, len(joined))
             data_end = line_end + 2 + size
             if filled < data_end + 2:
                 return None
@@ -356,7 +382,7 @@ class _Connection(asyncio.BufferedProtocol):
         with memoryview(self._buffer) as view:
             return view[start:end].tobytes()
 
-    def _complete(self, body: bytes) -> None:
+    def _complete(self, body: Body) -> None:
         self._expecting = False
         self._filled = 0
         self._chunks = []

@@ -10,6 +10,7 @@ first round that starts after its last answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -85,23 +86,27 @@ class Scraper:
         self._config = config
         self._parser = MetricsParser(config.metrics)
         self._endpoints: dict[str, MetricsEndpoint] = {}
+        self._hints: dict[str, list[int]] = {}  # where each pod prints each family
 
     async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
         """Scrape every address once, concurrently, within the request timeout."""
         if not addresses:
             return []
-        endpoints = [self._endpoint(address) for address in addresses]
+        results: dict[str, ScrapeResult] = {}
         all_answered = asyncio.get_running_loop().create_future()
-        remaining = len(endpoints)
+        remaining = len(addresses)
 
-        def answered() -> None:
+        def answered(address: str, endpoint: MetricsEndpoint) -> None:
+            # Parsed at once: the body is still in the connection's buffer.
             nonlocal remaining
+            results[address] = self._result(address, endpoint)
             remaining -= 1
             if remaining == 0 and not all_answered.done():
                 all_answered.set_result(None)
 
-        for endpoint in endpoints:
-            endpoint.fetch(answered)
+        endpoints = [self._endpoint(address) for address in addresses]
+        for address, endpoint in zip(addresses, endpoints, strict=True):
+            endpoint.fetch(functools.partial(answered, address))
         timeout = self._config.request_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -110,21 +115,20 @@ class Scraper:
             reason = f"no answer within {timeout * 1000:.0f} ms"
             for endpoint in endpoints:
                 endpoint.abandon(reason)
-        return [
-            self._result(address, endpoint)
-            for address, endpoint in zip(addresses, endpoints, strict=True)
-        ]
+        return [results[address] for address in addresses]
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Close the connections of pods that are gone."""
         keep = set(addresses)
         for address in [a for a in self._endpoints if a not in keep]:
             self._endpoints.pop(address).close()
+            self._hints.pop(address, None)
 
     def close(self) -> None:
         for endpoint in self._endpoints.values():
             endpoint.close()
         self._endpoints.clear()
+        self._hints.clear()
 
     def _endpoint(self, address: str) -> MetricsEndpoint:
         endpoint = self._endpoints.get(address)
@@ -135,6 +139,7 @@ class Scraper:
                 host, config.metrics_port or port, config.metrics.path, config.max_body_bytes
             )
             self._endpoints[address] = endpoint
+            self._hints[address] = self._parser.new_hints()
         return endpoint
 
     def _result(self, address: str, endpoint: MetricsEndpoint) -> ScrapeResult:
@@ -142,7 +147,7 @@ class Scraper:
         if body is None:
             return ScrapeResult(address, None, endpoint.error or "no answer", endpoint.latency)
         try:
-            metrics = self._parser.parse(body)
+            metrics = self._parser.parse(body.data, self._hints[address], body.start, body.end)
         except ExpositionError as error:
             return ScrapeResult(address, None, f"bad metrics: {error}", endpoint.latency)
         return ScrapeResult(address, metrics, None, endpoint.latency)

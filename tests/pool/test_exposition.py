@@ -303,3 +303,64 @@ def test_agrees_with_prometheus_client_on_text_it_generates(
         assert ours.max_loras == 8
     else:
         assert (ours.active_loras, ours.max_loras) == ((), 0)
+
+
+def test_hints_find_families_that_moved_or_vanished() -> None:
+    hints = vllm.new_hints()
+    lora = "".join(
+        f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{name}"}} {stamp}\n'
+        for name, stamp in (("a", 3), ("b", 1), ("c", 2))
+    )
+    first = "# padding\n" * 50 + BASE + lora  # the newest series ("a") is the first line
+    assert vllm.parse(first.encode(), hints).active_loras == ("a",)
+    assert all(hint > 0 for hint in hints[:3])
+    # Moved left by less than a line: looking from the hint lands inside the LoRA group.
+    shifted = "# padding\n" * 49 + BASE + lora
+    assert vllm.parse(shifted.encode(), hints).active_loras == ("a",)
+    # Moved left by more than the groups: found earlier in the page.
+    assert vllm.parse((BASE + lora).encode(), hints).active_loras == ("a",)
+    # Moved right, and the LoRA family gone.
+    moved = "# padding\n" * 200 + BASE
+    assert vllm.parse(moved.encode(), hints).active_loras == ()
+    with pytest.raises(ExpositionError, match="no vllm:num_requests_waiting"):
+        vllm.parse(b"vllm:num_requests_running 1\n", hints)
+
+
+family_line = st.sampled_from(
+    [
+        'vllm:num_requests_waiting{{engine="{0}"}} {0}',
+        'vllm:num_requests_running{{engine="{0}"}} {0}',
+        'vllm:kv_cache_usage_perc{{engine="{0}"}} 0.{0}',
+        'vllm:lora_requests_info{{max_lora="{0}",running_lora_adapters="x{0}"}} {0}',
+        "# HELP vllm:num_requests_waiting {0}",
+        "other_metric_{0} 1",
+    ]
+)
+
+
+def page_of(lines: list[tuple[str, int]]) -> bytes:
+    """Lines grouped by family (as the format requires), families in the drawn order."""
+    order: dict[str, list[str]] = {}
+    for template, n in lines:
+        order.setdefault(template, []).append(template.format(n))
+    return ("\n".join(line for group in order.values() for line in group) + "\n").encode()
+
+
+def outcome(body: bytes, hints: list[int] | None) -> object:
+    try:
+        return vllm.parse(body, hints)
+    except ExpositionError as error:
+        return str(error)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(family_line, st.integers(0, 9)), max_size=20),
+    st.lists(st.tuples(family_line, st.integers(0, 9)), max_size=20),
+)
+def test_parsing_with_hints_from_another_page_gives_the_same_answer(
+    before: list[tuple[str, int]], after: list[tuple[str, int]]
+) -> None:
+    hints = vllm.new_hints()
+    outcome(page_of(before), hints)
+    assert outcome(page_of(after), hints) == outcome(page_of(after), None)

@@ -242,10 +242,11 @@ class _Page:
         if found < 0:
             return self._find(family, first, min(hint + len(family.needle), last))
         # The page may have shifted: step back to the first line of the group.
+        data, name = self.data, family.name
         while found > first:
-            newline = self.data.rfind(b"\n", first, found - 1)
+            newline = data.rfind(b"\n", first, found - 1)
             previous = first if newline < 0 else newline + 1
-            if not self._is_sample(family.name, previous):
+            if not (data.startswith(name, previous, last) and self._is_sample(name, previous)):
                 break
             found = previous
         return found
@@ -285,7 +286,8 @@ class _Page:
                     continue
                 except ValueError:
                     pass  # not a number: the slow parse below says so
-            if not self._is_sample(family.name, start):
+            name = family.name
+            if not (data.startswith(name, start, last) and self._is_sample(name, start)):
                 break
             end = data.find(b"\n", start, last)
             if end < 0:
@@ -323,8 +325,15 @@ def _split_sample(line: bytes | bytearray, name_size: int) -> tuple[bytes | byte
         raise ValueError(f"value {fields[0].decode(errors='replace')!r} is not a number") from None
 
 
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"[^"\\\n]*"'
+_PLAIN_LABELS = re.compile(rf"\s*{_LABEL}\s*(?:,\s*{_LABEL}\s*)*,?\s*")
+_PLAIN_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"\\\n]*)"')
+
+
 def parse_labels(text: str) -> dict[str, str]:
     """``a="1",b="x\\"y"`` -> ``{"a": "1", "b": 'x"y'}`` with the format's escapes."""
+    if _PLAIN_LABELS.fullmatch(text):  # no escapes: two regex passes do it all
+        return dict(_PLAIN_LABEL.findall(text))
     labels: dict[str, str] = {}
     position, size = 0, len(text)
     while position < size:

@@ -364,3 +364,23 @@ def test_parsing_with_hints_from_another_page_gives_the_same_answer(
     hints = vllm.new_hints()
     outcome(page_of(before), hints)
     assert outcome(page_of(after), hints) == outcome(page_of(after), None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,8}", fullmatch=True),
+        st.text(alphabet=st.sampled_from('ab,{} "\\\n=xé'), max_size=8),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from([",", ", ", " , "]),
+)
+def test_labels_round_trip_through_the_exposition_escapes(
+    labels: dict[str, str], separator: str
+) -> None:
+    def escape(value: str) -> str:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    text = separator.join(f'{name}="{escape(value)}"' for name, value in labels.items())
+    assert parse_labels(text) == labels

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from policyd.pool.metric_names import MetricNames, MetricSpec
 
@@ -29,9 +30,12 @@ class ExpositionError(ValueError):
         self.line = line
 
 
-@dataclass(frozen=True, slots=True)
-class PodMetrics:
-    """The scraped numbers the CEL ``pod`` fields are made of."""
+class PodMetrics(NamedTuple):
+    """The scraped numbers the CEL ``pod`` fields are made of.
+
+    A named tuple rather than a frozen dataclass: a thousand are made a
+    second, and a tuple is built several times faster.
+    """
 
     waiting_queue: int
     running: int
@@ -187,6 +191,7 @@ def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSp
 # What may follow a family name on one of its sample lines (a bare name has no value,
 # which is then reported rather than overlooked).
 _AFTER_NAME = (b"{", b" ", b"\t", b"\r", b"\n", b"")
+_NEWLINE = ord("\n")
 
 
 class _Page:
@@ -211,10 +216,12 @@ class _Page:
         spec, slot = family.spec, family.slot
         hints = self.hints
         hint = -1 if hints is None or hints[slot] < 0 else self.first + hints[slot]
-        start = self._locate(family, hint)
-        if hints is not None:
-            hints[slot] = -1 if start < 0 else start - self.first
-        samples = self._group(family, start) if start >= 0 else []
+        samples = None if hint < 0 else self._where_it_was(family, hint)
+        if samples is None:
+            start = self._locate(family, hint)
+            if hints is not None:
+                hints[slot] = -1 if start < 0 else start - self.first
+            samples = self._group(family, start) if start >= 0 else []
         if not spec.labels or not samples:
             return samples
         return [
@@ -231,6 +238,35 @@ class _Page:
 
     def line_of(self, offset: int) -> int:
         return self.data.count(b"\n", self.first, offset) + 1
+
+    def _where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
+        """The group if it still starts exactly at ``at`` and is well formed, else
+        ``None`` (then the general path finds it, or explains what is wrong).
+
+        The common case, made cheap: one pattern match per line.
+        """
+        data, first, last = self.data, self.first, self.last
+        if at > last or (at > first and data[at - 1] != _NEWLINE):
+            return None
+        match = family.line.match
+        line = match(data, at, last)
+        if line is None:
+            return None
+        if at > first:  # the line above must not belong to the family too
+            newline = data.rfind(b"\n", first, at - 1)
+            if data.startswith(family.name, first if newline < 0 else newline + 1, last):
+                return None
+        samples: list[_Sample] = []
+        while line is not None:
+            try:
+                samples.append((at, line[1] or b"", float(line[2])))
+            except ValueError:
+                return None
+            at = line.end()
+            line = match(data, at, last)
+        if data.startswith(family.name, at, last):
+            return None  # a line of the family the pattern refused
+        return samples
 
     def _locate(self, family: _Family, hint: int) -> int:
         """Where the family's group of lines starts, or -1."""

@@ -96,6 +96,13 @@ class MetricNames:
                 f"metric names: path {self.path!r} must start with '/' and hold no spaces"
             )
 
+    def family_names(self) -> tuple[str, ...]:
+        """Every metric name read, each once, in the order the fields list them."""
+        specs = (*self.waiting, *self.running, *self.kv_cache)
+        if self.lora_info is not None:
+            specs = (*specs, self.lora_info)
+        return tuple(dict.fromkeys(spec.name for spec in specs))
+
 
 VLLM: Final = MetricNames(
     waiting=specs("vllm:num_requests_waiting"),

@@ -89,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     scrape.add_argument("--metrics-path", metavar="PATH", help="default: the preset's")
     scrape.add_argument(
+        "--no-metrics-filter",
+        action="store_true",
+        help="request the whole metrics page instead of only the families read (name[]=...)",
+    )
+    scrape.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="scrape this port instead of the pod's"
     )
 
@@ -142,4 +147,5 @@ def scrape_config_from_arguments(args: argparse.Namespace) -> ScrapeConfig:
         include_stale=args.include_stale,
         metrics=metrics,
         metrics_port=args.metrics_port,
+        filter_families=not args.no_metrics_filter,
     )

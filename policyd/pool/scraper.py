@@ -10,9 +10,10 @@ first round that starts after its last answer.
 from __future__ import annotations
 
 import asyncio
-import functools
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from policyd.pool.discovery import split_address
 from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
@@ -29,6 +30,12 @@ class ScrapeConfig:
     last scrape failed or is too old among the candidates (policies can then
     judge ``pod.metrics_age`` themselves); pods that never answered are never
     candidates, their zeros would make them look idle.
+
+    ``filter_families`` asks the server for only the families the pool reads
+    (``?name[]=...``, which prometheus_client's exposition honours, so vLLM,
+    SGLang and trtllm-serve send a few hundred bytes instead of tens of KB and
+    skip rendering their histograms ten times a second); a server that
+    ignores the query sends its whole page, which is read just the same.
     """
 
     interval: float = 0.1
@@ -38,6 +45,7 @@ class ScrapeConfig:
     metrics: MetricNames = field(default=VLLM)
     metrics_port: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    filter_families: bool = True
 
     def __post_init__(self) -> None:
         if not self.interval > 0:
@@ -64,10 +72,24 @@ class ScrapeConfig:
     def stale_threshold(self) -> float:
         return self.interval * 5 if self.stale_after is None else self.stale_after
 
+    @property
+    def request_target(self) -> str:
+        """The path (and query) each scrape requests."""
+        path = self.metrics.path
+        if not self.filter_families:
+            return path
+        query = "&".join(
+            "name%5B%5D=" + urllib.parse.quote(name, safe="")
+            for name in self.metrics.family_names()
+        )
+        return f"{path}{'&' if '?' in path else '?'}{query}"
 
-@dataclass(frozen=True, slots=True)
-class ScrapeResult:
-    """One pod's outcome in one round: metrics, or the reason there are none."""
+
+class ScrapeResult(NamedTuple):
+    """One pod's outcome in one round: metrics, or the reason there are none.
+
+    (A named tuple: cheap to make, a thousand a second.)
+    """
 
     address: str
     metrics: PodMetrics | None
@@ -85,6 +107,7 @@ class Scraper:
     def __init__(self, config: ScrapeConfig) -> None:
         self._config = config
         self._parser = MetricsParser(config.metrics)
+        self._target = config.request_target
         self._endpoints: dict[str, MetricsEndpoint] = {}
         self._hints: dict[str, list[int]] = {}  # where each pod prints each family
 
@@ -92,21 +115,18 @@ class Scraper:
         """Scrape every address once, concurrently, within the request timeout."""
         if not addresses:
             return []
-        results: dict[str, ScrapeResult] = {}
+        endpoints = [self._endpoint(address) for address in addresses]
         all_answered = asyncio.get_running_loop().create_future()
-        remaining = len(addresses)
+        remaining = len(endpoints)
 
-        def answered(address: str, endpoint: MetricsEndpoint) -> None:
-            # Parsed at once: the body is still in the connection's buffer.
+        def answered(_: MetricsEndpoint) -> None:
             nonlocal remaining
-            results[address] = self._result(address, endpoint)
             remaining -= 1
             if remaining == 0 and not all_answered.done():
                 all_answered.set_result(None)
 
-        endpoints = [self._endpoint(address) for address in addresses]
-        for address, endpoint in zip(addresses, endpoints, strict=True):
-            endpoint.fetch(functools.partial(answered, address))
+        for endpoint in endpoints:
+            endpoint.fetch(answered)
         timeout = self._config.request_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -115,7 +135,13 @@ class Scraper:
             reason = f"no answer within {timeout * 1000:.0f} ms"
             for endpoint in endpoints:
                 endpoint.abandon(reason)
-        return [results[address] for address in addresses]
+        # Parsed together once the round is in: a tight loop over the bodies,
+        # which still sit in their connections' buffers, runs about twice as
+        # fast as parsing each between network callbacks.
+        return [
+            self._result(address, endpoint)
+            for address, endpoint in zip(addresses, endpoints, strict=True)
+        ]
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Close the connections of pods that are gone."""
@@ -136,7 +162,7 @@ class Scraper:
             host, port = split_address(address)
             config = self._config
             endpoint = MetricsEndpoint(
-                host, config.metrics_port or port, config.metrics.path, config.max_body_bytes
+                host, config.metrics_port or port, self._target, config.max_body_bytes
             )
             self._endpoints[address] = endpoint
             self._hints[address] = self._parser.new_hints()

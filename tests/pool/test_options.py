@@ -28,6 +28,10 @@ def test_a_pod_file_and_default_scraping() -> None:
     assert config.stale_threshold == pytest.approx(0.5)
     assert config.metrics.waiting == (MetricSpec("vllm:num_requests_waiting"),)
     assert config.metrics.lora_info == MetricSpec("vllm:lora_requests_info")
+    assert config.filter_families
+    assert not scrape_config_from_arguments(
+        parse("--pods", "p", "--no-metrics-filter")
+    ).filter_families
 
 
 def test_kubernetes_flags() -> None:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from policyd.pool.metric_names import VLLM
 from policyd.pool.scraper import ScrapeConfig, Scraper
@@ -278,9 +279,42 @@ async def test_the_request_is_a_plain_get_of_the_metrics_path() -> None:
             scraper.close()
     assert result.ok
     request = seen[0].decode()
-    assert request.startswith("GET /custom/metrics HTTP/1.1\r\n")
+    assert request.startswith(
+        "GET /custom/metrics?name%5B%5D=vllm%3Anum_requests_waiting"
+        "&name%5B%5D=vllm%3Anum_requests_running&name%5B%5D=vllm%3Akv_cache_usage_perc"
+        "&name%5B%5D=vllm%3Agpu_cache_usage_perc&name%5B%5D=vllm%3Alora_requests_info"
+        " HTTP/1.1\r\n"
+    )
     assert f"Host: {server.address}\r\n" in request
     assert "Accept-Encoding: identity\r\n" in request
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+async def test_prometheus_client_servers_send_only_the_families_asked_for(
+    filtered: bool,
+) -> None:
+    # vLLM, SGLang and trtllm-serve publish through prometheus_client, as this
+    # real prometheus_client HTTP server on loopback does.
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_waiting", "w", registry=registry).set(4)
+    Gauge("vllm:num_requests_running", "r", registry=registry).set(6)
+    Gauge("vllm:kv_cache_usage_perc", "k", registry=registry).set(0.5)
+    latency = Histogram("vllm:e2e_request_latency_seconds", "e2e", registry=registry)
+    latency.observe(0.2)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    address = f"127.0.0.1:{server.server_port}"
+    scraper = Scraper(ScrapeConfig(interval=1.0, filter_families=filtered))
+    try:
+        (result,) = await scraper.scrape([address])
+        body = scraper._endpoints[address].body
+    finally:
+        scraper.close()
+        server.shutdown()
+        thread.join()
+    assert result.metrics is not None, result.error
+    assert (result.metrics.waiting_queue, result.metrics.running) == (4, 6)
+    assert body is not None
+    assert (b"e2e_request_latency" in bytes(body)) is not filtered
 
 
 async def test_the_metrics_port_overrides_the_pod_port(servers: list[MetricsServer]) -> None:

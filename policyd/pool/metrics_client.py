@@ -300,28 +300,26 @@ class _Connection(asyncio.BufferedProtocol):
         self._endpoint._failure(self, reason, retry=retry)
 
     def _read_head(self, head_end: int) -> int:
-        head = self._slice(0, head_end).decode("latin-1")
-        status_line, *header_lines = head.split("\r\n")
-        version, _, rest = status_line.partition(" ")
+        # Three header lookups in the lower-cased block instead of a loop over
+        # its lines: this runs for every scrape.
+        head = self._slice(0, head_end).decode("latin-1").lower() + "\r\n"
+        status_end = head.find("\r\n")
+        version, _, rest = head[:status_end].partition(" ")
         code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit():
-            raise ValueError(f"not an HTTP/1.x response: {status_line[:60]!r}")
-        keep_alive = version == "HTTP/1.1"
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            if name == "content-length":
-                if not value.strip().isdigit():
-                    raise ValueError(f"bad Content-Length {value.strip()!r}")
-                self._length = int(value)
-            elif name == "transfer-encoding":
-                self._chunked = "chunked" in value.lower()
-            elif name == "connection":
-                tokens = value.lower()
-                if "close" in tokens:
-                    keep_alive = False
-                elif "keep-alive" in tokens:
-                    keep_alive = True
+        if not version.startswith("http/1.") or not code.isdigit():
+            raise ValueError(f"not an HTTP/1.x response: {head[: min(status_end, 60)]!r}")
+        length = _header(head, "\r\ncontent-length:")
+        if length is not None:
+            if not length.isdigit():
+                raise ValueError(f"bad Content-Length {length!r}")
+            self._length = int(length)
+        self._chunked = "chunked" in (_header(head, "\r\ntransfer-encoding:") or "")
+        connection = _header(head, "\r\nconnection:") or ""
+        keep_alive = version == "http/1.1"
+        if "close" in connection:
+            keep_alive = False
+        elif "keep-alive" in connection:
+            keep_alive = True
         if self._length > self._max_body:
             raise ValueError(f"response body of {self._length} bytes exceeds {self._max_body}")
         if not self._chunked and self._length < 0:
@@ -401,3 +399,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._closed = True
         if self._transport is not None:
             self._transport.close()
+
+
+def _header(head: str, marker: str) -> str | None:
+    """The value of the first header ``marker`` starts (``"\\r\\nname:"``) in a lower-cased head."""
+    at = head.find(marker)
+    if at < 0:
+        return None
+    start = at + len(marker)
+    return head[start : head.find("\r\n", start)].strip()

@@ -2,17 +2,20 @@
 
 A vLLM ``/metrics`` page is 30-50 KB, mostly histogram buckets; the pool needs
 at most five families of it, a hundred pods ten times a second. So this parser
-never walks the page line by line: it jumps to each wanted family with
-``bytes.find`` (C speed), reads that family's group of sample lines (the text
+never walks the page line by line: it goes to each wanted family (where it was
+in the pod's last page, else by ``bytes.find`` at C speed), reads that
+family's group of sample lines with one pattern match per line (the text
 format requires a family's samples to form one contiguous group) and stops.
 Labels are decoded only where a spec matches on them or where the LoRA state
 lives. Lines of other families are never looked at, so their oddities cannot
 fail a scrape; a malformed line of a family that is read raises
-``ExpositionError`` with its line number.
+``ExpositionError`` with its line number (a slower, explaining parse of that
+line says what is wrong).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -86,7 +89,7 @@ class MetricsParser:
 
     def __init__(self, names: MetricNames) -> None:
         self._names = names
-        counter = iter(range(1 << 16))
+        counter = itertools.count()
 
         def encode(specs: tuple[MetricSpec, ...]) -> tuple[_Family, ...]:
             return tuple(_Family.of(spec, next(counter)) for spec in specs)

@@ -137,6 +137,7 @@ class _ListWatch:
         self._pods: dict[str, PodIdentity] = {}  # candidate pods by name
         self._version: str | None = None
         self._published: tuple[PodIdentity, ...] | None = None
+        self._events = 0  # watch events received, to tell a live watch from a failing one
 
     def stop(self) -> None:
         self._stopping.set()
@@ -166,24 +167,22 @@ class _ListWatch:
         api = client.CoreV1Api(client.ApiClient(configuration))
         where = f"pods in namespace {namespace!r} matching {self._options.selector!r}"
         delay = self._options.retry_initial
+        expired_in_a_row = 0  # a server that keeps saying 410 must not be relisted in a loop
         while not self._stopping.is_set():
+            events_before = self._events
             try:
                 if self._version is None:
                     self._list(api, namespace)
-                    delay = self._options.retry_initial
                 self._watch(api, namespace)
                 delay = self._options.retry_initial
+                expired_in_a_row = 0
                 continue
             except _GoneError:
-                log.info("pod watch: resource version %s expired; listing again", self._version)
+                problem = f"resource version {self._version} expired"
                 self._version = None
-                continue
             except ApiException as error:
                 if self._stopping.is_set():
                     return
-                if error.status == 410:  # an expired continue token or watch version
-                    self._version = None
-                    continue
                 if self._published is None and error.status in (401, 403, 404):
                     self._deliver(
                         DiscoveryError(
@@ -193,10 +192,19 @@ class _ListWatch:
                     )
                     return
                 problem = f"HTTP {error.status} {error.reason}"
+                if error.status == 410:  # an expired continue token or watch version
+                    self._version = None
             except (urllib3.exceptions.HTTPError, OSError, ValueError, _WatchError) as error:
                 if self._stopping.is_set():
                     return
                 problem = str(error) or type(error).__name__
+            if self._events > events_before:
+                expired_in_a_row = 0
+            if self._version is None and self._published is not None:
+                expired_in_a_row += 1
+                if expired_in_a_row == 1:  # the normal case: list again at once
+                    log.info("pod watch: %s; listing again", problem)
+                    continue
             log.warning("pod watch: %s; retrying in %.1f s", problem, delay)
             self._stopping.wait(random.uniform(delay / 2, delay))
             delay = min(delay * 2, self._options.retry_max)
@@ -276,6 +284,7 @@ class _ListWatch:
                 if obj.get("code") == 410:
                     raise _GoneError
                 raise _WatchError(f"watch ended with {obj.get('code')}: {obj.get('message')}")
+            self._events += 1
             version = (obj.get("metadata") or {}).get("resourceVersion")
             if kind in ("ADDED", "MODIFIED"):
                 name, identity = self._identity(obj)

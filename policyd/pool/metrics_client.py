@@ -93,11 +93,6 @@ class MetricsEndpoint:
         self.error: str | None = None
         self.latency = 0.0
 
-    @property
-    def pending(self) -> bool:
-        """A request is in flight."""
-        return self._on_done is not None
-
     def fetch(self, on_done: Callable[[MetricsEndpoint], None]) -> None:
         self.body = None
         self.error = None

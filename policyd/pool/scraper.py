@@ -135,9 +135,8 @@ class Scraper:
             reason = f"no answer within {timeout * 1000:.0f} ms"
             for endpoint in endpoints:
                 endpoint.abandon(reason)
-        # Parsed together once the round is in: a tight loop over the bodies,
-        # which still sit in their connections' buffers, runs about twice as
-        # fast as parsing each between network callbacks.
+        # Parsed once the round is in: each body stays in its connection's
+        # buffer until that endpoint's next fetch.
         return [
             self._result(address, endpoint)
             for address, endpoint in zip(addresses, endpoints, strict=True)

@@ -79,6 +79,7 @@ class FakeKubeApiServer:
     ) -> None:
         self.token = token
         self.forbidden = False
+        self.expire_every_watch = False  # a broken server: every watch is "too old"
         self.bookmark_interval = bookmark_interval
         self.expired_watch_as_status = expired_watch_as_status
         self.split_events = split_events  # write each event in two chunks
@@ -288,7 +289,7 @@ class FakeKubeApiServer:
         since = int(version) if version.isdigit() else 0
         bookmarks = request.query.get("allowWatchBookmarks") in ("true", "1")
         timeout = float(request.query.get("timeoutSeconds", "0") or 0) or None
-        expired = since and since < self._compacted
+        expired = self.expire_every_watch or (since and since < self._compacted)
         if expired and self.expired_watch_as_status:
             return _status_response(410, "Expired", f"too old resource version: {since}")
         watcher = _Watcher(namespace, selector)

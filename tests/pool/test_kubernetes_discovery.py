@@ -207,6 +207,28 @@ async def test_a_watch_refused_with_http_410_relists(tmp_path: Path) -> None:
     assert len(server.lists()) == 2
 
 
+@pytest.mark.parametrize("as_status", [False, True])
+async def test_a_server_that_expires_every_watch_is_not_relisted_in_a_loop(
+    tmp_path: Path, as_status: bool
+) -> None:
+    server = FakeKubeApiServer(token=TOKEN, expired_watch_as_status=as_status)
+    await server.start()
+    vllm(server, "a")
+    server.expire_every_watch = True
+    updates = KubernetesDiscovery(options(tmp_path, server)).updates()
+    try:
+        await until(updates, lambda p: set(p) == {"a"})
+        await asyncio.sleep(0.6)
+        # Backing off from 50 ms and doubling leaves room for a handful of lists.
+        assert 2 <= len(server.lists()) <= 8
+        server.expire_every_watch = False
+        vllm(server, "b")
+        await until(updates, lambda p: set(p) == {"a", "b"})
+    finally:
+        await updates.aclose()  # type: ignore[attr-defined]
+        await server.stop()
+
+
 async def test_a_dropped_watch_resumes_from_its_last_version_without_relisting(
     server: FakeKubeApiServer, tmp_path: Path
 ) -> None:

@@ -25,12 +25,13 @@ from policyd.pool.metric_names import MetricNames, MetricSpec
 
 
 class ExpositionError(ValueError):
-    """The exposition lacks a needed series or has a malformed line in one."""
+    """The exposition lacks a needed series (``missing``) or has a malformed line in one."""
 
-    def __init__(self, reason: str, line: int | None = None) -> None:
+    def __init__(self, reason: str, line: int | None = None, *, missing: bool = False) -> None:
         super().__init__(f"line {line}: {reason}" if line is not None else reason)
         self.reason = reason
         self.line = line
+        self.missing = missing
 
 
 class PodMetrics(NamedTuple):
@@ -188,7 +189,7 @@ def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSp
         if samples:
             return family.spec, samples
     wanted = " or ".join(str(family.spec) for family in families)
-    raise ExpositionError(f"no {wanted} series in the response")
+    raise ExpositionError(f"no {wanted} series in the response", missing=True)
 
 
 # What may follow a family name on one of its sample lines (a bare name has no value,

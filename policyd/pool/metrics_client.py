@@ -67,6 +67,7 @@ class MetricsEndpoint:
         "_request",
         "_retried",
         "_started",
+        "_target",
         "body",
         "error",
         "host",
@@ -74,14 +75,11 @@ class MetricsEndpoint:
         "port",
     )
 
-    def __init__(self, host: str, port: int, path: str, max_body_bytes: int) -> None:
+    def __init__(self, host: str, port: int, target: str, max_body_bytes: int) -> None:
         self.host = host
         self.port = port
-        host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._request = (
-            f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: policyd/{__version__}\r\n"
-            "Accept: text/plain\r\nAccept-Encoding: identity\r\n\r\n"
-        ).encode("ascii")
+        self._request = b""
+        self.target = target
         self._max_body = max_body_bytes
         self._loop = asyncio.get_running_loop()
         self._connection: _Connection | None = None
@@ -92,6 +90,21 @@ class MetricsEndpoint:
         self.body: Body | None = None
         self.error: str | None = None
         self.latency = 0.0
+
+    @property
+    def target(self) -> str:
+        """The path and query requested."""
+        return self._target
+
+    @target.setter
+    def target(self, target: str) -> None:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self._target = target
+        self._request = (
+            f"GET {target} HTTP/1.1\r\nHost: {host}:{self.port}\r\n"
+            f"User-Agent: policyd/{__version__}\r\n"
+            "Accept: text/plain\r\nAccept-Encoding: identity\r\n\r\n"
+        ).encode("ascii")
 
     def fetch(self, on_done: Callable[[MetricsEndpoint], None]) -> None:
         self.body = None

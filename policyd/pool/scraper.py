@@ -10,6 +10,8 @@ first round that starts after its last answer.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ from policyd.pool.discovery import split_address
 from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
 from policyd.pool.metric_names import VLLM, MetricNames
 from policyd.pool.metrics_client import MetricsEndpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +39,8 @@ class ScrapeConfig:
     (``?name[]=...``, which prometheus_client's exposition honours, so vLLM,
     SGLang and trtllm-serve send a few hundred bytes instead of tens of KB and
     skip rendering their histograms ten times a second); a server that
-    ignores the query sends its whole page, which is read just the same.
+    ignores the query sends its whole page, which is read just the same, and
+    one whose answer lacks a needed family is asked for its whole page.
     """
 
     interval: float = 0.1
@@ -108,6 +113,7 @@ class Scraper:
         self._config = config
         self._parser = MetricsParser(config.metrics)
         self._target = config.request_target
+        self._whole_page = config.metrics.path
         self._endpoints: dict[str, MetricsEndpoint] = {}
         self._hints: dict[str, list[int]] = {}  # where each pod prints each family
 
@@ -115,18 +121,24 @@ class Scraper:
         """Scrape every address once, concurrently, within the request timeout."""
         if not addresses:
             return []
-        endpoints = [self._endpoint(address) for address in addresses]
+        results: dict[str, ScrapeResult] = {}
         all_answered = asyncio.get_running_loop().create_future()
-        remaining = len(endpoints)
+        remaining = len(addresses)
 
-        def answered(_: MetricsEndpoint) -> None:
+        def answered(address: str, endpoint: MetricsEndpoint) -> None:
             nonlocal remaining
+            result = self._result(address, endpoint)
+            if result is None:  # to be asked again, for the whole page
+                endpoint.fetch(functools.partial(answered, address))
+                return
+            results[address] = result
             remaining -= 1
             if remaining == 0 and not all_answered.done():
                 all_answered.set_result(None)
 
-        for endpoint in endpoints:
-            endpoint.fetch(answered)
+        endpoints = [self._endpoint(address) for address in addresses]
+        for address, endpoint in zip(addresses, endpoints, strict=True):
+            endpoint.fetch(functools.partial(answered, address))
         timeout = self._config.request_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -135,12 +147,7 @@ class Scraper:
             reason = f"no answer within {timeout * 1000:.0f} ms"
             for endpoint in endpoints:
                 endpoint.abandon(reason)
-        # Parsed once the round is in: each body stays in its connection's
-        # buffer until that endpoint's next fetch.
-        return [
-            self._result(address, endpoint)
-            for address, endpoint in zip(addresses, endpoints, strict=True)
-        ]
+        return [results[address] for address in addresses]
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Close the connections of pods that are gone."""
@@ -167,12 +174,23 @@ class Scraper:
             self._hints[address] = self._parser.new_hints()
         return endpoint
 
-    def _result(self, address: str, endpoint: MetricsEndpoint) -> ScrapeResult:
+    def _result(self, address: str, endpoint: MetricsEndpoint) -> ScrapeResult | None:
+        """The outcome of a finished request (parsed now, while the body is in
+        the connection's buffer), or ``None`` when it was asked again."""
         body = endpoint.body
         if body is None:
             return ScrapeResult(address, None, endpoint.error or "no answer", endpoint.latency)
         try:
             metrics = self._parser.parse(body.data, self._hints[address], body.start, body.end)
         except ExpositionError as error:
+            if error.missing and endpoint.target != self._whole_page:
+                # Some servers answer a family filter with less than asked for
+                # (prometheus_client before 0.20 in multiprocess mode sends
+                # nothing): ask this pod for its whole page from now on.
+                log.info(
+                    "pod %s: %s when asked for families; asking for the whole page", address, error
+                )
+                endpoint.target = self._whole_page
+                return None
             return ScrapeResult(address, None, f"bad metrics: {error}", endpoint.latency)
         return ScrapeResult(address, metrics, None, endpoint.latency)

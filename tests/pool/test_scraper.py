@@ -421,3 +421,31 @@ async def test_pages_larger_than_the_receive_buffer_are_read_whole(framing: str)
                 assert (result.metrics.waiting_queue, result.metrics.running) == (3, 4)
         finally:
             scraper.close()
+
+
+async def test_a_server_answering_the_family_filter_with_too_little_gets_asked_for_all() -> None:
+    # prometheus_client before 0.20 in multiprocess mode answers name[]= with nothing.
+    targets: list[str] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                request = await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            target = request.split(b" ")[1].decode()
+            targets.append(target)
+            body = b"" if "?" in target else BODY
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5))
+        try:
+            for _ in range(3):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+        finally:
+            scraper.close()
+    assert targets[0].startswith("/metrics?name%5B%5D=")
+    assert targets[1:] == ["/metrics"] * 3

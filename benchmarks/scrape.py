@@ -1,6 +1,7 @@
 """What the pool's scraping costs: 100 pods polled at 10 Hz, and the parser alone.
 
-    python benchmarks/scrape.py [--pods 100] [--interval 0.1] [--seconds 10] [--page vllm|short]
+    python benchmarks/scrape.py [--pods 100] [--interval 0.1] [--seconds 3] [--repeats 3]
+                                [--page vllm|short]
 
 Measurements in one run, each next to its baselines:
 
@@ -14,7 +15,9 @@ Measurements in one run, each next to its baselines:
    Baselines on the same endpoints: the same rounds through an aiohttp
    ``ClientSession`` (GET + read, no parsing), the client the pool could have
    used; and a bare asyncio protocol that only frames the responses, the
-   floor any Python client on this event loop pays.
+   floor any Python client on this event loop pays. The four are measured
+   in turn, ``--repeats`` times over (the machine's load drifts), and the
+   median of each is reported.
 
 The goal is 100 pods at 10 Hz well under a tenth of a core.
 """
@@ -31,6 +34,7 @@ import tempfile
 import time
 import urllib.parse
 from pathlib import Path
+from statistics import median
 
 import aiohttp
 from prometheus_client import (
@@ -326,7 +330,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=100)
     parser.add_argument("--interval", type=float, default=0.1)
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page", choices=["vllm", "short"], default="vllm")
     parser.add_argument(SERVE_FLAG, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -362,12 +367,29 @@ def main() -> None:
         size = len(page if args.page == "vllm" else SHORT_SAMPLE)
         print(
             f"== scraping {args.pods} loopback pods every {args.interval * 1000:.0f} ms "
-            f"({rate:.0f} GET/s of {size} B), {args.seconds:.0f} s each"
+            f"({rate:.0f} GET/s of {size} B); {args.repeats} x {args.seconds:.0f} s each, medians"
         )
-        full = asyncio.run(measure_pool(addresses, args.interval, args.seconds, filtered=False))
-        aiohttp_core = asyncio.run(measure_aiohttp(addresses, args.interval, args.seconds))
-        floor = asyncio.run(measure_floor(addresses, args.interval, args.seconds))
-        filtered = asyncio.run(measure_pool(addresses, args.interval, args.seconds, filtered=True))
+        runs: dict[str, list[dict[str, float]]] = {"whole": [], "filtered": []}
+        aiohttp_runs: list[float] = []
+        floor_runs: list[float] = []
+        for _ in range(args.repeats):
+            for kind in ("whole", "filtered"):
+                runs[kind].append(
+                    asyncio.run(
+                        measure_pool(
+                            addresses, args.interval, args.seconds, filtered=kind == "filtered"
+                        )
+                    )
+                )
+            aiohttp_runs.append(
+                asyncio.run(measure_aiohttp(addresses, args.interval, args.seconds))
+            )
+            floor_runs.append(asyncio.run(measure_floor(addresses, args.interval, args.seconds)))
+        full, filtered = (
+            sorted(runs[kind], key=lambda run: run["core"])[len(runs[kind]) // 2]
+            for kind in ("whole", "filtered")
+        )
+        aiohttp_core, floor = median(aiohttp_runs), median(floor_runs)
         for label, core in (
             ("pool, whole page (scrape+parse+snapshots)", full["core"]),
             ("aiohttp ClientSession, whole page (GET+read)", aiohttp_core),

@@ -36,11 +36,12 @@ class ScrapeConfig:
     candidates, their zeros would make them look idle.
 
     ``filter_families`` asks the server for only the families the pool reads
-    (``?name[]=...``, which prometheus_client's exposition honours, so vLLM,
-    SGLang and trtllm-serve send a few hundred bytes instead of tens of KB and
-    skip rendering their histograms ten times a second); a server that
-    ignores the query sends its whole page, which is read just the same, and
-    one whose answer lacks a needed family is asked for its whole page.
+    (``?name[]=...``, the filter prometheus_client's exposition apps
+    understand: a server that honours it renders a few hundred bytes instead
+    of tens of KB of histograms ten times a second). A server that ignores
+    the query sends its whole page, which is read just the same; one whose
+    answer lacks a needed family (prometheus_client before 0.25 in
+    multiprocess mode returns nothing) is asked for its whole page instead.
     """
 
     interval: float = 0.1
@@ -185,7 +186,7 @@ class Scraper:
         except ExpositionError as error:
             if error.missing and endpoint.target != self._whole_page:
                 # Some servers answer a family filter with less than asked for
-                # (prometheus_client before 0.20 in multiprocess mode sends
+                # (prometheus_client before 0.25 in multiprocess mode sends
                 # nothing): ask this pod for its whole page from now on.
                 log.info(
                     "pod %s: %s when asked for families; asking for the whole page", address, error

@@ -293,8 +293,8 @@ async def test_the_request_is_a_plain_get_of_the_metrics_path() -> None:
 async def test_prometheus_client_servers_send_only_the_families_asked_for(
     filtered: bool,
 ) -> None:
-    # vLLM, SGLang and trtllm-serve publish through prometheus_client, as this
-    # real prometheus_client HTTP server on loopback does.
+    # Model servers publish through prometheus_client, as this real
+    # prometheus_client HTTP server on loopback does.
     registry = CollectorRegistry()
     Gauge("vllm:num_requests_waiting", "w", registry=registry).set(4)
     Gauge("vllm:num_requests_running", "r", registry=registry).set(6)
@@ -424,7 +424,7 @@ async def test_pages_larger_than_the_receive_buffer_are_read_whole(framing: str)
 
 
 async def test_a_server_answering_the_family_filter_with_too_little_gets_asked_for_all() -> None:
-    # prometheus_client before 0.20 in multiprocess mode answers name[]= with nothing.
+    # prometheus_client before 0.25 in multiprocess mode answers name[]= with nothing.
     targets: list[str] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from policyd import __version__
-
 _MAX_HEAD: Final = 64 * 1024
 _INITIAL_BUFFER: Final = 64 * 1024  # most metrics pages fit; larger ones grow it once
 _MIN_READ: Final = 16 * 1024  # free space offered to each socket read
@@ -102,7 +100,7 @@ class MetricsEndpoint:
         self._target = target
         self._request = (
             f"GET {target} HTTP/1.1\r\nHost: {host}:{self.port}\r\n"
-            f"User-Agent: policyd/{__version__}\r\n"
+            "User-Agent: policyd\r\n"
             "Accept: text/plain\r\nAccept-Encoding: identity\r\n\r\n"
         ).encode("ascii")
 

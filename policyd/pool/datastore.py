@@ -1,0 +1,213 @@
+"""The pool's state, published as immutable snapshots swapped by one reference.
+
+Requests read ``Datastore.snapshot`` and use it as long as they like; nothing
+they hold ever changes under them and no reader takes a lock. The writers (the
+discovery follower and the scrape loop) run on the same event loop, build a
+new ``PoolSnapshot`` and swap it in. What must outlive snapshots, the in-flight
+count per pod and its scrape statistics, lives in per-address state that the
+snapshots point to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from policyd.cel.values import Duration
+from policyd.pool.discovery import PodIdentity
+from policyd.pool.exposition import NO_METRICS, PodMetrics
+from policyd.pool.pod import InFlight, Pod
+from policyd.pool.scraper import ScrapeResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """The pool at one moment.
+
+    ``pods`` holds every known pod (sorted by name), ``candidates`` the ones a
+    policy may choose from: answered the last scrape, metrics no older than
+    the stale threshold. ``ready`` says the pool has pods and has scraped
+    (answered or failed) each of them at least once; it then stays true while
+    pods come and go, so that scaling the model servers up does not flap the
+    service's readiness, and turns false only when the pod set is empty.
+    ``taken_at`` is ``time.monotonic()`` when the
+    snapshot was built (``metrics_age`` is measured to it); ``scrape_round``
+    counts the rounds that went into it.
+    """
+
+    version: int
+    pods: tuple[Pod, ...]
+    candidates: tuple[Pod, ...]
+    ready: bool
+    taken_at: float
+    scrape_round: int
+
+
+EMPTY_SNAPSHOT = PoolSnapshot(
+    version=0, pods=(), candidates=(), ready=False, taken_at=0.0, scrape_round=0
+)
+
+
+@dataclass(slots=True)
+class ScrapeStats:
+    """One pod's scrape record, updated in place every round (for telemetry).
+
+    Times are ``time.monotonic()`` seconds; latencies are seconds.
+    """
+
+    successes: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    last_latency: float | None = None
+    last_error: str | None = None
+    last_success_at: float | None = None
+    last_success_round: int = 0
+
+
+class _Member:
+    """What the datastore keeps per pod address between snapshots."""
+
+    __slots__ = ("discovered_at", "identity", "last_ok", "load", "metrics", "stats")
+
+    def __init__(self, identity: PodIdentity, now: float) -> None:
+        self.identity = identity
+        self.load = InFlight()
+        self.metrics: PodMetrics | None = None
+        self.last_ok = False
+        self.discovered_at = now
+        self.stats = ScrapeStats()
+
+
+class Datastore:
+    """Holds the pod set and their last metrics; publishes ``snapshot``."""
+
+    def __init__(
+        self,
+        *,
+        stale_after: float,
+        include_stale: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        on_publish: Callable[[PoolSnapshot], None] | None = None,
+    ) -> None:
+        self._stale_after = stale_after
+        self._include_stale = include_stale
+        self._clock = clock
+        self._on_publish = on_publish
+        self._members: dict[str, _Member] = {}
+        self._version = 0
+        self._round = 0
+        self._ready = False
+        self.snapshot: PoolSnapshot = EMPTY_SNAPSHOT
+
+    @property
+    def stats(self) -> Mapping[str, ScrapeStats]:
+        """Scrape statistics per pod address (live objects, read-only view)."""
+        return MappingProxyType({a: m.stats for a, m in self._members.items()})
+
+    def addresses(self) -> list[str]:
+        return list(self._members)
+
+    def identity(self, address: str) -> PodIdentity | None:
+        member = self._members.get(address)
+        return None if member is None else member.identity
+
+    def set_pods(self, identities: Iterable[PodIdentity]) -> None:
+        """Replace the pod set. A pod that stays (same address) keeps its
+        metrics, in-flight counter and statistics; a pod that left loses them."""
+        now = self._clock()
+        members: dict[str, _Member] = {}
+        for identity in sorted(identities, key=lambda i: (i.name, i.address)):
+            if identity.address in members:
+                continue  # sources never repeat an address; if one did, the first name wins
+            member = self._members.get(identity.address)
+            if member is None:
+                member = _Member(identity, now)
+            else:
+                member.identity = identity
+            members[identity.address] = member
+        self._members = members
+        self._publish(now)
+
+    def record(self, results: Iterable[ScrapeResult]) -> None:
+        """Take in one scrape round and publish the snapshot it makes."""
+        now = self._clock()
+        self._round += 1
+        for result in results:
+            member = self._members.get(result.address)
+            if member is None:  # left while the round ran
+                continue
+            stats = member.stats
+            stats.last_latency = result.latency
+            if result.metrics is not None:
+                if stats.consecutive_failures:
+                    log.info(
+                        "pod %s (%s) answers its metrics scrape again",
+                        member.identity.name,
+                        result.address,
+                    )
+                member.metrics = result.metrics
+                member.last_ok = True
+                stats.successes += 1
+                stats.consecutive_failures = 0
+                stats.last_error = None
+                stats.last_success_at = now
+                stats.last_success_round = self._round
+            else:
+                member.last_ok = False
+                stats.failures += 1
+                stats.consecutive_failures += 1
+                stats.last_error = result.error
+                if stats.consecutive_failures == 1:
+                    log.warning(
+                        "metrics scrape of pod %s (%s) failed: %s",
+                        member.identity.name,
+                        result.address,
+                        result.error,
+                    )
+        self._publish(now)
+
+    def _publish(self, now: float) -> None:
+        pods: list[Pod] = []
+        candidates: list[Pod] = []
+        all_tried = True
+        for address, member in self._members.items():
+            identity = member.identity
+            metrics = member.metrics or NO_METRICS
+            scraped_at = member.stats.last_success_at
+            age = now - (member.discovered_at if scraped_at is None else scraped_at)
+            pod = Pod(
+                name=identity.name,
+                address=address,
+                labels=identity.labels,
+                waiting_queue=metrics.waiting_queue,
+                running=metrics.running,
+                kv_cache=metrics.kv_cache,
+                active_loras=metrics.active_loras,
+                waiting_loras=metrics.waiting_loras,
+                max_loras=metrics.max_loras,
+                metrics_age=Duration.from_seconds(max(age, 0.0)),
+                load=member.load,
+            )
+            pods.append(pod)
+            if member.metrics is not None and (
+                self._include_stale or (member.last_ok and age <= self._stale_after)
+            ):
+                candidates.append(pod)
+            all_tried = all_tried and (member.stats.successes + member.stats.failures) > 0
+        self._ready = bool(self._members) and (self._ready or all_tried)
+        self._version += 1
+        self.snapshot = PoolSnapshot(
+            version=self._version,
+            pods=tuple(pods),
+            candidates=tuple(candidates),
+            ready=self._ready,
+            taken_at=now,
+            scrape_round=self._round,
+        )
+        if self._on_publish is not None:
+            self._on_publish(self.snapshot)

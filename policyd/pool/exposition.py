@@ -1,0 +1,428 @@
+"""Reads the handful of series the pool needs from a Prometheus text exposition.
+
+A vLLM ``/metrics`` page is 30-50 KB, mostly histogram buckets; the pool needs
+at most five families of it, a hundred pods ten times a second. So this parser
+never walks the page line by line: it goes to each wanted family (where it was
+in the pod's last page, else by ``bytes.find`` at C speed), reads that
+family's group of sample lines with one pattern match per line (the text
+format requires a family's samples to form one contiguous group) and stops.
+Labels are decoded only where a spec matches on them or where the LoRA state
+lives. Lines of other families are never looked at, so their oddities cannot
+fail a scrape; a malformed line of a family that is read raises
+``ExpositionError`` with its line number (a slower, explaining parse of that
+line says what is wrong).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from policyd.pool.metric_names import MetricNames, MetricSpec
+
+
+class ExpositionError(ValueError):
+    """The exposition lacks a needed series (``missing``) or has a malformed line in one."""
+
+    def __init__(self, reason: str, line: int | None = None, *, missing: bool = False) -> None:
+        super().__init__(f"line {line}: {reason}" if line is not None else reason)
+        self.reason = reason
+        self.line = line
+        self.missing = missing
+
+
+class PodMetrics(NamedTuple):
+    """The scraped numbers the CEL ``pod`` fields are made of.
+
+    A named tuple rather than a frozen dataclass: a thousand are made a
+    second, and a tuple is built several times faster.
+    """
+
+    waiting_queue: int
+    running: int
+    kv_cache: float
+    active_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
+
+
+NO_METRICS = PodMetrics(waiting_queue=0, running=0, kv_cache=0.0)
+
+# One sample line: where it starts in the data, its raw label text, its value.
+_Sample = tuple[int, bytes | bytearray, float]
+
+# The rest of a well-formed sample line after the family name: optional labels
+# (up to the line's last '}'), the value, an optional timestamp. Lines it does
+# not match get the slow, explaining parse.
+_SAMPLE_REST = rb"(?:\{(.*)\})?[ \t]+([^ \t\r\n]+)(?:[ \t]+[^ \t\r\n]+)?[ \t]*\r?(?:\n|\Z)"
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """A family to read: its spec, its name, its slot in the hints, its line pattern."""
+
+    spec: MetricSpec
+    name: bytes
+    slot: int
+    needle: bytes  # newline + name: where one of its lines starts
+    line: re.Pattern[bytes]
+
+    @classmethod
+    def of(cls, spec: MetricSpec, slot: int) -> _Family:
+        name = spec.name.encode("ascii")
+        return cls(spec, name, slot, b"\n" + name, re.compile(re.escape(name) + _SAMPLE_REST))
+
+
+class MetricsParser:
+    """Turns exposition bodies into ``PodMetrics`` for one set of ``MetricNames``.
+
+    ``parse(body, hints)`` may be given a list from ``new_hints()`` kept per
+    pod: it remembers where each family was found, and since a server prints
+    its page in the same order every time, the next parse looks there first
+    instead of scanning the page from the top (any answer is still checked,
+    so a moved or vanished family is found or missed exactly as without hints).
+    """
+
+    __slots__ = ("_families", "_kv_cache", "_lora", "_names", "_running", "_waiting")
+
+    def __init__(self, names: MetricNames) -> None:
+        self._names = names
+        counter = itertools.count()
+
+        def encode(specs: tuple[MetricSpec, ...]) -> tuple[_Family, ...]:
+            return tuple(_Family.of(spec, next(counter)) for spec in specs)
+
+        self._waiting = encode(names.waiting)
+        self._running = encode(names.running)
+        self._kv_cache = encode(names.kv_cache)
+        self._lora = None if names.lora_info is None else encode((names.lora_info,))[0]
+        self._families = next(counter)
+
+    def new_hints(self) -> list[int]:
+        """Per-pod memory of where each family was (see the class docstring)."""
+        return [-1] * self._families
+
+    def parse(
+        self,
+        body: bytes | bytearray,
+        hints: list[int] | None = None,
+        start: int = 0,
+        end: int | None = None,
+    ) -> PodMetrics:
+        """The metrics in ``body[start:end]`` (no copy is made of a slice of a buffer).
+
+        Raises ``ExpositionError`` naming the line (counted from ``start``) and what is wrong.
+        """
+        page = _Page(body, start, len(body) if end is None else end, hints)
+        waiting = _count(page, self._waiting)
+        running = _count(page, self._running)
+        kv_cache = _fraction(page, self._kv_cache)
+        if self._lora is None:
+            return PodMetrics(waiting, running, kv_cache)
+        active, queued, max_loras = self._lora_state(page, self._lora)
+        return PodMetrics(waiting, running, kv_cache, active, queued, max_loras)
+
+    def _lora_state(
+        self, page: _Page, family: _Family
+    ) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        """The adapters of the newest ``lora_requests_info`` series.
+
+        Each series' value is the Unix time it was last set; old label sets
+        linger with old times, so the largest value is the current state (on
+        a tie the first such series wins). No series means no adapters.
+        """
+        samples = page.samples(family)
+        if not samples:
+            return (), (), 0
+        newest = samples[0]
+        for sample in samples[1:]:
+            if sample[2] > newest[2]:
+                newest = sample
+        spec = family.spec
+        labels = page.labels(newest, spec.name)
+        names = self._names
+        max_text = labels.get(names.lora_max_label, "").strip()
+        if max_text and not (max_text.isdigit() and max_text.isascii()):
+            raise ExpositionError(
+                f"{spec.name}: {names.lora_max_label}={max_text!r} is not a whole number",
+                page.line_of(newest[0]),
+            )
+        return (
+            _adapter_list(labels.get(names.lora_running_label, "")),
+            _adapter_list(labels.get(names.lora_waiting_label, "")),
+            int(max_text) if max_text else 0,
+        )
+
+
+def _count(page: _Page, families: tuple[_Family, ...]) -> int:
+    """Sum of the first present family's series: requests across all engines."""
+    spec, samples = _first_present(page, families)
+    total = 0.0
+    for offset, _, value in samples:
+        if not math.isfinite(value) or value < 0:
+            raise ExpositionError(
+                f"{spec.name}: {value} is not a request count", page.line_of(offset)
+            )
+        total += value
+    return round(total)
+
+
+def _fraction(page: _Page, families: tuple[_Family, ...]) -> float:
+    """Largest of the first present family's series: the fullest engine's KV cache."""
+    spec, samples = _first_present(page, families)
+    fullest = 0.0
+    for offset, _, value in samples:
+        if not 0.0 <= value <= 1.0:  # NaN fails too
+            raise ExpositionError(
+                f"{spec.name}: {value} is not a fraction from 0 to 1", page.line_of(offset)
+            )
+        fullest = max(fullest, value)
+    return fullest
+
+
+def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSpec, list[_Sample]]:
+    for family in families:
+        samples = page.samples(family)
+        if samples:
+            return family.spec, samples
+    wanted = " or ".join(str(family.spec) for family in families)
+    raise ExpositionError(f"no {wanted} series in the response", missing=True)
+
+
+# What may follow a family name on one of its sample lines (a bare name has no value,
+# which is then reported rather than overlooked).
+_AFTER_NAME = (b"{", b" ", b"\t", b"\r", b"\n", b"")
+_NEWLINE = ord("\n")
+
+
+class _Page:
+    """The body being parsed (``data[first:last]``) and where its families were last time.
+
+    Every look at ``data`` stays within ``first:last``: the body may be a
+    slice of a connection's receive buffer, with other bytes around it.
+    """
+
+    __slots__ = ("data", "first", "hints", "last")
+
+    def __init__(
+        self, data: bytes | bytearray, first: int, last: int, hints: list[int] | None
+    ) -> None:
+        self.data = data
+        self.first = first
+        self.last = last
+        self.hints = hints  # offsets from ``first``, -1 for "not seen"
+
+    def samples(self, family: _Family) -> list[_Sample]:
+        """The family's samples whose labels carry every value its spec asks for."""
+        spec, slot = family.spec, family.slot
+        hints = self.hints
+        hint = -1 if hints is None or hints[slot] < 0 else self.first + hints[slot]
+        samples = None if hint < 0 else self._where_it_was(family, hint)
+        if samples is None:
+            start = self._locate(family, hint)
+            if hints is not None:
+                hints[slot] = -1 if start < 0 else start - self.first
+            samples = self._group(family, start) if start >= 0 else []
+        if not spec.labels or not samples:
+            return samples
+        return [
+            sample
+            for sample in samples
+            if all(self.labels(sample, spec.name).get(k) == v for k, v in spec.labels)
+        ]
+
+    def labels(self, sample: _Sample, family: str) -> dict[str, str]:
+        try:
+            return parse_labels(sample[1].decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ExpositionError(f"{family}: {error}", self.line_of(sample[0])) from None
+
+    def line_of(self, offset: int) -> int:
+        return self.data.count(b"\n", self.first, offset) + 1
+
+    def _where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
+        """The group if it still starts exactly at ``at`` and is well formed, else
+        ``None`` (then the general path finds it, or explains what is wrong).
+
+        The common case, made cheap: one pattern match per line.
+        """
+        data, first, last = self.data, self.first, self.last
+        if at > last or (at > first and data[at - 1] != _NEWLINE):
+            return None
+        match = family.line.match
+        line = match(data, at, last)
+        if line is None:
+            return None
+        if at > first:  # the line above must not belong to the family too
+            newline = data.rfind(b"\n", first, at - 1)
+            if data.startswith(family.name, first if newline < 0 else newline + 1, last):
+                return None
+        samples: list[_Sample] = []
+        while line is not None:
+            try:
+                samples.append((at, line[1] or b"", float(line[2])))
+            except ValueError:
+                return None
+            at = line.end()
+            line = match(data, at, last)
+        if data.startswith(family.name, at, last):
+            return None  # a line of the family the pattern refused
+        return samples
+
+    def _locate(self, family: _Family, hint: int) -> int:
+        """Where the family's group of lines starts, or -1."""
+        first, last = self.first, self.last
+        if hint < 0:
+            return self._find(family, first, last)
+        # Look from where it was; if that finds nothing it can only be earlier.
+        found = self._find(family, max(hint - 1, first), last)
+        if found < 0:
+            return self._find(family, first, min(hint + len(family.needle), last))
+        # The page may have shifted: step back to the first line of the group.
+        data, name = self.data, family.name
+        while found > first:
+            newline = data.rfind(b"\n", first, found - 1)
+            previous = first if newline < 0 else newline + 1
+            if not (data.startswith(name, previous, last) and self._is_sample(name, previous)):
+                break
+            found = previous
+        return found
+
+    def _find(self, family: _Family, start: int, end: int) -> int:
+        """The first line starting in ``start:end`` that is a sample of the family, or -1."""
+        name = family.name
+        if start == self.first and self._is_sample(name, start):
+            return start
+        data, needle = self.data, family.needle
+        found = data.find(needle, start, end)
+        while found >= 0:
+            if self._is_sample(name, found + 1):
+                return found + 1
+            found = data.find(needle, found + len(needle), end)
+        return -1
+
+    def _is_sample(self, name: bytes, at: int) -> bool:
+        """Whether the line starting at ``at`` is a sample of ``name``."""
+        after = at + len(name)
+        return (
+            self.data.startswith(name, at, self.last)
+            and self.data[after : min(after + 1, self.last)] in _AFTER_NAME
+        )
+
+    def _group(self, family: _Family, start: int) -> list[_Sample]:
+        """The sample lines from ``start`` while they belong to the family."""
+        data, last = self.data, self.last
+        match = family.line.match
+        samples: list[_Sample] = []
+        while start < last:
+            line = match(data, start, last)
+            if line is not None:
+                try:
+                    samples.append((start, line[1] or b"", float(line[2])))
+                    start = line.end()
+                    continue
+                except ValueError:
+                    pass  # not a number: the slow parse below says so
+            name = family.name
+            if not (data.startswith(name, start, last) and self._is_sample(name, start)):
+                break
+            end = data.find(b"\n", start, last)
+            if end < 0:
+                end = last
+            try:
+                label_text, value = _split_sample(data[start:end], len(family.name))
+            except ValueError as error:
+                raise ExpositionError(f"{family.spec.name}: {error}", self.line_of(start)) from None
+            samples.append((start, label_text, value))
+            start = end + 1
+        return samples
+
+
+def _split_sample(line: bytes | bytearray, name_size: int) -> tuple[bytes | bytearray, float]:
+    """``name{labels} value [timestamp]`` -> (labels text, value).
+
+    The label set ends at the line's last ``}``: label values may hold braces,
+    a value and a timestamp cannot.
+    """
+    if line[name_size : name_size + 1] == b"{":
+        close = line.rfind(b"}")
+        if close < 0:
+            raise ValueError("the label set is not closed with '}'")
+        label_text, tail = line[name_size + 1 : close], line[close + 1 :]
+    else:
+        label_text, tail = b"", line[name_size:]
+    fields = tail.split()
+    if not fields:
+        raise ValueError("the sample has no value")
+    if len(fields) > 2:
+        raise ValueError(f"unexpected text after the value: {b' '.join(fields[2:]).decode()!r}")
+    try:
+        return label_text, float(fields[0])
+    except ValueError:
+        raise ValueError(f"value {fields[0].decode(errors='replace')!r} is not a number") from None
+
+
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"[^"\\\n]*"'
+_PLAIN_LABELS = re.compile(rf"\s*{_LABEL}\s*(?:,\s*{_LABEL}\s*)*,?\s*")
+_PLAIN_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"\\\n]*)"')
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``a="1",b="x\\"y"`` -> ``{"a": "1", "b": 'x"y'}`` with the format's escapes."""
+    if _PLAIN_LABELS.fullmatch(text):  # no escapes: two regex passes do it all
+        return dict(_PLAIN_LABEL.findall(text))
+    labels: dict[str, str] = {}
+    position, size = 0, len(text)
+    while position < size:
+        equals = text.find("=", position)
+        if equals < 0:
+            raise ValueError(f"label {text[position:].strip()!r} has no '='")
+        name = text[position:equals].strip()
+        if not name or not (name[0].isalpha() or name[0] == "_"):
+            raise ValueError(f"{name!r} is not a label name")
+        quote = equals + 1
+        while quote < size and text[quote] in " \t":
+            quote += 1
+        if quote >= size or text[quote] != '"':
+            raise ValueError(f"the value of label {name!r} is not quoted")
+        value, position = _quoted(text, quote + 1, name)
+        labels[name] = value
+        while position < size and text[position] in " \t":
+            position += 1
+        if position < size:
+            if text[position] != ",":
+                raise ValueError(f"expected ',' after label {name!r}")
+            position += 1
+    return labels
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+def _quoted(text: str, start: int, name: str) -> tuple[str, int]:
+    """The label value starting after its opening quote, and the index past its close."""
+    parts: list[str] = []
+    position = start
+    while True:
+        close = text.find('"', position)
+        backslash = text.find("\\", position, close if close >= 0 else len(text))
+        if backslash >= 0:
+            escaped = text[backslash + 1 : backslash + 2]
+            if escaped not in _ESCAPES:
+                raise ValueError(f"label {name!r} has an unknown escape '\\{escaped}'")
+            parts.append(text[position:backslash])
+            parts.append(_ESCAPES[escaped])
+            position = backslash + 2
+            continue
+        if close < 0:
+            raise ValueError(f"the value of label {name!r} is not closed with '\"'")
+        parts.append(text[position:close])
+        return "".join(parts), close + 1
+
+
+def _adapter_list(text: str) -> tuple[str, ...]:
+    """``"a, b,"`` -> ``("a", "b")``; an empty label value means no adapters."""
+    return tuple(name for name in (part.strip() for part in text.split(",")) if name)

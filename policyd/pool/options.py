@@ -1,0 +1,151 @@
+"""Command-line flags for the pod pool, for every command that runs one.
+
+A command calls ``add_arguments(parser)`` when it builds its parser and
+``pool_from_arguments(args)`` when it runs; contradictions and bad values
+raise ``ValueError`` with a message for the operator. ``docs/pool.md``
+describes every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from policyd.pool.discovery import Discovery
+from policyd.pool.file_discovery import StaticFileDiscovery
+from policyd.pool.metric_names import PRESETS, MetricNames, MetricSpec, specs
+from policyd.pool.pool import Pool
+from policyd.pool.scraper import ScrapeConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pods = parser.add_argument_group("pods (give --pods or --k8s-selector)")
+    pods.add_argument("--pods", metavar="FILE", help="YAML file listing the pods, watched")
+    pods.add_argument(
+        "--pods-poll-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often the pod file is checked for changes (default 1)",
+    )
+    pods.add_argument(
+        "--k8s-selector",
+        metavar="SELECTOR",
+        help="follow the Kubernetes pods matching this label selector, e.g. app=vllm",
+    )
+    pods.add_argument("--k8s-namespace", metavar="NAME", help="default: policyd's own namespace")
+    pods.add_argument(
+        "--k8s-target-port",
+        type=int,
+        default=8000,
+        metavar="PORT",
+        help="the pods' serving port (default 8000)",
+    )
+    pods.add_argument(
+        "--kubeconfig", metavar="FILE", help="default: in-cluster, then ~/.kube/config"
+    )
+    pods.add_argument("--k8s-context", metavar="NAME", help="kubeconfig context to use")
+
+    scrape = parser.add_argument_group("metrics scraping")
+    scrape.add_argument(
+        "--scrape-interval", type=float, default=0.1, metavar="SECONDS", help="default 0.1"
+    )
+    scrape.add_argument(
+        "--scrape-timeout", type=float, metavar="SECONDS", help="default 3/4 of the interval"
+    )
+    scrape.add_argument(
+        "--stale-after",
+        type=float,
+        metavar="SECONDS",
+        help="metrics older than this take a pod out of the candidates (default 5 intervals)",
+    )
+    scrape.add_argument(
+        "--include-stale",
+        action="store_true",
+        help="keep pods with failed or stale scrapes as candidates (see pod.metrics_age)",
+    )
+    scrape.add_argument(
+        "--metrics-preset",
+        choices=sorted(PRESETS),
+        default="vllm",
+        help="the model server's metric names (default vllm)",
+    )
+    for flag, what in (
+        ("--metric-waiting", "queued requests"),
+        ("--metric-running", "running requests"),
+        ("--metric-kv-cache", "KV-cache usage 0..1"),
+    ):
+        scrape.add_argument(
+            flag,
+            action="append",
+            metavar="SPEC",
+            help=f'metric for {what}, name or name{{label="value"}}; repeat for fallbacks',
+        )
+    scrape.add_argument(
+        "--metric-lora-info",
+        metavar="SPEC",
+        help="lora_requests_info-style metric; an empty value turns LoRA reading off",
+    )
+    scrape.add_argument("--metrics-path", metavar="PATH", help="default: the preset's")
+    scrape.add_argument(
+        "--no-metrics-filter",
+        action="store_true",
+        help="request the whole metrics page instead of only the families read (name[]=...)",
+    )
+    scrape.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="scrape this port instead of the pod's"
+    )
+
+
+def pool_from_arguments(args: argparse.Namespace) -> Pool:
+    return Pool(discovery_from_arguments(args), scrape_config_from_arguments(args))
+
+
+def discovery_from_arguments(args: argparse.Namespace) -> Discovery:
+    if (args.pods is None) == (args.k8s_selector is None):
+        raise ValueError("give exactly one of --pods FILE and --k8s-selector SELECTOR")
+    if args.pods is not None:
+        return StaticFileDiscovery(Path(args.pods), poll_interval=args.pods_poll_interval)
+    from policyd.pool.kubernetes_discovery import (  # noqa: PLC0415 - only when used
+        KubernetesDiscovery,
+        KubernetesOptions,
+    )
+
+    return KubernetesDiscovery(
+        KubernetesOptions(
+            selector=args.k8s_selector,
+            target_port=args.k8s_target_port,
+            namespace=args.k8s_namespace,
+            kubeconfig=args.kubeconfig,
+            context=args.k8s_context,
+        )
+    )
+
+
+def scrape_config_from_arguments(args: argparse.Namespace) -> ScrapeConfig:
+    names = PRESETS[args.metrics_preset]
+    changes: dict[str, object] = {}
+    for attribute, field_name in (
+        ("metric_waiting", "waiting"),
+        ("metric_running", "running"),
+        ("metric_kv_cache", "kv_cache"),
+    ):
+        written = getattr(args, attribute)
+        if written:
+            changes[field_name] = specs(*written)
+    if args.metric_lora_info is not None:
+        lora = args.metric_lora_info.strip()
+        changes["lora_info"] = MetricSpec.parse(lora) if lora else None
+    if args.metrics_path is not None:
+        changes["path"] = args.metrics_path
+    metrics: MetricNames = dataclasses.replace(names, **changes)  # type: ignore[arg-type]
+    return ScrapeConfig(
+        interval=args.scrape_interval,
+        timeout=args.scrape_timeout,
+        stale_after=args.stale_after,
+        include_stale=args.include_stale,
+        metrics=metrics,
+        metrics_port=args.metrics_port,
+        filter_families=not args.no_metrics_filter,
+    )

@@ -1,0 +1,213 @@
+"""Snapshots: what is a candidate, what survives a swap, when the pool is ready."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from policyd.cel.values import Duration
+from policyd.pool.datastore import Datastore, PoolSnapshot
+from policyd.pool.discovery import PodIdentity
+from policyd.pool.exposition import PodMetrics
+from policyd.pool.scraper import ScrapeResult
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+A = PodIdentity.of("a", "10.0.0.1:8000", {"zone": "x"})
+B = PodIdentity.of("b", "10.0.0.2:8000")
+METRICS = PodMetrics(waiting_queue=2, running=3, kv_cache=0.5, active_loras=("l1",), max_loras=4)
+
+
+def ok(identity: PodIdentity, metrics: PodMetrics = METRICS) -> ScrapeResult:
+    return ScrapeResult(identity.address, metrics, None, 0.002)
+
+
+def failed(identity: PodIdentity, error: str = "no answer within 75 ms") -> ScrapeResult:
+    return ScrapeResult(identity.address, None, error, 0.075)
+
+
+def store(clock: Clock, **kwargs: object) -> Datastore:
+    return Datastore(stale_after=0.5, clock=clock, **kwargs)  # type: ignore[arg-type]
+
+
+def names(pods: tuple[object, ...]) -> list[str]:
+    return [pod.name for pod in pods]  # type: ignore[attr-defined]
+
+
+def test_scraped_pods_become_candidates_with_their_metrics() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([B, A])
+    assert data.snapshot.pods and not data.snapshot.candidates
+    clock.now += 0.01
+    data.record([ok(A), ok(B)])
+    snapshot = data.snapshot
+    assert names(snapshot.pods) == ["a", "b"]
+    assert names(snapshot.candidates) == ["a", "b"]
+    pod = snapshot.pods[0]
+    assert (pod.name, pod.address, dict(pod.labels)) == ("a", "10.0.0.1:8000", {"zone": "x"})
+    assert (pod.waiting_queue, pod.running, pod.kv_cache) == (2, 3, 0.5)
+    assert (pod.active_loras, pod.waiting_loras, pod.max_loras) == (("l1",), (), 4)
+    assert pod.metrics_age == Duration(0)
+    assert snapshot.ready and snapshot.scrape_round == 1
+
+
+def test_a_pod_whose_scrape_failed_is_not_a_candidate() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A, B])
+    data.record([ok(A), ok(B)])
+    clock.now += 0.1
+    data.record([ok(A), failed(B)])
+    assert names(data.snapshot.candidates) == ["a"]
+    pod_b = data.snapshot.pods[1]
+    assert pod_b.metrics_age == Duration.from_seconds(0.1)
+    assert pod_b.running == 3  # the last good metrics stay visible
+    stats = data.stats[B.address]
+    assert (stats.successes, stats.failures, stats.consecutive_failures) == (1, 1, 1)
+    assert stats.last_error == "no answer within 75 ms"
+    assert stats.last_success_round == 1
+
+
+def test_metrics_older_than_the_threshold_are_stale() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A])
+    data.record([ok(A)])
+    clock.now += 0.5
+    data.set_pods([A])  # publishes with ages measured to now
+    assert names(data.snapshot.candidates) == ["a"]
+    clock.now += 0.001
+    data.set_pods([A])
+    assert data.snapshot.candidates == ()
+    assert data.snapshot.pods[0].metrics_age == Duration.from_seconds(0.501)
+
+
+def test_include_stale_keeps_pods_that_answered_once_but_never_silent_ones() -> None:
+    clock = Clock()
+    data = store(clock, include_stale=True)
+    data.set_pods([A, B])
+    data.record([ok(A), failed(B)])
+    clock.now += 10
+    data.record([failed(A), failed(B)])
+    assert names(data.snapshot.candidates) == ["a"]
+    assert data.snapshot.pods[0].metrics_age == Duration.from_seconds(10)
+
+
+def test_a_pod_that_never_answered_ages_from_its_discovery() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A])
+    clock.now += 2
+    data.record([failed(A, "cannot connect: Connection refused")])
+    pod = data.snapshot.pods[0]
+    assert pod.metrics_age == Duration.from_seconds(2)
+    assert (pod.running, pod.kv_cache) == (0, 0.0)
+    assert data.snapshot.candidates == ()
+    assert data.snapshot.ready  # tried once: a dead pod does not hold readiness hostage
+
+
+def test_ready_needs_pods_and_one_scrape_of_each() -> None:
+    clock = Clock()
+    data = store(clock)
+    assert not data.snapshot.ready
+    data.set_pods([])
+    assert not data.snapshot.ready
+    data.set_pods([A, B])
+    assert not data.snapshot.ready
+    data.record([ok(A)])
+    assert not data.snapshot.ready
+    data.record([ok(A), failed(B)])
+    assert data.snapshot.ready
+
+
+def test_readiness_does_not_flap_when_pods_are_added_but_ends_with_an_empty_pool() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A])
+    data.record([ok(A)])
+    data.set_pods([A, B])  # scaled up: B not scraped yet
+    assert data.snapshot.ready
+    assert names(data.snapshot.candidates) == ["a"]
+    data.set_pods([])
+    assert not data.snapshot.ready
+    data.set_pods([B])
+    assert not data.snapshot.ready
+    data.record([ok(B)])
+    assert data.snapshot.ready
+
+
+def test_a_repeated_address_keeps_the_first_name() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([PodIdentity.of("z", A.address), A])
+    assert names(data.snapshot.pods) == ["a"]
+
+
+def test_in_flight_counts_survive_swaps_and_leave_with_the_pod() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A, B])
+    data.record([ok(A), ok(B)])
+    first = data.snapshot.pods[0]
+    first.load.count += 3
+    data.record([ok(A), ok(B)])
+    assert data.snapshot.pods[0].in_flight == 3
+    assert data.snapshot.pods[0].load is first.load
+    data.set_pods([B])
+    data.set_pods([A, B])
+    assert data.snapshot.pods[0].in_flight == 0
+    assert first.in_flight == 3  # a request still holding the old pod decrements its own counter
+
+
+def test_a_pod_relabelled_at_the_same_address_keeps_its_state() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A])
+    data.record([ok(A)])
+    data.snapshot.pods[0].load.count = 1
+    renamed = PodIdentity.of("a-new-name", A.address, {"zone": "y"})
+    data.set_pods([renamed])
+    pod = data.snapshot.pods[0]
+    assert (pod.name, dict(pod.labels), pod.running, pod.in_flight) == (
+        "a-new-name",
+        {"zone": "y"},
+        3,
+        1,
+    )
+    assert names(data.snapshot.candidates) == ["a-new-name"]
+
+
+def test_results_for_pods_that_left_during_the_round_are_dropped() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A])
+    data.record([ok(A), ok(B)])
+    assert names(data.snapshot.pods) == ["a"]
+    assert B.address not in data.stats
+
+
+def test_snapshots_are_immutable_and_old_ones_never_change() -> None:
+    clock = Clock()
+    published: list[PoolSnapshot] = []
+    data = store(clock, on_publish=published.append)
+    data.set_pods([A])
+    old = data.snapshot
+    data.record([ok(A)])
+    assert old.candidates == () and old.version == 1
+    assert data.snapshot.version == 2
+    assert published == [old, data.snapshot]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        data.snapshot.candidates = ()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        data.snapshot.pods[0].running = 9  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        data.snapshot.pods[0].labels["zone"] = "z"  # type: ignore[index]

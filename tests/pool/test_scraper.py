@@ -1,0 +1,451 @@
+"""Scrape rounds over real loopback HTTP, against stand-in model-server pods."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+from policyd.pool.metric_names import VLLM
+from policyd.pool.scraper import ScrapeConfig, Scraper
+
+from .model_server import VLLM_SAMPLE, MetricsServer, vllm_text
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[MetricsServer]]:
+    started: list[MetricsServer] = []
+    yield started
+    for server in started:
+        await server.stop()
+
+
+async def serve(servers: list[MetricsServer], text: str = VLLM_SAMPLE) -> MetricsServer:
+    server = MetricsServer(text)
+    await server.start()
+    servers.append(server)
+    return server
+
+
+class RawServer:
+    """A bare TCP server on loopback for responses aiohttp would not send."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self._server: asyncio.Server | None = None
+        self.connections = 0
+        self.address = ""
+
+    async def __aenter__(self) -> RawServer:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self._handler(reader, writer)
+            finally:
+                writer.close()
+
+        self._server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readuntil(b"\r\n\r\n")
+
+
+BODY = vllm_text(waiting=2, running=5, kv_cache=0.5).encode()
+
+
+async def test_a_round_scrapes_every_pod_concurrently(servers: list[MetricsServer]) -> None:
+    texts = [vllm_text(waiting=i, running=10 + i, kv_cache=i / 10) for i in range(3)]
+    pods = [await serve(servers, text) for text in texts]
+    scraper = Scraper(ScrapeConfig(interval=0.5))
+    try:
+        results = await scraper.scrape([pod.address for pod in pods])
+    finally:
+        scraper.close()
+    assert [r.address for r in results] == [pod.address for pod in pods]
+    for i, result in enumerate(results):
+        assert result.ok, result.error
+        assert result.metrics is not None
+        assert (result.metrics.waiting_queue, result.metrics.running) == (i, 10 + i)
+        assert result.metrics.kv_cache == pytest.approx(i / 10)
+        assert 0 < result.latency < 0.5
+
+
+async def test_rounds_reuse_one_kept_alive_connection_per_pod() -> None:
+    peers: set[object] = set()
+
+    async def metrics(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        peers.add(request.transport.get_extra_info("peername"))
+        return web.Response(body=BODY)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    scraper = Scraper(ScrapeConfig(interval=0.5))
+    try:
+        for _ in range(5):
+            (result,) = await scraper.scrape([f"127.0.0.1:{port}"])
+            assert result.ok, result.error
+    finally:
+        scraper.close()
+        await runner.cleanup()
+    assert len(peers) == 1
+
+
+async def test_a_hanging_pod_times_out_without_holding_up_the_others(
+    servers: list[MetricsServer],
+) -> None:
+    healthy = await serve(servers)
+    hanging = await serve(servers)
+    hanging.hang()
+    scraper = Scraper(ScrapeConfig(interval=0.2, timeout=0.1))
+    try:
+        results = await scraper.scrape([healthy.address, hanging.address])
+        assert results[0].ok
+        assert results[1].error == "no answer within 100 ms"
+        assert results[1].latency >= 0.1
+        # The abandoned connection is not reused: a late answer cannot be mistaken.
+        hanging._hanging = False
+        (again,) = await scraper.scrape([hanging.address])
+        assert again.ok, again.error
+    finally:
+        scraper.close()
+
+
+async def test_a_pod_that_went_away_fails_to_connect(servers: list[MetricsServer]) -> None:
+    pod = await serve(servers)
+    scraper = Scraper(ScrapeConfig(interval=0.5))
+    try:
+        (first,) = await scraper.scrape([pod.address])
+        assert first.ok
+        await pod.stop()
+        (second,) = await scraper.scrape([pod.address])
+        assert second.error is not None
+        assert second.error.startswith("cannot connect")
+    finally:
+        scraper.close()
+
+
+async def test_an_error_status_fails_the_scrape(servers: list[MetricsServer]) -> None:
+    pod = await serve(servers)
+    pod.status = 503
+    scraper = Scraper(ScrapeConfig(interval=0.5))
+    try:
+        (result,) = await scraper.scrape([pod.address])
+        assert result.error == "HTTP status 503"
+        pod.status = 200
+        (result,) = await scraper.scrape([pod.address])
+        assert result.ok
+    finally:
+        scraper.close()
+
+
+async def test_bad_exposition_text_fails_the_scrape_with_the_line(
+    servers: list[MetricsServer],
+) -> None:
+    pod = await serve(servers, VLLM_SAMPLE.replace("} 3.0", "} three"))
+    scraper = Scraper(ScrapeConfig(interval=0.5))
+    try:
+        (result,) = await scraper.scrape([pod.address])
+    finally:
+        scraper.close()
+    assert result.error == (
+        "bad metrics: line 3: vllm:num_requests_running: value 'three' is not a number"
+    )
+
+
+async def test_a_chunked_response_is_reassembled() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for start in range(0, len(BODY), 40):
+                piece = BODY[start : start + 40]
+                writer.write(b"%x;ext=1\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            writer.write(b"0\r\nX-Trailer: yes\r\n\r\n")
+            await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5))
+        try:
+            for _ in range(2):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+                assert result.metrics is not None
+                assert (result.metrics.waiting_queue, result.metrics.running) == (2, 5)
+        finally:
+            scraper.close()
+        assert server.connections == 1
+
+
+async def test_a_body_ended_by_closing_the_connection_is_read() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + BODY)
+        await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5))
+        try:
+            for _ in range(2):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+        finally:
+            scraper.close()
+        assert server.connections == 2
+
+
+async def test_a_kept_alive_connection_closed_by_the_server_is_retried_once() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Answers one request, then closes as the next arrives (an idle timeout race).
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+        await writer.drain()
+        await read_request(reader)
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5))
+        try:
+            for _ in range(3):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+        finally:
+            scraper.close()
+        assert server.connections == 3
+
+
+@pytest.mark.parametrize(
+    ("response", "error"),
+    [
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x response"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999\r\n\r\n", "exceeds"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort", "closed before the response"),
+    ],
+)
+async def test_broken_responses_fail_with_a_reason(response: bytes, error: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(response)
+        await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5, max_body_bytes=1024 * 1024))
+        try:
+            (result,) = await scraper.scrape([server.address])
+        finally:
+            scraper.close()
+    assert result.error is not None
+    assert error in result.error
+
+
+async def test_the_request_is_a_plain_get_of_the_metrics_path() -> None:
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+        await writer.drain()
+
+    async with RawServer(handler) as server:
+        names = dataclasses.replace(VLLM, path="/custom/metrics")
+        scraper = Scraper(ScrapeConfig(interval=0.5, metrics=names))
+        try:
+            (result,) = await scraper.scrape([server.address])
+        finally:
+            scraper.close()
+    assert result.ok
+    request = seen[0].decode()
+    assert request.startswith(
+        "GET /custom/metrics?name%5B%5D=vllm%3Anum_requests_waiting"
+        "&name%5B%5D=vllm%3Anum_requests_running&name%5B%5D=vllm%3Akv_cache_usage_perc"
+        "&name%5B%5D=vllm%3Agpu_cache_usage_perc&name%5B%5D=vllm%3Alora_requests_info"
+        " HTTP/1.1\r\n"
+    )
+    assert f"Host: {server.address}\r\n" in request
+    assert "Accept-Encoding: identity\r\n" in request
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+async def test_prometheus_client_servers_send_only_the_families_asked_for(
+    filtered: bool,
+) -> None:
+    # Model servers publish through prometheus_client, as this real
+    # prometheus_client HTTP server on loopback does.
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_waiting", "w", registry=registry).set(4)
+    Gauge("vllm:num_requests_running", "r", registry=registry).set(6)
+    Gauge("vllm:kv_cache_usage_perc", "k", registry=registry).set(0.5)
+    latency = Histogram("vllm:e2e_request_latency_seconds", "e2e", registry=registry)
+    latency.observe(0.2)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    address = f"127.0.0.1:{server.server_port}"
+    scraper = Scraper(ScrapeConfig(interval=1.0, filter_families=filtered))
+    try:
+        (result,) = await scraper.scrape([address])
+        body = scraper._endpoints[address].body
+    finally:
+        scraper.close()
+        server.shutdown()
+        thread.join()
+    assert result.metrics is not None, result.error
+    assert (result.metrics.waiting_queue, result.metrics.running) == (4, 6)
+    assert body is not None
+    assert (b"e2e_request_latency" in bytes(body)) is not filtered
+
+
+async def test_the_metrics_port_overrides_the_pod_port(servers: list[MetricsServer]) -> None:
+    pod = await serve(servers)
+    metrics_port = int(pod.address.rsplit(":", 1)[1])
+    scraper = Scraper(ScrapeConfig(interval=0.5, metrics_port=metrics_port))
+    try:
+        (result,) = await scraper.scrape(["127.0.0.1:1"])
+    finally:
+        scraper.close()
+    assert result.address == "127.0.0.1:1"
+    assert result.ok, result.error
+
+
+async def test_retain_closes_the_connections_of_pods_that_left(
+    servers: list[MetricsServer],
+) -> None:
+    pod = await serve(servers)
+    scraper = Scraper(ScrapeConfig(interval=0.5))
+    try:
+        await scraper.scrape([pod.address])
+        assert pod.address in scraper._endpoints
+        scraper.retain([])
+        assert scraper._endpoints == {}
+    finally:
+        scraper.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval": 0}, "interval must be positive"),
+        ({"interval": 0.1, "timeout": 0.2}, "at most the interval"),
+        ({"interval": 0.1, "stale_after": 0.05}, "at least the interval"),
+        ({"metrics_port": 70000}, "not a port"),
+    ],
+)
+def test_inconsistent_scrape_settings_are_refused(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ScrapeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_scrape_defaults_follow_the_interval() -> None:
+    config = ScrapeConfig(interval=0.2)
+    assert config.request_timeout == pytest.approx(0.15)
+    assert config.stale_threshold == pytest.approx(1.0)
+
+
+async def test_bytes_beyond_the_response_retire_the_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+            writer.write(response + b"HTTP/1.1 200 OK\r\n")  # out of step
+            await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5))
+        try:
+            for _ in range(2):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+        finally:
+            scraper.close()
+        assert server.connections == 2
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked", "close"])
+async def test_pages_larger_than_the_receive_buffer_are_read_whole(framing: str) -> None:
+    padding = "".join(f"# HELP filler_{i} {'x' * 90}\n" for i in range(3000))  # ~300 KB
+    page = (padding + vllm_text(waiting=3, running=4)).encode()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if framing == "content-length":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page))
+                writer.write(page)
+            elif framing == "chunked":
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for start in range(0, len(page), 50_000):
+                    piece = page[start : start + 50_000]
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + page)
+                await writer.drain()
+                return
+            await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=1.0))
+        try:
+            for _ in range(2):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+                assert result.metrics is not None
+                assert (result.metrics.waiting_queue, result.metrics.running) == (3, 4)
+        finally:
+            scraper.close()
+
+
+async def test_a_server_answering_the_family_filter_with_too_little_gets_asked_for_all() -> None:
+    # prometheus_client before 0.25 in multiprocess mode answers name[]= with nothing.
+    targets: list[str] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                request = await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            target = request.split(b" ")[1].decode()
+            targets.append(target)
+            body = b"" if "?" in target else BODY
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5))
+        try:
+            for _ in range(3):
+                (result,) = await scraper.scrape([server.address])
+                assert result.ok, result.error
+        finally:
+            scraper.close()
+    assert targets[0].startswith("/metrics?name%5B%5D=")
+    assert targets[1:] == ["/metrics"] * 3

@@ -101,6 +101,8 @@ class PoolCollector(Collector):
         snapshot = self._pool.snapshot()
         stats = self._pool.stats
         now = self._clock()
+        if self._decisions is not None:
+            self._decisions.retain_pods(pod.name for pod in snapshot.pods)
         candidates = {pod.address for pod in snapshot.candidates}
         pod_gauges = {
             name: GaugeMetricFamily(f"policyd_pod_{name}", text, labels=["pod"])
@@ -151,8 +153,6 @@ class PoolCollector(Collector):
             "Scrape rounds that ended after the next one was due.",
             value=self._pool.overruns,
         )
-        if self._decisions is not None:
-            self._decisions.retain_pods(pod.name for pod in snapshot.pods)
 
 
 _POD_GAUGES = (

@@ -143,18 +143,25 @@ def _exporter(name: str, endpoint: str, environ: Mapping[str, str]) -> SpanExpor
         or "grpc"
     ).strip()
     base = endpoint if "://" in endpoint or not endpoint else f"http://{endpoint}"
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
-            OTLPSpanExporter as GrpcExporter,
-        )
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
+                OTLPSpanExporter as GrpcExporter,
+            )
 
-        return GrpcExporter(endpoint=base) if base else GrpcExporter()
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
-            OTLPSpanExporter as HttpExporter,
-        )
+            return GrpcExporter(endpoint=base) if base else GrpcExporter()
+        if protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+                OTLPSpanExporter as HttpExporter,
+            )
 
-        return HttpExporter(endpoint=f"{base.rstrip('/')}/v1/traces") if base else HttpExporter()
+            traces = f"{base.rstrip('/')}/v1/traces"
+            return HttpExporter(endpoint=traces) if base else HttpExporter()
+    except ImportError as error:  # xds-protos' old copy of the OTLP protos won the install
+        raise ValueError(
+            f"the OTLP exporter cannot load ({error}): xds-protos overwrote opentelemetry-proto's "
+            "files; run `pip install --force-reinstall --no-deps opentelemetry-proto`"
+        ) from error
     raise ValueError(f"OTLP protocol {protocol!r} is not supported: use grpc or http/protobuf")
 
 

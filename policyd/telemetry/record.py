@@ -33,8 +33,18 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    TraceState,
+    set_span_in_context,
+)
 
 from policyd.policy.decision import Decision, Outcome, ShadowResult
 from policyd.policy.request import Request
@@ -44,7 +54,6 @@ from policyd.telemetry.metrics import DecisionMetrics
 
 log = logging.getLogger(__name__)
 
-_PROPAGATOR: Final = TraceContextTextMapPropagator()
 _EMPTY: Final[Mapping[str, str]] = {}
 _NO_PARENT: Final = Context()
 
@@ -122,17 +131,11 @@ class RequestRecord:
         self.upstream_headers: Mapping[str, str] = _EMPTY
         tracer = owner.tracer
         if tracer is not None:
-            operation = a.operation_name(request.path)
-            parent = _PROPAGATOR.extract(carrier) if carrier else _NO_PARENT
             span = tracer.start_span(
-                a.span_name(operation, request.model),
-                context=parent,
+                a.span_name(a.operation_name(request.path), request.model),
+                context=_parent(carrier),
                 kind=SpanKind.INTERNAL,
                 start_time=time.time_ns() - int(decision_seconds * 1e9),
-                attributes={
-                    a.GEN_AI_OPERATION: operation,
-                    a.GEN_AI_REQUEST_MODEL: request.model,
-                },
             )
             self._span = span
             self.upstream_headers = _trace_headers(span)
@@ -173,6 +176,8 @@ class RequestRecord:
         decision = self._decision
         request = self._request
         attributes: dict[str, Any] = {
+            a.GEN_AI_OPERATION: a.operation_name(request.path),
+            a.GEN_AI_REQUEST_MODEL: request.model,
             a.POLICY: decision.policy,
             a.POLICY_VERSION: decision.policy_version,
             a.TARGET_MODEL: decision.target_model,
@@ -410,6 +415,34 @@ class RequestRecord:
                 "completion_tokens": completion_tokens,
             }
             decision_log.write(entry)
+
+
+def _parent(carrier: Mapping[str, str]) -> Context:
+    """The context of a W3C ``traceparent``, parsed directly (the hot path's share).
+
+    An absent or malformed header gives an empty context: the span is a root.
+    """
+    header = carrier.get("traceparent", "")
+    parts = header.split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        return _NO_PARENT
+    if parts[0] == "ff" or len(parts[0]) != 2 or (parts[0] == "00" and len(parts) != 4):
+        return _NO_PARENT
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return _NO_PARENT
+    if not trace_id or not span_id:
+        return _NO_PARENT
+    state = carrier.get("tracestate")
+    parent = SpanContext(
+        trace_id,
+        span_id,
+        is_remote=True,
+        trace_flags=TraceFlags(flags & 0xFF),
+        trace_state=TraceState.from_header([state]) if state else None,
+    )
+    return set_span_in_context(NonRecordingSpan(parent), _NO_PARENT)
 
 
 def _trace_headers(span: Span) -> Mapping[str, str]:

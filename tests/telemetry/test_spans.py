@@ -6,6 +6,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 from telemetry_support import Spans, pods, request, router_for
 
@@ -257,3 +258,34 @@ def test_a_trace_the_sampler_dropped_still_carries_its_context_upstream(
     assert spans.finished() == ()  # parent-based sampling: not recorded
     version, trace_id, _, flags = record.upstream_headers["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", ENVOY_TRACE, "00")
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "",
+        "garbage",
+        f"ff-{ENVOY_TRACE}-{ENVOY_SPAN}-01",  # version ff is invalid
+        f"00-{'0' * 32}-{ENVOY_SPAN}-01",  # all-zero trace id
+        f"00-{ENVOY_TRACE}-{'0' * 16}-01",  # all-zero span id
+        f"00-{ENVOY_TRACE[:-1]}x-{ENVOY_SPAN}-01",  # not hex
+        f"00-{ENVOY_TRACE}-{ENVOY_SPAN}-01-extra",  # version 00 has exactly four parts
+    ],
+)
+def test_a_malformed_traceparent_starts_a_new_trace(
+    tmp_path: Path, spans: Spans, traceparent: str
+) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, {"traceparent": traceparent}, 0.0)
+    routed_end(record, completed=False)
+    span = spans.only()
+    assert span.parent is None
+
+
+def test_the_parents_tracestate_is_carried_on(tmp_path: Path, spans: Spans) -> None:
+    carrier = {**CARRIER, "tracestate": "vendor=abc"}
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, carrier, 0.0)
+    assert record.upstream_headers["tracestate"] == "vendor=abc"
+    routed_end(record, completed=False)
+    assert spans.only().parent is not None

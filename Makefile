@@ -11,6 +11,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# xds-protos ships an old copy of the OpenTelemetry protos in the same files as
+	# opentelemetry-proto; the OTLP exporters need opentelemetry-proto's, so it goes last.
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -54,6 +54,17 @@ class RequestSpan(Protocol):
         """Headers to add to the request sent to the model server (``traceparent``)."""
         ...
 
+    def after_reply(self) -> None:
+        """The reply carrying the decision has been handed to gRPC.
+
+        Called once: right after that reply went out, or when the stream
+        closes if it never did. Work that must not delay the live reply
+        (shadow policies, span attributes, metrics, the decision log) runs
+        here. ``end`` may come before it (an error reply ends the exchange
+        before it is sent).
+        """
+        ...
+
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         """The response status arrived; ``seconds_to_headers`` counts from the decision."""
         ...
@@ -96,11 +107,24 @@ class Telemetry(Protocol):
         """
         ...
 
+    def stream_error(self, kind: str, code: str) -> None:
+        """A request's exchange went wrong outside what a decision records.
+
+        ``kind`` is ``rejected`` (answered with an error before any decision,
+        ``code`` the error code, e.g. ``invalid_json``), ``internal`` (an
+        exception in policyd while handling a phase, ``code`` the phase) or
+        ``aborted`` (the stream ended before the exchange did).
+        """
+        ...
+
 
 class NullSpan:
     """A span that records nothing."""
 
     upstream_headers: Mapping[str, str] = {}
+
+    def after_reply(self) -> None:
+        return None
 
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         return None
@@ -131,3 +155,6 @@ class NoTelemetry:
         decision_seconds: float,
     ) -> RequestSpan:
         return NULL_SPAN
+
+    def stream_error(self, kind: str, code: str) -> None:
+        return None

@@ -86,7 +86,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         try:
             async for message in request_iterator:
                 reply = exchange.handle(message)
-                yield reply
+                yield reply  # resumes once gRPC has taken the reply
+                exchange.after_reply()
                 if reply.HasField("immediate_response"):
                     return
         finally:
@@ -116,6 +117,7 @@ class Exchange:
         "_headers",  # regular request headers: what policies see as request.headers
         "_load",
         "_path",
+        "_replied",
         "_server",
         "_span",
         "_usage",
@@ -129,6 +131,7 @@ class Exchange:
         self._body = bytearray()
         self._body_mode: int | None = None  # unknown until protocol_config says
         self._span: RequestSpan | None = None
+        self._replied = True  # False from the decision until its reply has gone out
         self._load: InFlight | None = None
         self._decided_at = 0.0
         self._first_body_at: float | None = None
@@ -158,15 +161,26 @@ class Exchange:
                 return replies.RESPONSE_TRAILERS_CONTINUE
             raise RequestError.internal(f"unexpected ext_proc message {phase!r}")
         except RequestError as error:
+            if self._span is None:
+                self._report("rejected", error.code)
             return self._reject(error)
         except Exception:
             log.exception("request %s: internal error in phase %s", self._request_id, phase)
+            self._report("internal", phase or "unknown")
             if phase is not None and phase.startswith("response"):
                 return _CONTINUE[phase]  # the response is on its way: never break it
             return self._reject(RequestError.internal())
 
+    def after_reply(self) -> None:
+        """The last reply went out: let telemetry do what it deferred past the decision."""
+        if not self._replied:
+            self._replied = True
+            if self._span is not None:
+                self._safely(self._span.after_reply)
+
     def close(self) -> None:
         """The stream is gone; settle what a normal end would have settled."""
+        self.after_reply()
         self._end(completed=False)
 
     def _configure(self, config: pb.ProtocolConfiguration) -> None:
@@ -241,6 +255,7 @@ class Exchange:
             decision = Decision(Outcome.ERROR, "", "", request.model, reason=reason)
         self._decided_at = time.perf_counter()
         self._span = self._start_span(request, decision, self._decided_at - started)
+        self._replied = False
         if decision.outcome is not Outcome.ROUTED:
             raise RequestError.from_decision(decision)
         self._load = _claim(decision, candidates)
@@ -340,6 +355,8 @@ class Exchange:
         if self._ended:
             return
         self._ended = True
+        if not completed:
+            self._report("aborted", "decided" if self._span is not None else "undecided")
         if self._load is not None:
             self._load.count -= 1
             self._load = None
@@ -363,6 +380,9 @@ class Exchange:
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self._decided_at
+
+    def _report(self, kind: str, code: str) -> None:
+        self._safely(self._server.telemetry.stream_error, kind, code)
 
     def _safely(self, call: Callable[..., object], *arguments: object) -> None:
         try:

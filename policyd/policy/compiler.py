@@ -101,6 +101,12 @@ class CompiledPolicy:
     picker: Picker
     fallbacks: int
     warnings: tuple[Diagnostic, ...] = field(default=())
+    # Shadow policies as written: (file relative to this one, (line, column) in this file).
+    shadow_refs: tuple[tuple[str, tuple[int, int]], ...] = ()
+    shadows_at: tuple[int, int] | None = None  # the `shadows` key
+    # The loaded shadows (the loader fills them in): evaluated beside this policy
+    # on the same request and candidates, never acted on.
+    shadows: tuple[CompiledPolicy, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -114,6 +120,9 @@ class CompiledPolicy:
             f"pick {self.picker.name}"
             + (f" + {_count(self.fallbacks, 'fallback')}" if self.fallbacks else ""),
         ]
+        if self.shadows:
+            listed = ", ".join(f"'{s.name}' (version {s.version})" for s in self.shadows)
+            parts.append(f"shadows {listed}")
         return ", ".join(parts)
 
 
@@ -201,6 +210,8 @@ class _Compiler:
             picker=picker,
             fallbacks=spec.fallbacks,
             warnings=tuple(sorted(self.diagnostics)),
+            shadow_refs=tuple((ref.file, ref.node.at) for ref in spec.shadows),
+            shadows_at=spec.shadows_node.at if spec.shadows_node is not None else None,
         )
         return policy, self.diagnostics
 

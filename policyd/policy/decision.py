@@ -4,12 +4,20 @@
 has returned them. They are not ``frozen`` dataclasses only because a frozen
 dataclass's ``__init__`` costs several times more, and the router builds one
 ``NodeTrace`` per node and one ``Decision`` per request.
+
+A decision under a policy with shadow policies carries a ``ShadowTrial``: what
+each shadow would have decided on the same request and candidates, evaluated
+only when someone asks (telemetry does, once the live reply has gone out), and
+then only once.
 """
 
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Outcome(enum.Enum):
@@ -85,3 +93,84 @@ class Decision:
     scores: tuple[tuple[str, float], ...] = field(default=())  # top candidates, best first
     criticality: str = ""  # as the policy decided it
     survivors: tuple[str, ...] = ()
+    # The pods the policy chose from (its pool), as the snapshot holds them: for
+    # telemetry's record of the inputs. Not a copy: read it soon.
+    candidates: Sequence[Any] = ()
+    shadows: ShadowTrial | None = None  # set when the policy has shadow policies
+
+    @property
+    def candidate_count(self) -> int:
+        """How many pods the policy chose from (0 when it never got that far)."""
+        if self.trace:
+            return self.trace[0].candidates_in
+        return len(self.candidates) or len(self.survivors)
+
+
+class Agreement(enum.Enum):
+    """How a shadow policy's decision compares with the live one."""
+
+    SAME_POD = "same-pod"  # both routed, to the same pod
+    OTHER_POD = "other-pod"  # both routed, to different pods
+    SAME_OUTCOME = "same-outcome"  # neither routed, for the same outcome (e.g. both shed)
+    OTHER_OUTCOME = "other-outcome"  # one routed and the other not, or different outcomes
+
+    @property
+    def agrees(self) -> bool:
+        return self in (Agreement.SAME_POD, Agreement.SAME_OUTCOME)
+
+
+def agreement(live_outcome: Outcome, live_pod: str, shadow: Decision) -> Agreement:
+    if shadow.outcome is not live_outcome:
+        return Agreement.OTHER_OUTCOME
+    if live_outcome is not Outcome.ROUTED:
+        return Agreement.SAME_OUTCOME
+    return Agreement.SAME_POD if shadow.pod == live_pod else Agreement.OTHER_POD
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowResult:
+    """What one shadow policy would have decided, and how that compares."""
+
+    decision: Decision
+    agreement: Agreement
+
+
+class ShadowTrial:
+    """The shadow policies of one live decision, evaluated on first ``results()``.
+
+    ``evaluate`` decides the request under each shadow policy (the router
+    builds it over the same request and candidates); it runs at most once, and
+    is dropped afterwards so the request and candidates it holds are freed.
+    ``seconds`` is how long that took.
+    """
+
+    __slots__ = ("_evaluate", "_results", "live_outcome", "live_pod", "seconds")
+
+    def __init__(
+        self,
+        evaluate: Callable[[], Sequence[Decision]],
+        live_outcome: Outcome,
+        live_pod: str,
+    ) -> None:
+        self._evaluate: Callable[[], Sequence[Decision]] | None = evaluate
+        self._results: tuple[ShadowResult, ...] | None = None
+        self.live_outcome = live_outcome
+        self.live_pod = live_pod
+        self.seconds = 0.0
+
+    @property
+    def evaluated(self) -> bool:
+        return self._results is not None
+
+    def results(self) -> tuple[ShadowResult, ...]:
+        if self._results is None:
+            evaluate, self._evaluate = self._evaluate, None
+            assert evaluate is not None
+            started = time.perf_counter()
+            self._results = ()  # should evaluate raise, it is not tried again
+            decisions = evaluate()
+            self.seconds = time.perf_counter() - started
+            self._results = tuple(
+                ShadowResult(d, agreement(self.live_outcome, self.live_pod, d)) for d in decisions
+            )
+        return self._results

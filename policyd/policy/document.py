@@ -68,6 +68,7 @@ _TOP_LEVEL: Final = (
     "filters",
     "score",
     "pick",
+    "shadows",
 )
 
 NodeKind = Literal["filter", "condition", "band", "top-k", "shed"]
@@ -158,6 +159,14 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class ShadowRef:
+    """A shadow policy named by a policy: its file, as written (relative to the policy)."""
+
+    file: str
+    node: YScalar
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class PolicySpec:
     source: Source
     name: str
@@ -179,6 +188,8 @@ class PolicySpec:
     pick_strategy: str
     pick_node: YNode | None
     fallbacks: int
+    shadows: tuple[ShadowRef, ...] = ()
+    shadows_node: YScalar | None = None  # the `shadows` key, where nesting is reported
 
 
 def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
@@ -229,8 +240,26 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         pick_strategy=strategy or ("max-score" if scorers else "random"),
         pick_node=fields.raw("pick"),
         fallbacks=fallbacks,
+        shadows=_read_shadows(fields),
+        shadows_node=fields.key("shadows"),
     )
     return spec, diagnostics
+
+
+def _read_shadows(fields: Fields) -> tuple[ShadowRef, ...]:
+    """``shadows: [file, ...]``: policies evaluated beside this one, never acted on."""
+    sequence = fields.sequence("shadows")
+    if sequence is None:
+        return ()
+    refs: list[ShadowRef] = []
+    for item in sequence.items:
+        if not isinstance(item, YScalar) or not isinstance(item.value, str) or not item.value:
+            fields.error(item, f"a shadow policy is a file name, not {kind_name(item)}")
+        elif any(ref.file == item.value for ref in refs):
+            fields.error(item, f"shadow policy '{item.value}' is listed twice")
+        else:
+            refs.append(ShadowRef(item.value, item))
+    return tuple(refs)
 
 
 def _text(fields: Fields, key: str) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policyd.policy.compiler import CompiledPolicy
-from policyd.policy.decision import Decision, NodeTrace, Outcome
+from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
 from policyd.policy.evaluation import FAILED, Evaluation
 from policyd.policy.nodes import ConditionNode, ShedNode
 from policyd.policy.policyset import PolicySet
@@ -194,7 +194,23 @@ def render_text(explanation: Explanation) -> str:
             )
     lines.append("")
     lines.append(_outcome_line(explanation))
+    for shadow in _shadows(explanation.decision):
+        lines.append(_shadow_line(shadow))
     return "\n".join(lines) + "\n"
+
+
+def _shadows(decision: Decision) -> tuple[ShadowResult, ...]:
+    return decision.shadows.results() if decision.shadows is not None else ()
+
+
+def _shadow_line(shadow: ShadowResult) -> str:
+    d = shadow.decision
+    would = f"{d.pod} ({d.endpoint})" if d.outcome is Outcome.ROUTED else d.outcome.value
+    verdict = "agrees" if shadow.agreement.agrees else "disagrees"
+    return (
+        f"shadow    {d.policy} (version {d.policy_version}) would pick {would}: "
+        f"{verdict} ({shadow.agreement.value})"
+    )
 
 
 def _outcome_line(explanation: Explanation) -> str:
@@ -247,5 +263,17 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
         ],
         "scores": [
             {"pod": s.pod, "total": s.total, "scorers": dict(s.parts)} for s in explanation.scores
+        ],
+        "shadows": [
+            {
+                "policy": s.decision.policy,
+                "policy_version": s.decision.policy_version,
+                "outcome": s.decision.outcome.value,
+                "pod": s.decision.pod,
+                "endpoint": s.decision.endpoint,
+                "reason": s.decision.reason,
+                "agreement": s.agreement.value,
+            }
+            for s in _shadows(d)
         ],
     }

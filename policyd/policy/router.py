@@ -9,10 +9,18 @@ are any objects carrying the CEL schema's ``pod`` attributes
 Steps: choose the policy (none: 404), resolve criticality and target model,
 keep the policy's pool, walk the filter tree (shed or nothing left: 429; no
 candidates at all: 503), score the survivors if the picker uses scores, pick.
+
+When the policy has shadow policies, the decision carries a ``ShadowTrial``
+that decides the same request over the same candidates under each shadow, but
+only when asked (after the live reply is out). Shadows draw from their own
+random generator, so they never change the live policy's random sequence, and
+they see the picked pod's ``in_flight`` as the live decision saw it (the
+serving path has counted the request against that pod by then).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import random
@@ -20,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from policyd.policy.compiler import CompiledPolicy
-from policyd.policy.decision import Decision, NodeTrace, Outcome
+from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowTrial
 from policyd.policy.document import CRITICALITIES
 from policyd.policy.evaluation import Evaluation
 from policyd.policy.nodes import pod_names
@@ -41,6 +49,8 @@ class Router:
     ) -> None:
         self._store = policies if isinstance(policies, PolicyStore) else PolicyStore(policies)
         self._rng = rng if rng is not None else random.Random()
+        self._shadow_rng = random.Random()  # a copy: shadows never draw from the live sequence
+        self._shadow_rng.setstate(self._rng.getstate())
 
     @property
     def store(self) -> PolicyStore:
@@ -57,22 +67,71 @@ class Router:
                 target_model=request.model,
                 reason=f"no policy serves model '{request.model}'",
             )
+        decision, picked = self._decide_safely(policy, request, candidates, self._rng)
+        if policy.shadows:
+            decision.shadows = self._trial(policy.shadows, request, candidates, decision, picked)
+        return decision
+
+    def _decide_safely(
+        self,
+        policy: CompiledPolicy,
+        request: Request,
+        candidates: Sequence[Any],
+        rng: random.Random,
+    ) -> tuple[Decision, Any]:
+        """The decision and the picked pod (None unless routed)."""
         try:
-            return self._decide(policy, request, candidates)
+            return self._decide(policy, request, candidates, rng)
         except Exception as error:  # a bug must cost one request a 500, not the stream
             _log.exception("routing decision failed under policy %s", policy.name)
-            return Decision(
+            failed = Decision(
                 Outcome.ERROR,
                 policy=policy.name,
                 policy_version=policy.version,
                 target_model=request.model,
                 reason=f"internal error: {type(error).__name__}: {error}",
             )
+            return failed, None
+
+    def _trial(
+        self,
+        shadows: tuple[CompiledPolicy, ...],
+        request: Request,
+        candidates: Sequence[Any],
+        live: Decision,
+        picked: Any,
+    ) -> ShadowTrial:
+        seen_in_flight = picked.in_flight if picked is not None else 0
+        evaluate = functools.partial(
+            self._shadow_decisions, shadows, request, candidates, picked, seen_in_flight
+        )
+        return ShadowTrial(evaluate, live.outcome, live.pod)
+
+    def _shadow_decisions(
+        self,
+        shadows: tuple[CompiledPolicy, ...],
+        request: Request,
+        candidates: Sequence[Any],
+        picked: Any,
+        seen_in_flight: int,
+    ) -> list[Decision]:
+        """Each shadow's decision over the candidates as the live decision saw them."""
+        if picked is not None and picked.in_flight != seen_in_flight:
+            as_seen = _AsSeen(picked, seen_in_flight)
+            candidates = [as_seen if pod is picked else pod for pod in candidates]
+        return [
+            self._decide_safely(shadow, request, candidates, self._shadow_rng)[0]
+            for shadow in shadows
+        ]
 
     def _decide(
-        self, policy: CompiledPolicy, request: Request, candidates: Sequence[Any]
-    ) -> Decision:
-        resolved = self._resolve(policy, request)
+        self,
+        policy: CompiledPolicy,
+        request: Request,
+        candidates: Sequence[Any],
+        rng: random.Random,
+    ) -> tuple[Decision, Any]:
+        resolved = self._resolve(policy, request, rng)
         pods = _in_pool(policy.pool_labels, candidates)
         if not pods:
             return self._answer(
@@ -89,7 +148,9 @@ class Router:
             step, survivors, node, shed = node.visit(survivors, ev)
             trace.append(step)
             if shed:
-                return self._answer(policy, resolved, Outcome.SHED, reason=shed, trace=trace)
+                return self._answer(
+                    policy, resolved, Outcome.SHED, reason=shed, trace=trace, candidates=pods
+                )
         if not survivors:
             last = trace[-1].node if trace else ""
             return self._answer(
@@ -98,6 +159,7 @@ class Router:
                 Outcome.SHED,
                 reason=f"no pod passed the filters (the walk ended at '{last}')",
                 trace=trace,
+                candidates=pods,
             )
         count = len(survivors)
         totals: list[float] | None = None
@@ -107,13 +169,13 @@ class Router:
                 trace.append(NodeTrace("score", "score", count, (), tuple(errors)))
             else:
                 totals = [0.0] * count
-        chosen = policy.picker.pick(totals, count, policy.fallbacks, self._rng)
+        chosen = policy.picker.pick(totals, count, policy.fallbacks, rng)
         pod = survivors[chosen[0]]
         top: tuple[tuple[str, float], ...] = ()
         if totals is not None and policy.scorers:
             best = heapq.nlargest(TOP_SCORES, range(count), key=totals.__getitem__)
             top = tuple((survivors[i].name, totals[i]) for i in best)
-        return Decision(
+        decision = Decision(
             Outcome.ROUTED,
             policy=policy.name,
             policy_version=policy.version,
@@ -126,9 +188,12 @@ class Router:
             survivors=pod_names(survivors),
             trace=tuple(trace),
             scores=top,
+            candidates=pods,
         )
+        return decision, pod
 
-    def _resolve(self, policy: CompiledPolicy, request: Request) -> Request:
+    @staticmethod
+    def _resolve(policy: CompiledPolicy, request: Request, rng: random.Random) -> Request:
         """The request as the policy sees it: criticality and target model decided.
 
         Criticality: a valid value of the policy's criticality header, else the
@@ -142,7 +207,7 @@ class Router:
                 criticality = asked
         if not criticality:
             criticality = (rule.criticality if rule else None) or policy.criticality_default
-        target = rule.target_for(request.model, self._rng.random) if rule else request.model
+        target = rule.target_for(request.model, rng.random) if rule else request.model
         return Request(
             model=request.model,
             target_model=target,
@@ -163,8 +228,9 @@ class Router:
         *,
         reason: str,
         trace: Sequence[NodeTrace] = (),
-    ) -> Decision:
-        return Decision(
+        candidates: Sequence[Any] = (),
+    ) -> tuple[Decision, None]:
+        decision = Decision(
             outcome,
             policy=policy.name,
             policy_version=policy.version,
@@ -172,7 +238,27 @@ class Router:
             criticality=request.criticality,
             reason=reason,
             trace=tuple(trace),
+            candidates=candidates,
         )
+        return decision, None
+
+
+class _AsSeen:
+    """A pod as the live decision saw it: its own fields, the in-flight count then.
+
+    Shadows run after the serving path has counted the live request against the
+    picked pod; without this, a shadow identical to the live policy would see
+    that pod one request busier and disagree for no reason.
+    """
+
+    __slots__ = ("_pod", "in_flight")
+
+    def __init__(self, pod: Any, in_flight: int) -> None:
+        self._pod = pod
+        self.in_flight = in_flight
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pod, name)
 
 
 def _in_pool(labels: tuple[tuple[str, str], ...], candidates: Sequence[Any]) -> Sequence[Any]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policyd.policy.diagnostics import PolicyError
-from policyd.policy.loader import load_policy_set, policy_files
+from policyd.policy.loader import load_policy_set, watched_files
 from policyd.policy.policyset import PolicySet
 
 _log = logging.getLogger(__name__)
@@ -39,14 +39,16 @@ class PolicyStore:
     def __init__(self, policies: PolicySet, path: Path | None = None) -> None:
         self._current = policies
         self.path = path
-        self._fingerprint = _fingerprint(path) if path is not None else ""
+        self._fingerprint = _fingerprint(watched_files(path, policies)) if path is not None else ""
 
     @classmethod
     def open(cls, path: Path) -> PolicyStore:
         """Load ``path`` (a file or a directory); raise ``PolicyError`` if it is invalid."""
-        fingerprint = _fingerprint(path)
+        files = watched_files(path, None)
+        fingerprint = _fingerprint(files)  # before loading: a change meanwhile is seen next poll
         store = cls(load_policy_set(path), path)
-        store._fingerprint = fingerprint
+        if watched_files(path, store.current) == files:
+            store._fingerprint = fingerprint
         return store
 
     @property
@@ -63,7 +65,8 @@ class PolicyStore:
         """
         if self.path is None:
             return Reload(self._current, changed=False)
-        fingerprint = _fingerprint(self.path)
+        files = watched_files(self.path, self._current)
+        fingerprint = _fingerprint(files)
         if fingerprint == self._fingerprint:
             return Reload(self._current, changed=False)
         self._fingerprint = fingerprint
@@ -72,6 +75,9 @@ class PolicyStore:
         except PolicyError as error:
             return Reload(self._current, changed=False, error=error)
         self.swap(policies)
+        new_files = watched_files(self.path, policies)
+        if new_files != files:  # other shadow files named now: watch those from here on
+            self._fingerprint = _fingerprint(new_files)
         return Reload(policies, changed=True)
 
     async def watch(
@@ -101,11 +107,11 @@ class PolicyStore:
                 on_reload(result)
 
 
-def _fingerprint(path: Path) -> str:
-    """A hash of the names and contents of the policy files under ``path``."""
+def _fingerprint(files: list[Path]) -> str:
+    """A hash of the names and contents of the policy files (and their shadows)."""
     digest = hashlib.sha256()
     try:
-        for file in policy_files(path):
+        for file in files:
             digest.update(str(file).encode() + b"\0")
             digest.update(file.read_bytes())
     except OSError as error:

@@ -189,6 +189,10 @@ class RecordedSpan:
     seconds_to_headers: float | None = None
     ended: dict[str, Any] = field(default_factory=dict)
     end_calls: int = 0
+    after_reply_calls: int = 0
+
+    def after_reply(self) -> None:
+        self.after_reply_calls += 1
 
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         self.status = status
@@ -204,6 +208,10 @@ class RecordingTelemetry:
 
     def __init__(self) -> None:
         self.spans: dict[str, RecordedSpan] = {}
+        self.stream_errors: list[tuple[str, str]] = []
+
+    def stream_error(self, kind: str, code: str) -> None:
+        self.stream_errors.append((kind, code))
 
     def start(
         self,

@@ -142,12 +142,18 @@ class Span:
         self.fail_on = fail_on
         self.statuses: list[int] = []
         self.ends: list[dict[str, Any]] = []
+        self.after_replies = 0
 
     @property
     def upstream_headers(self) -> Mapping[str, str]:
         if self.fail_on == "upstream_headers":
             raise RuntimeError("telemetry bug")
         return {"traceparent": "00-11111111111111111111111111111111-2222222222222222-01"}
+
+    def after_reply(self) -> None:
+        self.after_replies += 1
+        if self.fail_on == "after_reply":
+            raise RuntimeError("telemetry bug")
 
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         self.statuses.append(status)
@@ -166,6 +172,7 @@ class RecordingTelemetry:
     def __init__(self) -> None:
         self.spans: list[Span] = []
         self.decisions: list[Decision] = []
+        self.stream_errors: list[tuple[str, str]] = []
         self.fail_on = ""
 
     def start(
@@ -182,3 +189,8 @@ class RecordingTelemetry:
         span = Span(trace_carrier, self.fail_on)
         self.spans.append(span)
         return span
+
+    def stream_error(self, kind: str, code: str) -> None:
+        self.stream_errors.append((kind, code))
+        if self.fail_on == "stream_error":
+            raise RuntimeError("telemetry bug")

@@ -45,8 +45,17 @@ def warnings(tmp_path: Path, text: str) -> list[str]:
     return [str(d).replace(str(tmp_path) + "/", "") for d in loaded.warnings]
 
 
+_ADDRESSES: dict[str, str] = {}
+
+
+def _address(name: str) -> str:
+    """The same address for the same name, a different one for every other name."""
+    count = len(_ADDRESSES)
+    return _ADDRESSES.setdefault(name, f"10.0.{count // 250}.{count % 250 + 1}:8000")
+
+
 def pod(name: str, **fields: Any) -> Pod:
-    fields.setdefault("address", f"10.0.0.{abs(hash(name)) % 250 + 1}:8000")
+    fields.setdefault("address", _address(name))
     return Pod(name=name, **fields)
 
 

@@ -1,0 +1,112 @@
+"""Names on the decision span: OpenTelemetry GenAI conventions where they apply.
+
+The span describes one inference request as policyd saw it, from the routing
+decision to the end of the response. The attributes the GenAI semantic
+conventions define (operation, requested model, the server the request went
+to, token usage) carry their names; everything about the routing policy lives
+under ``policyd.``. Durations are in seconds (doubles). Lists are bounded
+(``MAX_LISTED_PODS``, ``MAX_NODE_EVENTS``) so a large pool or filter tree never
+runs into the SDK's attribute and event limits.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# -- OpenTelemetry semantic conventions ------------------------------------------------
+GEN_AI_OPERATION: Final = "gen_ai.operation.name"
+GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+SERVER_ADDRESS: Final = "server.address"
+SERVER_PORT: Final = "server.port"
+HTTP_STATUS: Final = "http.response.status_code"
+ERROR_TYPE: Final = "error.type"
+
+# -- the decision ------------------------------------------------------------------------
+POLICY: Final = "policyd.policy.name"
+POLICY_VERSION: Final = "policyd.policy.version"
+REQUEST_ID: Final = "policyd.request.id"
+TARGET_MODEL: Final = "policyd.request.target_model"
+CRITICALITY: Final = "policyd.request.criticality"
+PROMPT_TOKENS: Final = "policyd.request.prompt_tokens"  # policyd's estimate
+STREAM: Final = "policyd.request.stream"
+CANDIDATES: Final = "policyd.candidates"
+SURVIVORS: Final = "policyd.survivors"
+OUTCOME: Final = "policyd.outcome"
+REASON: Final = "policyd.reason"
+POD: Final = "policyd.pod"
+ENDPOINT: Final = "policyd.endpoint"
+FALLBACKS: Final = "policyd.fallbacks"
+SCORE: Final = "policyd.score"
+SCORED_PODS: Final = "policyd.scores.pods"  # the best candidates, best first ...
+SCORED_VALUES: Final = "policyd.scores.values"  # ... and their total scores
+DECISION_DURATION: Final = "policyd.decision.duration"
+SHADOWS: Final = "policyd.shadows"  # how many shadow policies were evaluated
+SHADOWS_AGREED: Final = "policyd.shadows.agreed"  # how many agreed with the live pick
+
+# -- the response --------------------------------------------------------------------------
+RESPONSE_COMPLETED: Final = "policyd.response.completed"
+TIME_TO_HEADERS: Final = "policyd.response.time_to_headers"
+TIME_TO_FIRST_TOKEN: Final = "policyd.response.time_to_first_token"
+RESPONSE_DURATION: Final = "policyd.response.duration"
+
+# -- events ----------------------------------------------------------------------------------
+NODE_EVENT: Final = "policyd.node"
+NODE_NAME: Final = "policyd.node.name"
+NODE_KIND: Final = "policyd.node.kind"
+NODE_IN: Final = "policyd.node.in"
+NODE_KEPT: Final = "policyd.node.kept"
+NODE_KEPT_PODS: Final = "policyd.node.kept_pods"
+NODE_ERRORS: Final = "policyd.node.errors"
+NODE_FIRST_ERROR: Final = "policyd.node.first_error"
+NODE_BRANCH: Final = "policyd.node.branch"
+NODE_NEXT: Final = "policyd.node.next"
+NODE_NOTE: Final = "policyd.node.note"
+NODE_EVENTS_DROPPED: Final = "policyd.node_events_dropped"  # on the span: a walk cut short
+
+SHADOW_EVENT: Final = "policyd.shadow"
+SHADOW_POLICY: Final = "policyd.shadow.policy"
+SHADOW_VERSION: Final = "policyd.shadow.version"
+SHADOW_OUTCOME: Final = "policyd.shadow.outcome"
+SHADOW_POD: Final = "policyd.shadow.pod"
+SHADOW_ENDPOINT: Final = "policyd.shadow.endpoint"
+SHADOW_REASON: Final = "policyd.shadow.reason"
+SHADOW_AGREEMENT: Final = "policyd.shadow.agreement"
+SHADOW_AGREES: Final = "policyd.shadow.agrees"
+
+MAX_LISTED_PODS: Final = 8  # pod names listed in one attribute (kept pods, scores)
+MAX_NODE_EVENTS: Final = 32  # node events per span; a longer walk is cut, and says so
+MAX_TEXT: Final = 256  # characters of a reason or CEL error message
+
+_OPERATIONS: Final = (
+    ("/chat/completions", "chat"),
+    ("/completions", "text_completion"),
+    ("/embeddings", "embeddings"),
+)
+
+
+def operation_name(path: str) -> str:
+    """``gen_ai.operation.name`` for an OpenAI-style path."""
+    for suffix, operation in _OPERATIONS:
+        if path.endswith(suffix):
+            return operation
+    return "inference"
+
+
+def span_name(operation: str, model: str) -> str:
+    """GenAI convention: ``{gen_ai.operation.name} {gen_ai.request.model}``."""
+    return f"{operation} {model}" if model else operation
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int | None]:
+    """``server.address`` and ``server.port`` of an ``ip:port`` (IPv6 in brackets)."""
+    host, _, port = endpoint.rpartition(":")
+    if not host:
+        return endpoint, None
+    return host.strip("[]"), int(port) if port.isdigit() else None
+
+
+def clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."

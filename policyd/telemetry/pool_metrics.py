@@ -1,0 +1,173 @@
+"""The pool as policyd sees it, read when Prometheus scrapes: a custom collector.
+
+Nothing is recorded per scrape round: at collection time the collector reads
+the pool's current snapshot (pod metrics, in-flight counts, which pods are
+candidates) and its per-pod scrape statistics, and reports them. Pods that
+left the pool simply stop being reported, so the ``pod`` label stays bounded
+by the pool's size.
+
+The pool is anything of the ``PoolLike`` shape (``policyd.pool.Pool``):
+``snapshot()`` -> ``pods`` / ``candidates`` / ``ready``, ``stats`` keyed by pod
+address, and the ``rounds`` / ``overruns`` counters. Times in the statistics
+are ``time.monotonic()`` seconds, the collector's default clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from policyd.telemetry.metrics import DecisionMetrics
+
+
+class PodLike(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def waiting_queue(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def kv_cache(self) -> float: ...
+    @property
+    def active_loras(self) -> Sequence[str]: ...
+    @property
+    def max_loras(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+
+
+class SnapshotLike(Protocol):
+    @property
+    def pods(self) -> Sequence[PodLike]: ...
+    @property
+    def candidates(self) -> Sequence[PodLike]: ...
+    @property
+    def ready(self) -> bool: ...
+
+
+class ScrapeStatsLike(Protocol):
+    @property
+    def successes(self) -> int: ...
+    @property
+    def failures(self) -> int: ...
+    @property
+    def consecutive_failures(self) -> int: ...
+    @property
+    def last_latency(self) -> float | None: ...
+    @property
+    def last_success_at(self) -> float | None: ...
+
+
+class PoolLike(Protocol):
+    def snapshot(self) -> SnapshotLike: ...
+    @property
+    def stats(self) -> Mapping[str, ScrapeStatsLike]: ...
+    @property
+    def rounds(self) -> int: ...
+    @property
+    def overruns(self) -> int: ...
+
+
+class PoolCollector(Collector):
+    """Reports the pool's pods and scrape health on every Prometheus scrape.
+
+    With ``decisions`` given, each collection also drops the decision series
+    of pods that left (``DecisionMetrics.retain_pods``).
+    """
+
+    def __init__(
+        self,
+        pool: PoolLike,
+        *,
+        decisions: DecisionMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pool = pool
+        self._decisions = decisions
+        self._clock = clock
+
+    def describe(self) -> list[Metric]:
+        return []  # names are checked at collection; registering must not read the pool
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._pool.snapshot()
+        stats = self._pool.stats
+        now = self._clock()
+        if self._decisions is not None:
+            self._decisions.retain_pods(pod.name for pod in snapshot.pods)
+        candidates = {pod.address for pod in snapshot.candidates}
+        pod_gauges = {
+            name: GaugeMetricFamily(f"policyd_pod_{name}", text, labels=["pod"])
+            for name, text in _POD_GAUGES
+        }
+        scrapes = CounterMetricFamily(
+            "policyd_pod_scrapes",
+            "Metrics scrapes of the pod by result (success, failure).",
+            labels=["pod", "result"],
+        )
+        for pod in snapshot.pods:
+            labels = [pod.name]
+            pod_gauges["candidate"].add_metric(labels, 1.0 if pod.address in candidates else 0.0)
+            pod_gauges["waiting_requests"].add_metric(labels, pod.waiting_queue)
+            pod_gauges["running_requests"].add_metric(labels, pod.running)
+            pod_gauges["kv_cache_usage_ratio"].add_metric(labels, pod.kv_cache)
+            pod_gauges["active_lora_adapters"].add_metric(labels, len(pod.active_loras))
+            pod_gauges["max_lora_adapters"].add_metric(labels, pod.max_loras)
+            pod_gauges["in_flight_requests"].add_metric(labels, pod.in_flight)
+            record = stats.get(pod.address)
+            if record is None:
+                continue
+            scrapes.add_metric([pod.name, "success"], record.successes)
+            scrapes.add_metric([pod.name, "failure"], record.failures)
+            pod_gauges["scrape_consecutive_failures"].add_metric(
+                labels, record.consecutive_failures
+            )
+            if record.last_latency is not None:
+                pod_gauges["scrape_duration_seconds"].add_metric(labels, record.last_latency)
+            age = math.inf if record.last_success_at is None else now - record.last_success_at
+            pod_gauges["metrics_age_seconds"].add_metric(labels, max(age, 0.0))
+        yield from pod_gauges.values()
+        yield scrapes
+        yield _gauge("policyd_pool_pods", "Pods discovered.", len(snapshot.pods))
+        yield _gauge(
+            "policyd_pool_candidate_pods",
+            "Pods policies may choose from (answered the last scrape, metrics fresh).",
+            len(snapshot.candidates),
+        )
+        yield _gauge(
+            "policyd_pool_ready", "1 once every pod was scraped once.", float(snapshot.ready)
+        )
+        yield CounterMetricFamily(
+            "policyd_pool_scrape_rounds", "Scrape rounds run.", value=self._pool.rounds
+        )
+        yield CounterMetricFamily(
+            "policyd_pool_scrape_overruns",
+            "Scrape rounds that ended after the next one was due.",
+            value=self._pool.overruns,
+        )
+
+
+_POD_GAUGES = (
+    ("candidate", "1 if policies may choose the pod now (fresh metrics), else 0."),
+    ("waiting_requests", "Requests waiting in the pod's queue, as last scraped."),
+    ("running_requests", "Requests running on the pod, as last scraped."),
+    ("kv_cache_usage_ratio", "The pod's KV-cache use (0..1), as last scraped."),
+    ("active_lora_adapters", "LoRA adapters with running requests, as last scraped."),
+    ("max_lora_adapters", "LoRA adapters the pod can hold at once."),
+    ("in_flight_requests", "Requests policyd routed to the pod that have not finished."),
+    ("scrape_consecutive_failures", "Failed metrics scrapes of the pod since its last success."),
+    ("scrape_duration_seconds", "How long the last metrics scrape of the pod took."),
+    ("metrics_age_seconds", "Time since the pod's metrics were last scraped (+Inf: never)."),
+)
+
+
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, value=value)

@@ -1,0 +1,481 @@
+"""One request's telemetry, from the decision to the end of its response.
+
+``DecisionTelemetry`` is what the serving path calls (the ``Telemetry``
+protocol of ``policyd.extproc.interfaces``); it combines up to three sinks,
+each optional: OpenTelemetry spans, Prometheus metrics, the decision log.
+
+The work is split by what the live reply needs:
+
+- ``start`` (before the reply): open the span, parented on the trace context
+  Envoy sent (else the client's, else a new root), and make the
+  ``traceparent`` that goes to the model server; decide whether the decision
+  log samples this request. Nothing else.
+- ``after_reply`` (the reply has been handed to gRPC): evaluate the shadow
+  policies, put the decision's attributes and one event per filter node and
+  per shadow on the span, count the decision in the metrics, build the
+  decision-log entry.
+- ``response_headers`` / ``end``: the response's status, time to first token,
+  token usage and duration; then the span ends, the response is counted and
+  the log entry is written.
+
+An error reply ends the exchange before it is sent: ``end`` then keeps its
+figures and the span is finished by ``after_reply``, so shadows still never
+delay a reply. A stream that dies first (``end(completed=False)`` before
+``after_reply``) has no reply left to delay and finishes at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from opentelemetry.context import Context
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    TraceState,
+    set_span_in_context,
+)
+
+from policyd.policy.decision import Decision, Outcome, ShadowResult
+from policyd.policy.request import Request
+from policyd.telemetry import attributes as a
+from policyd.telemetry.decision_log import DecisionLog
+from policyd.telemetry.metrics import DecisionMetrics
+
+log = logging.getLogger(__name__)
+
+_EMPTY: Final[Mapping[str, str]] = {}
+_NO_PARENT: Final = Context()
+
+
+class DecisionTelemetry:
+    """Spans, metrics and the decision log for every decision; each part optional."""
+
+    def __init__(
+        self,
+        *,
+        tracer: Tracer | None = None,
+        metrics: DecisionMetrics | None = None,
+        decision_log: DecisionLog | None = None,
+    ) -> None:
+        self.tracer = tracer
+        self.metrics = metrics
+        self.decision_log = decision_log
+
+    def start(
+        self,
+        request: Request,
+        decision: Decision,
+        trace_carrier: Mapping[str, str],
+        decision_seconds: float,
+    ) -> RequestRecord:
+        return RequestRecord(self, request, decision, trace_carrier, decision_seconds)
+
+    def stream_error(self, kind: str, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.stream_error(kind, code)
+
+
+class RequestRecord:
+    """The ``RequestSpan`` of one request (see the module docstring for the phases)."""
+
+    __slots__ = (
+        "_carrier",
+        "_decided_wall",
+        "_decision",
+        "_deferred_done",
+        "_end_ns",
+        "_entry",
+        "_finished",
+        "_owner",
+        "_pending_end",
+        "_request",
+        "_seconds",
+        "_span",
+        "_status",
+        "_to_headers",
+        "upstream_headers",
+    )
+
+    def __init__(
+        self,
+        owner: DecisionTelemetry,
+        request: Request,
+        decision: Decision,
+        carrier: Mapping[str, str],
+        decision_seconds: float,
+    ) -> None:
+        self._owner = owner
+        self._request = request
+        self._decision = decision
+        self._carrier = carrier
+        self._seconds = decision_seconds
+        self._decided_wall = time.time()
+        self._status = 0
+        self._to_headers: float | None = None
+        self._deferred_done = False
+        self._finished = False
+        self._pending_end: dict[str, Any] | None = None
+        self._end_ns = 0
+        self._span: Span | None = None
+        self.upstream_headers: Mapping[str, str] = _EMPTY
+        tracer = owner.tracer
+        if tracer is not None:
+            span = tracer.start_span(
+                a.span_name(a.operation_name(request.path), request.model),
+                context=_parent(carrier),
+                kind=SpanKind.INTERNAL,
+                start_time=time.time_ns() - int(decision_seconds * 1e9),
+            )
+            self._span = span
+            self.upstream_headers = _trace_headers(span)
+        log_ = owner.decision_log
+        self._entry: dict[str, Any] | None = {} if log_ is not None and log_.sampled() else None
+
+    # -- after the reply ----------------------------------------------------------------
+
+    def after_reply(self) -> None:
+        if self._deferred_done:
+            return
+        self._deferred_done = True
+        self._record_decision()
+        if self._pending_end is not None:
+            pending, self._pending_end = self._pending_end, None
+            self._finish(**pending)
+
+    def _record_decision(self) -> None:
+        decision = self._decision
+        shadows: tuple[ShadowResult, ...] = ()
+        trial = decision.shadows
+        if trial is not None:
+            try:
+                shadows = trial.results()
+            except Exception:
+                log.exception("shadow policies of %s failed", decision.policy)
+        metrics = self._owner.metrics
+        if metrics is not None:
+            metrics.decision(decision, self._seconds)
+            if trial is not None:
+                metrics.shadows(decision.policy, shadows, trial.seconds)
+        if self._span is not None and self._span.is_recording():
+            self._annotate(self._span, shadows)
+        if self._entry is not None:
+            self._entry.update(self._log_decision(shadows))
+
+    def _annotate(self, span: Span, shadows: tuple[ShadowResult, ...]) -> None:
+        decision = self._decision
+        request = self._request
+        attributes: dict[str, Any] = {
+            a.GEN_AI_OPERATION: a.operation_name(request.path),
+            a.GEN_AI_REQUEST_MODEL: request.model,
+            a.POLICY: decision.policy,
+            a.POLICY_VERSION: decision.policy_version,
+            a.TARGET_MODEL: decision.target_model,
+            a.CRITICALITY: decision.criticality or request.criticality,
+            a.PROMPT_TOKENS: request.prompt_tokens,
+            a.STREAM: request.stream,
+            a.CANDIDATES: decision.candidate_count,
+            a.SURVIVORS: len(decision.survivors),
+            a.OUTCOME: decision.outcome.value,
+            a.DECISION_DURATION: self._seconds,
+        }
+        if request.id:
+            attributes[a.REQUEST_ID] = request.id
+        if request.max_tokens:
+            attributes[a.GEN_AI_REQUEST_MAX_TOKENS] = request.max_tokens
+        if decision.reason:
+            attributes[a.REASON] = a.clip(decision.reason)
+        if decision.outcome is Outcome.ROUTED:
+            host, port = a.split_endpoint(decision.endpoint)
+            attributes[a.SERVER_ADDRESS] = host
+            if port is not None:
+                attributes[a.SERVER_PORT] = port
+            attributes[a.POD] = decision.pod
+            attributes[a.ENDPOINT] = decision.endpoint
+            if decision.fallbacks:
+                attributes[a.FALLBACKS] = decision.fallbacks[: a.MAX_LISTED_PODS]
+            if decision.score is not None:
+                attributes[a.SCORE] = decision.score
+        else:
+            attributes[a.ERROR_TYPE] = decision.outcome.value
+        if decision.scores:
+            top = decision.scores[: a.MAX_LISTED_PODS]
+            attributes[a.SCORED_PODS] = [name for name, _ in top]
+            attributes[a.SCORED_VALUES] = [score for _, score in top]
+        if decision.shadows is not None:
+            attributes[a.SHADOWS] = len(shadows)
+            attributes[a.SHADOWS_AGREED] = sum(1 for s in shadows if s.agreement.agrees)
+        span.set_attributes(attributes)
+        if decision.outcome is Outcome.ERROR:
+            span.set_status(Status(StatusCode.ERROR, a.clip(decision.reason)))
+        at = int(self._decided_wall * 1e9)
+        for step in decision.trace[: a.MAX_NODE_EVENTS]:
+            event: dict[str, Any] = {
+                a.NODE_NAME: step.node,
+                a.NODE_KIND: step.kind,
+                a.NODE_IN: step.candidates_in,
+                a.NODE_KEPT: len(step.kept),
+                a.NODE_ERRORS: len(step.errors),
+            }
+            if step.kept:
+                event[a.NODE_KEPT_PODS] = step.kept[: a.MAX_LISTED_PODS]
+            if step.errors:
+                pod, message = step.errors[0]
+                event[a.NODE_FIRST_ERROR] = a.clip(f"{pod}: {message}" if pod else message)
+            if step.branch:
+                event[a.NODE_BRANCH] = step.branch
+            if step.next:
+                event[a.NODE_NEXT] = step.next
+            if step.note:
+                event[a.NODE_NOTE] = a.clip(step.note)
+            span.add_event(a.NODE_EVENT, event, timestamp=at)
+        if len(decision.trace) > a.MAX_NODE_EVENTS:
+            span.set_attribute(a.NODE_EVENTS_DROPPED, len(decision.trace) - a.MAX_NODE_EVENTS)
+        for shadow in shadows:
+            would = shadow.decision
+            event = {
+                a.SHADOW_POLICY: would.policy,
+                a.SHADOW_VERSION: would.policy_version,
+                a.SHADOW_OUTCOME: would.outcome.value,
+                a.SHADOW_AGREEMENT: shadow.agreement.value,
+                a.SHADOW_AGREES: shadow.agreement.agrees,
+            }
+            if would.pod:
+                event[a.SHADOW_POD] = would.pod
+                event[a.SHADOW_ENDPOINT] = would.endpoint
+            if would.reason:
+                event[a.SHADOW_REASON] = a.clip(would.reason)
+            span.add_event(a.SHADOW_EVENT, event)
+
+    def _log_decision(self, shadows: tuple[ShadowResult, ...]) -> dict[str, Any]:
+        decision = self._decision
+        request = self._request
+        max_pods = self._owner.decision_log.max_pods if self._owner.decision_log else 0
+        trace_id, span_id = self._trace_ids()
+        pods = decision.candidates
+        return {
+            "time": datetime.fromtimestamp(self._decided_wall, UTC).isoformat(),
+            "request_id": request.id,
+            "trace_id": trace_id,
+            "span_id": span_id,
+            "policy": decision.policy,
+            "policy_version": decision.policy_version,
+            "request": {
+                "model": request.model,
+                "target_model": decision.target_model,
+                "criticality": decision.criticality or request.criticality,
+                "path": request.path,
+                "stream": request.stream,
+                "prompt_tokens": request.prompt_tokens,
+                "max_tokens": request.max_tokens,
+            },
+            "candidates": decision.candidate_count,
+            "pods": [_pod_inputs(pod) for pod in pods[:max_pods]],
+            "pods_omitted": max(len(pods) - max_pods, 0),
+            "walk": [
+                {
+                    "node": step.node,
+                    "kind": step.kind,
+                    "in": step.candidates_in,
+                    "kept": list(step.kept),
+                    "errors": [{"pod": pod, "error": error} for pod, error in step.errors],
+                    "branch": step.branch,
+                    "next": step.next,
+                    "note": step.note,
+                }
+                for step in decision.trace
+            ],
+            "survivors": list(decision.survivors),
+            "scores": [{"pod": pod, "score": score} for pod, score in decision.scores],
+            "outcome": decision.outcome.value,
+            "status": decision.outcome.http_status,
+            "reason": decision.reason,
+            "pod": decision.pod,
+            "endpoint": decision.endpoint,
+            "fallbacks": list(decision.fallbacks),
+            "score": decision.score,
+            "decision_seconds": self._seconds,
+            "shadows": [
+                {
+                    "policy": s.decision.policy,
+                    "policy_version": s.decision.policy_version,
+                    "outcome": s.decision.outcome.value,
+                    "pod": s.decision.pod,
+                    "agreement": s.agreement.value,
+                }
+                for s in shadows
+            ],
+        }
+
+    def _trace_ids(self) -> tuple[str, str]:
+        """The decision span's ids, else the trace the request came with, else empty."""
+        if self._span is not None:
+            context = self._span.get_span_context()
+            if context.is_valid:
+                return f"{context.trace_id:032x}", f"{context.span_id:016x}"
+        parts = self._carrier.get("traceparent", "").split("-")
+        return (parts[1], "") if len(parts) == 4 else ("", "")
+
+    # -- the response -------------------------------------------------------------------
+
+    def response_headers(self, status: int, seconds_to_headers: float) -> None:
+        self._status = status
+        self._to_headers = seconds_to_headers
+
+    def end(
+        self,
+        *,
+        completed: bool,
+        duration_seconds: float,
+        first_body_seconds: float | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        figures: dict[str, Any] = {
+            "completed": completed,
+            "duration_seconds": duration_seconds,
+            "first_body_seconds": first_body_seconds,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        self._end_ns = time.time_ns()
+        if not self._deferred_done:
+            if completed:  # an error reply not sent yet: finish once it is (after_reply)
+                self._pending_end = figures
+                return
+            self._deferred_done = True  # the stream is gone: nothing left to delay
+            self._record_decision()
+        self._finish(**figures)
+
+    def _finish(
+        self,
+        *,
+        completed: bool,
+        duration_seconds: float,
+        first_body_seconds: float | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        decision = self._decision
+        routed = decision.outcome is Outcome.ROUTED
+        metrics = self._owner.metrics
+        if metrics is not None and routed:
+            metrics.response(
+                decision.policy,
+                self._status,
+                completed=completed,
+                first_body_seconds=first_body_seconds,
+                duration_seconds=duration_seconds,
+            )
+        span = self._span
+        if span is not None:
+            if span.is_recording():
+                outcome: dict[str, Any] = {
+                    a.RESPONSE_COMPLETED: completed,
+                    a.RESPONSE_DURATION: duration_seconds,
+                }
+                if self._status:
+                    outcome[a.HTTP_STATUS] = self._status
+                if self._to_headers is not None:
+                    outcome[a.TIME_TO_HEADERS] = self._to_headers
+                if first_body_seconds is not None:
+                    outcome[a.TIME_TO_FIRST_TOKEN] = first_body_seconds
+                if prompt_tokens is not None:
+                    outcome[a.GEN_AI_INPUT_TOKENS] = prompt_tokens
+                if completion_tokens is not None:
+                    outcome[a.GEN_AI_OUTPUT_TOKENS] = completion_tokens
+                span.set_attributes(outcome)
+                if routed and self._status >= 500:
+                    span.set_attribute(a.ERROR_TYPE, str(self._status))
+                    span.set_status(Status(StatusCode.ERROR))
+            span.end(end_time=self._end_ns)
+        entry = self._entry
+        decision_log = self._owner.decision_log
+        if entry is not None and decision_log is not None:
+            entry["response"] = {
+                "status": self._status,
+                "completed": completed,
+                "time_to_headers_seconds": self._to_headers,
+                "time_to_first_token_seconds": first_body_seconds,
+                "duration_seconds": duration_seconds,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+            }
+            decision_log.write(entry)
+
+
+def _parent(carrier: Mapping[str, str]) -> Context:
+    """The context of a W3C ``traceparent``, parsed directly (the hot path's share).
+
+    An absent or malformed header gives an empty context: the span is a root.
+    """
+    header = carrier.get("traceparent", "")
+    parts = header.split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        return _NO_PARENT
+    if parts[0] == "ff" or len(parts[0]) != 2 or (parts[0] == "00" and len(parts) != 4):
+        return _NO_PARENT
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return _NO_PARENT
+    if not trace_id or not span_id:
+        return _NO_PARENT
+    state = carrier.get("tracestate")
+    parent = SpanContext(
+        trace_id,
+        span_id,
+        is_remote=True,
+        trace_flags=TraceFlags(flags & 0xFF),
+        trace_state=TraceState.from_header([state]) if state else None,
+    )
+    return set_span_in_context(NonRecordingSpan(parent), _NO_PARENT)
+
+
+def _trace_headers(span: Span) -> Mapping[str, str]:
+    """W3C trace context naming the decision span as the parent of what follows."""
+    context = span.get_span_context()
+    if not context.is_valid:
+        return _EMPTY
+    headers = {
+        "traceparent": (
+            f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+        )
+    }
+    if context.trace_state:
+        headers["tracestate"] = context.trace_state.to_header()
+    return headers
+
+
+_POD_FIELDS: Final = (
+    "waiting_queue",
+    "running",
+    "kv_cache",
+    "in_flight",
+    "max_loras",
+)
+
+
+def _pod_inputs(pod: Any) -> dict[str, Any]:
+    """What the policy could read of a pod (metrics as of now, just after the decision)."""
+    inputs: dict[str, Any] = {"name": pod.name, "address": pod.address}
+    for field in _POD_FIELDS:
+        inputs[field] = getattr(pod, field, None)
+    inputs["active_loras"] = list(getattr(pod, "active_loras", ()))
+    inputs["waiting_loras"] = list(getattr(pod, "waiting_loras", ()))
+    age = getattr(pod, "metrics_age", None)
+    inputs["metrics_age_seconds"] = age.seconds() if age is not None else None
+    return inputs

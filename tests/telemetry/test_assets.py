@@ -1,0 +1,147 @@
+"""The observability assets parse, and query only metrics policyd really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from telemetry_support import write_policies
+from test_metrics import FakePool, Snapshot, Stats, served
+
+from policyd.policy import PolicyStore
+from policyd.policy.decision import Decision, NodeTrace, Outcome
+from policyd.pool.pod import Pod
+from policyd.telemetry import DecisionMetrics, DecisionTelemetry, PoolCollector
+
+ASSETS = Path(__file__).resolve().parents[2] / "telemetry"
+METRIC = re.compile(r"\b(policyd_[a-zA-Z0-9_]+)\b(\{[^}]*\})?")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((ASSETS / "grafana-dashboard.json").read_text())
+    return loaded
+
+
+def dashboard_queries() -> Iterator[str]:
+    board = dashboard()
+    for panel in board["panels"]:
+        for target in panel.get("targets", ()):
+            yield target["expr"]
+    for variable in board["templating"]["list"]:
+        if variable["type"] == "query":
+            yield variable["definition"]
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    rules = yaml.safe_load((ASSETS / "prometheus-alerts.yaml").read_text())
+    return [rule for group in rules["groups"] for rule in group["rules"]]
+
+
+def exported(tmp_path: Path) -> tuple[set[str], dict[str, set[str]]]:
+    """Every sample name policyd's registry exposes, and the label names seen per name."""
+    metrics = DecisionMetrics()
+    served(metrics, tmp_path, count=2)
+    served(metrics, tmp_path, count=1, busy=True)
+    DecisionTelemetry(metrics=metrics).stream_error("rejected", "invalid_json")
+    failing = NodeTrace("zone", "filter", 1, (), errors=(("a", "no such key: 'zone'"),))
+    metrics.decision(Decision(Outcome.SHED, "live", "1", "m", trace=(failing,)), 0.001)
+    store = PolicyStore.open(write_policies(tmp_path))
+    metrics.policies_loaded(store.current)
+    metrics.on_reload(store.reload())
+    pod = Pod("a", "10.0.0.1:8000")
+    pool = FakePool(Snapshot((pod,), (pod,)), {pod.address: Stats(1, 0, 0, 0.01, 1.0)})
+    metrics.registry.register(PoolCollector(pool))
+    registry: CollectorRegistry = metrics.registry
+    names: set[str] = set()
+    labels: dict[str, set[str]] = {}
+    for family in registry.collect():
+        for suffix in SUFFIXES.get(family.type, ("",)):
+            names.add(family.name + suffix)
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    return names, labels
+
+
+def referenced(expressions: list[str]) -> Iterator[tuple[str, str, set[str]]]:
+    for expression in expressions:
+        for match in METRIC.finditer(expression):
+            matchers = set(MATCHER.findall(match.group(2) or ""))
+            yield expression, match.group(1), matchers
+
+
+@pytest.mark.parametrize("source", ["dashboard", "alerts"])
+def test_every_queried_metric_and_label_is_exported(tmp_path: Path, source: str) -> None:
+    expressions = (
+        list(dashboard_queries())
+        if source == "dashboard"
+        else [rule["expr"] for rule in alert_rules()]
+    )
+    names, labels = exported(tmp_path)
+    problems = []
+    for expression, name, matchers in referenced(expressions):
+        if name not in names:
+            problems.append(f"{name} is not exported (in {expression!r})")
+        elif name not in labels:
+            problems.append(f"{name}: the test exercised nothing that records it")
+        elif matchers - labels[name]:
+            problems.append(f"{name} has no label {sorted(matchers - labels[name])}")
+    assert problems == []
+    assert all(METRIC.search(e) for e in expressions), "a query that reads no policyd metric"
+
+
+def test_the_alerts_cover_what_operators_page_on() -> None:
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    assert {
+        "PolicydAllPodsStale",
+        "PolicydShedRateHigh",
+        "PolicydPolicyReloadRejected",
+        "PolicydDecisionLatencyHigh",
+    } <= set(rules)
+    for rule in rules.values():
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+        assert rule["annotations"]["summary"]
+
+
+def test_the_dashboard_is_grafana_json_with_unique_panel_ids() -> None:
+    board = dashboard()
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids))
+    assert board["uid"] == "policyd-routing"
+    graphs = [p for p in board["panels"] if p["type"] != "row"]
+    assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in graphs)
+
+
+def test_the_kubernetes_and_istio_manifests_parse_and_fit_together() -> None:
+    collector_docs = list(yaml.safe_load_all((ASSETS / "otel-collector.yaml").read_text()))
+    config_map = next(d for d in collector_docs if d["kind"] == "ConfigMap")
+    standalone = yaml.safe_load((ASSETS / "otel-collector-config.yaml").read_text())
+    assert yaml.safe_load(config_map["data"]["config.yaml"]) == standalone
+    pipeline = standalone["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"] and "otlp/jaeger" in pipeline["exporters"]
+
+    jaeger_docs = list(yaml.safe_load_all((ASSETS / "jaeger.yaml").read_text()))
+    services = {d["metadata"]["name"]: d for d in jaeger_docs if d["kind"] == "Service"}
+    jaeger_endpoint = standalone["exporters"]["otlp/jaeger"]["endpoint"]
+    host, port = jaeger_endpoint.rsplit(":", 1)
+    assert host.split(".")[0] in services
+    assert int(port) in [p["port"] for p in services[host.split(".")[0]]["spec"]["ports"]]
+
+    istio_docs = list(yaml.safe_load_all((ASSETS / "istio-telemetry.yaml").read_text()))
+    operator = next(d for d in istio_docs if d["kind"] == "IstioOperator")
+    (provider,) = operator["spec"]["meshConfig"]["extensionProviders"]
+    telemetry = next(d for d in istio_docs if d["kind"] == "Telemetry")
+    assert telemetry["apiVersion"] == "telemetry.istio.io/v1"
+    assert telemetry["spec"]["tracing"][0]["providers"] == [{"name": provider["name"]}]
+    collector_service = next(d for d in collector_docs if d["kind"] == "Service")
+    name = collector_service["metadata"]["name"]
+    namespace = collector_service["metadata"]["namespace"]
+    assert provider["opentelemetry"]["service"] == f"{name}.{namespace}.svc.cluster.local"
+    assert provider["opentelemetry"]["port"] == 4317

@@ -1,0 +1,253 @@
+"""Prometheus metrics: decisions, nodes, shadows, responses, reloads, the pool, /metrics."""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from telemetry_support import pods, request, router_for, write_policies
+
+from policyd.policy import PolicyStore
+from policyd.pool.pod import Pod
+from policyd.telemetry import (
+    DecisionMetrics,
+    DecisionTelemetry,
+    PoolCollector,
+    start_metrics_server,
+)
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def served(metrics: DecisionMetrics, tmp_path: Path, count: int = 1, busy: bool = False) -> None:
+    """``count`` requests through the real router and DecisionTelemetry, responses 200."""
+    router = router_for(tmp_path)
+    telemetry = DecisionTelemetry(metrics=metrics)
+    candidates = [Pod("c", "10.0.0.3:8000", waiting_queue=30)] if busy else pods()
+    for _ in range(count):
+        decision = router.decide(request(), candidates)
+        record = telemetry.start(request(), decision, {}, 0.0004)
+        record.after_reply()
+        record.response_headers(200 if not busy else 429, 0.01)
+        record.end(
+            completed=True,
+            duration_seconds=0.8,
+            first_body_seconds=0.2 if not busy else None,
+            prompt_tokens=None,
+            completion_tokens=None,
+        )
+
+
+def test_decisions_nodes_and_latency_are_counted(tmp_path: Path) -> None:
+    metrics = DecisionMetrics()
+    served(metrics, tmp_path, count=3)
+    r = metrics.registry
+    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", pod="a") == 3
+    assert value(r, "policyd_decision_duration_seconds_count", policy="live") == 3
+    assert value(r, "policyd_decision_duration_seconds_bucket", policy="live", le="0.0005") == 3
+    assert value(r, "policyd_decision_duration_seconds_bucket", policy="live", le="0.00025") == 0
+    visits = {"policy": "live", "node": "short queue", "kind": "filter", "branch": "on_success"}
+    assert value(r, "policyd_filter_node_visits_total", **visits) == 3
+    node = {"policy": "live", "node": "short queue"}
+    assert value(r, "policyd_filter_node_pods_total", **node, result="kept") == 6
+    assert value(r, "policyd_filter_node_pods_total", **node, result="dropped") == 3
+    assert value(r, "policyd_filter_node_errors_total", **node) is None  # no errors
+    assert value(r, "policyd_responses_total", policy="live", status_class="2xx") == 3
+    assert value(r, "policyd_response_time_to_first_token_seconds_count", policy="live") == 3
+    assert value(r, "policyd_response_duration_seconds_sum", policy="live") == pytest.approx(2.4)
+
+
+def test_shed_decisions_and_their_walk(tmp_path: Path) -> None:
+    metrics = DecisionMetrics()
+    served(metrics, tmp_path, count=2, busy=True)
+    r = metrics.registry
+    assert value(r, "policyd_decisions_total", policy="live", outcome="shed", pod="") == 2
+    failure = {"policy": "live", "node": "short queue", "kind": "filter", "branch": "on_failure"}
+    assert value(r, "policyd_filter_node_visits_total", **failure) == 2
+    shed = {"policy": "live", "node": "too busy", "kind": "shed", "branch": "end"}
+    assert value(r, "policyd_filter_node_visits_total", **shed) == 2
+    assert value(r, "policyd_responses_total", policy="live", status_class="4xx") is None
+
+
+def test_cel_errors_are_counted_per_node(tmp_path: Path) -> None:
+    live = (
+        "name: live\nfilters:\n  zone:\n    keep: pod.labels['zone'] == 'a'\n    on_error: pass\n"
+    )
+    (tmp_path / "live.yaml").write_text(live)
+    from policyd.policy import Router
+
+    router = Router(PolicyStore.open(tmp_path / "live.yaml"))
+    metrics = DecisionMetrics()
+    telemetry = DecisionTelemetry(metrics=metrics)
+    record = telemetry.start(request(), router.decide(request(), pods()), {}, 0.0)
+    record.after_reply()
+    zone = {"policy": "live", "node": "zone"}
+    assert value(metrics.registry, "policyd_filter_node_errors_total", **zone) == 3
+
+
+def test_shadow_agreement_is_counted_per_shadow(tmp_path: Path) -> None:
+    metrics = DecisionMetrics()
+    served(metrics, tmp_path, count=2)
+    served(metrics, tmp_path, count=1, busy=True)
+    r = metrics.registry
+    shadow = {"policy": "live", "shadow": "fewest-waiting"}
+    assert value(r, "policyd_shadow_decisions_total", **shadow, agreement="other-pod") == 2
+    # Busy: the live policy sheds, the shadow (no shed node) sheds too: same outcome.
+    assert value(r, "policyd_shadow_decisions_total", **shadow, agreement="same-outcome") == 1
+    assert value(r, "policyd_shadow_evaluation_duration_seconds_count", policy="live") == 3
+
+
+def test_stream_errors_by_kind_and_code() -> None:
+    metrics = DecisionMetrics()
+    telemetry = DecisionTelemetry(metrics=metrics)
+    telemetry.stream_error("rejected", "invalid_json")
+    telemetry.stream_error("rejected", "invalid_json")
+    telemetry.stream_error("aborted", "decided")
+    r = metrics.registry
+    assert (
+        value(r, "policyd_extproc_stream_errors_total", kind="rejected", code="invalid_json") == 2
+    )
+    assert value(r, "policyd_extproc_stream_errors_total", kind="aborted", code="decided") == 1
+
+
+def test_reloads_and_the_policies_in_force(tmp_path: Path) -> None:
+    store = PolicyStore.open(write_policies(tmp_path))
+    metrics = DecisionMetrics()
+    metrics.policies_loaded(store.current)
+    r = metrics.registry
+    live = store.current.policies[0]
+    shadow = live.shadows[0]
+    assert value(r, "policyd_policy_info", policy="live", version=live.version, role="live") == 1
+    assert (
+        value(r, "policyd_policy_info", policy=shadow.name, version=shadow.version, role="shadow")
+        == 1
+    )
+    assert value(r, "policyd_policy_last_reload_successful") == 1
+    (tmp_path / "live.yaml").write_text("name: live\nfilters:\n  x:\n    keep: pod.nope\n")
+    metrics.on_reload(store.reload())
+    assert value(r, "policyd_policy_reloads_total", result="rejected") == 1
+    assert value(r, "policyd_policy_last_reload_successful") == 0
+    (tmp_path / "live.yaml").write_text("name: live\n")
+    metrics.on_reload(store.reload())
+    assert value(r, "policyd_policy_reloads_total", result="ok") == 1
+    assert value(r, "policyd_policy_last_reload_successful") == 1
+    new = store.current.policies[0].version
+    assert value(r, "policyd_policy_info", policy="live", version=new, role="live") == 1
+    assert value(r, "policyd_policy_info", policy="live", version=live.version, role="live") is None
+
+
+# -- the pool collector, against objects of the pool's shape -------------------------------
+
+
+@dataclass
+class Stats:
+    successes: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    last_latency: float | None = None
+    last_success_at: float | None = None
+
+
+@dataclass
+class Snapshot:
+    pods: tuple[Pod, ...]
+    candidates: tuple[Pod, ...]
+    ready: bool = True
+
+
+@dataclass
+class FakePool:
+    """Has the shape of ``policyd.pool.Pool`` as the collector reads it."""
+
+    current: Snapshot
+    stats: dict[str, Stats] = field(default_factory=dict)
+    rounds: int = 0
+    overruns: int = 0
+
+    def snapshot(self) -> Snapshot:
+        return self.current
+
+
+def test_the_pool_is_read_at_scrape_time() -> None:
+    a = Pod("a", "10.0.0.1:8000", waiting_queue=4, running=2, kv_cache=0.25, active_loras=("x",))
+    b = Pod("b", "10.0.0.2:8000", max_loras=4)
+    a.load.count = 3
+    pool = FakePool(
+        Snapshot((a, b), (a,)),
+        {
+            a.address: Stats(successes=10, last_latency=0.004, last_success_at=99.5),
+            b.address: Stats(successes=2, failures=5, consecutive_failures=5, last_success_at=None),
+        },
+        rounds=12,
+        overruns=1,
+    )
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(pool, clock=lambda: 100.0))
+    assert value(registry, "policyd_pool_pods") == 2
+    assert value(registry, "policyd_pool_candidate_pods") == 1
+    assert value(registry, "policyd_pool_ready") == 1
+    assert value(registry, "policyd_pool_scrape_rounds_total") == 12
+    assert value(registry, "policyd_pool_scrape_overruns_total") == 1
+    assert value(registry, "policyd_pod_candidate", pod="a") == 1
+    assert value(registry, "policyd_pod_candidate", pod="b") == 0
+    assert value(registry, "policyd_pod_waiting_requests", pod="a") == 4
+    assert value(registry, "policyd_pod_running_requests", pod="a") == 2
+    assert value(registry, "policyd_pod_kv_cache_usage_ratio", pod="a") == 0.25
+    assert value(registry, "policyd_pod_active_lora_adapters", pod="a") == 1
+    assert value(registry, "policyd_pod_max_lora_adapters", pod="b") == 4
+    assert value(registry, "policyd_pod_in_flight_requests", pod="a") == 3
+    assert value(registry, "policyd_pod_scrapes_total", pod="b", result="failure") == 5
+    assert value(registry, "policyd_pod_scrape_consecutive_failures", pod="b") == 5
+    assert value(registry, "policyd_pod_scrape_duration_seconds", pod="a") == 0.004
+    assert value(registry, "policyd_pod_metrics_age_seconds", pod="a") == 0.5
+    assert value(registry, "policyd_pod_metrics_age_seconds", pod="b") == math.inf
+    # A pod that left is no longer reported.
+    pool.current = Snapshot((a,), (a,))
+    assert value(registry, "policyd_pod_candidate", pod="b") is None
+
+
+def test_decision_series_of_pods_that_left_are_dropped(tmp_path: Path) -> None:
+    metrics = DecisionMetrics()
+    served(metrics, tmp_path)
+    r = metrics.registry
+    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", pod="a") == 1
+    pool = FakePool(Snapshot((Pod("b", "10.0.0.2:8000"),), ()))
+    r.register(PoolCollector(pool, decisions=metrics))
+    value(r, "policyd_pool_pods")  # a scrape
+    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", pod="a") is None
+
+
+# -- the endpoint --------------------------------------------------------------------------
+
+
+def fetch(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers["Content-Type"], error.read().decode()
+
+
+def test_the_metrics_endpoint_serves_metrics_and_health(tmp_path: Path) -> None:
+    metrics = DecisionMetrics()
+    served(metrics, tmp_path)
+    ready = [False]
+    server = start_metrics_server("127.0.0.1", 0, metrics.registry, ready=lambda: ready[0])
+    try:
+        status, content_type, body = fetch(server.url + "/metrics")
+        assert status == 200 and content_type.startswith("text/plain")
+        assert 'policyd_decisions_total{outcome="routed",pod="a",policy="live"} 1.0' in body
+        assert fetch(server.url + "/healthz")[0] == 200
+        assert fetch(server.url + "/readyz")[0] == 503
+        ready[0] = True
+        assert fetch(server.url + "/readyz")[0] == 200
+        assert fetch(server.url + "/nope")[0] == 404
+    finally:
+        server.close()

@@ -1,0 +1,177 @@
+"""Telemetry through the real ext_proc server: real gRPC, the real Router, a real policy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from extproc_support import (
+    EnvoySide,
+    error_of,
+    request_body,
+    request_headers,
+    response_body,
+    response_headers,
+    set_headers,
+)
+from telemetry_support import Spans, pods, router_for
+
+from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.policy import Router
+from policyd.policy.decision import Decision
+from policyd.pool.pod import Pod
+from policyd.telemetry import DecisionMetrics, DecisionTelemetry
+from policyd.telemetry import attributes as a
+
+CARRIER = ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+BODY = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    candidates: tuple[Pod, ...]
+
+
+@dataclass
+class Rig:
+    server: ExtProcServer
+    envoy: EnvoySide
+    metrics: DecisionMetrics
+    router: Router
+
+
+@pytest.fixture
+async def rig(tmp_path: Path, spans: Spans) -> AsyncIterator[Rig]:
+    router = router_for(tmp_path)
+    metrics = DecisionMetrics()
+    telemetry = DecisionTelemetry(tracer=spans.provider.get_tracer("t"), metrics=metrics)
+    snapshot = Snapshot(tuple(pods()))
+    server = ExtProcServer(
+        lambda: router,
+        lambda: snapshot,
+        telemetry=telemetry,
+        options=ServerOptions(port=0, grace_seconds=0.5),
+    )
+    await server.start()
+    envoy = EnvoySide(server.port)
+    yield Rig(server, envoy, metrics, router)
+    await envoy.close()
+    await server.stop(0)
+
+
+def chat_headers() -> Any:
+    return request_headers({"x-request-id": "req-42"}, path="/v1/chat/completions")
+
+
+async def test_one_exchange_makes_one_complete_span(rig: Rig, spans: Spans) -> None:
+    usage = {"usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+    call = rig.envoy.open(metadata=[CARRIER])
+    replies = []
+    for message in (
+        chat_headers(),
+        request_body(BODY),
+        response_headers(200),
+        response_body(json.dumps(usage).encode(), end_of_stream=True),
+    ):
+        await call.write(message)
+        replies.append(await call.read())
+    await call.done_writing()
+    traceparent = set_headers(replies[1])["traceparent"].header.raw_value.decode()
+    span = spans.only()
+    assert span.context is not None
+    assert traceparent == f"00-4bf92f3577b34da6a3ce929d0e0e4736-{span.context.span_id:016x}-01"
+    attributes = dict(span.attributes or {})
+    assert attributes[a.REQUEST_ID] == "req-42"
+    assert attributes[a.GEN_AI_OPERATION] == "chat"
+    assert attributes[a.POD] == "a"
+    assert attributes[a.HTTP_STATUS] == 200
+    assert attributes[a.GEN_AI_INPUT_TOKENS] == 9
+    assert attributes[a.GEN_AI_OUTPUT_TOKENS] == 4
+    assert attributes[a.RESPONSE_COMPLETED] is True
+    assert a.TIME_TO_FIRST_TOKEN in attributes
+    assert attributes[a.SHADOWS] == 1
+    registry = rig.metrics.registry
+    routed = {"policy": "live", "outcome": "routed", "pod": "a"}
+    assert registry.get_sample_value("policyd_decisions_total", routed) == 1
+
+
+async def test_stream_errors_reach_the_metrics(rig: Rig, spans: Spans) -> None:
+    replies = await rig.envoy.exchange(chat_headers(), request_body(b"{not json"))
+    assert error_of(replies[1])[0] == 400
+    call = rig.envoy.open()
+    await call.write(chat_headers())
+    await call.read()
+    await call.write(request_body(BODY))
+    await call.read()
+    call.cancel()  # the client went away mid-response
+    registry = rig.metrics.registry
+    for _ in range(100):
+        aborted = {"kind": "aborted", "code": "decided"}
+        if registry.get_sample_value("policyd_extproc_stream_errors_total", aborted):
+            break
+        await asyncio.sleep(0.02)
+    assert registry.get_sample_value("policyd_extproc_stream_errors_total", aborted) == 1
+    rejected = {"kind": "rejected", "code": "invalid_json"}
+    assert registry.get_sample_value("policyd_extproc_stream_errors_total", rejected) == 1
+    (span,) = spans.finished()  # the cancelled one: ended, not completed
+    assert dict(span.attributes or {})[a.RESPONSE_COMPLETED] is False
+
+
+class SlowShadows(Router):
+    """The real Router, with shadow evaluation slowed down so its timing is visible."""
+
+    delay = 0.5
+
+    def __init__(self, router: Router) -> None:
+        super().__init__(router.store)
+        self.shadow_started = 0.0
+        self.shadow_ended = 0.0
+
+    def _shadow_decisions(self, *arguments: Any) -> list[Decision]:
+        self.shadow_started = time.monotonic()
+        time.sleep(self.delay)  # blocks the event loop, as CPU-bound shadows would
+        decisions = super()._shadow_decisions(*arguments)
+        self.shadow_ended = time.monotonic()
+        return decisions
+
+
+def exchange_in_a_thread(port: int, done: threading.Event) -> float:
+    """Play Envoy from another thread; return when the routing reply arrived."""
+
+    def messages() -> Iterator[Any]:
+        yield request_headers(path="/v1/chat/completions")
+        yield request_body(BODY)
+        done.wait(10)  # keep the stream open until the test has its answer
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        replies = pb_grpc.ExternalProcessorStub(channel).Process(messages(), timeout=10)
+        next(replies)
+        route = next(replies)
+        arrived = time.monotonic()
+        assert "traceparent" in set_headers(route)
+        done.set()
+        for _ in replies:
+            pass
+        return arrived
+
+
+async def test_shadows_run_after_the_live_reply_has_gone_out(rig: Rig, spans: Spans) -> None:
+    slow = SlowShadows(rig.router)
+    rig.server.processor.routers = lambda: slow
+    done = threading.Event()
+    replied = await asyncio.to_thread(exchange_in_a_thread, rig.server.port, done)
+    assert slow.shadow_ended > 0, "the shadows were evaluated"
+    # The client had the routing reply while the shadows were still running:
+    # they did not delay it (were they evaluated before the reply, the reply
+    # could only arrive after shadow_ended).
+    assert replied < slow.shadow_ended
+    assert dict(spans.only().attributes or {})[a.SHADOWS] == 1

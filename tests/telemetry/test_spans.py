@@ -1,0 +1,291 @@
+"""The decision span: parent, attributes, events, the response closing the loop."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from opentelemetry.trace import SpanKind, StatusCode
+from telemetry_support import Spans, pods, request, router_for
+
+from policyd.policy import Router
+from policyd.policy.loader import load_policy_set
+from policyd.pool.pod import Pod
+from policyd.telemetry import DecisionTelemetry
+from policyd.telemetry import attributes as a
+
+ENVOY_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+ENVOY_SPAN = "00f067aa0ba902b7"
+CARRIER = {"traceparent": f"00-{ENVOY_TRACE}-{ENVOY_SPAN}-01"}
+
+
+def telemetry(spans: Spans) -> DecisionTelemetry:
+    return DecisionTelemetry(tracer=spans.provider.get_tracer("test"))
+
+
+def routed_end(record: object, **overrides: object) -> None:
+    figures: dict[str, object] = {
+        "completed": True,
+        "duration_seconds": 0.5,
+        "first_body_seconds": 0.125,
+        "prompt_tokens": 12,
+        "completion_tokens": 7,
+    }
+    figures.update(overrides)
+    record.end(**figures)  # type: ignore[attr-defined]
+
+
+def test_the_span_is_parented_on_the_carrier_and_its_context_goes_upstream(
+    tmp_path: Path, spans: Spans
+) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.002)
+    record.after_reply()
+    routed_end(record)
+    span = spans.only()
+    assert span.context is not None and span.parent is not None
+    assert f"{span.context.trace_id:032x}" == ENVOY_TRACE
+    assert f"{span.parent.span_id:016x}" == ENVOY_SPAN
+    assert record.upstream_headers == {
+        "traceparent": f"00-{ENVOY_TRACE}-{span.context.span_id:016x}-01"
+    }
+    assert span.kind is SpanKind.INTERNAL
+    assert span.name == "chat llama"  # GenAI: "{operation} {model}"
+
+
+def test_without_a_carrier_the_span_is_a_new_root(tmp_path: Path, spans: Spans) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, {}, 0.001)
+    record.after_reply()
+    routed_end(record)
+    span = spans.only()
+    assert span.parent is None
+    assert span.context is not None
+    assert f"{span.context.trace_id:032x}" != ENVOY_TRACE
+
+
+def test_the_decision_attributes(tmp_path: Path, spans: Spans) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
+    assert decision.pod == "a"  # the freest KV cache among the short queues
+    started = time.time_ns()
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.25)
+    record.after_reply()
+    routed_end(record)
+    span = spans.only()
+    attributes = dict(span.attributes or {})
+    policy = router.store.current.policies[0]
+    assert attributes[a.GEN_AI_OPERATION] == "chat"
+    assert attributes[a.GEN_AI_REQUEST_MODEL] == "llama"
+    assert attributes[a.GEN_AI_REQUEST_MAX_TOKENS] == 64
+    assert attributes[a.SERVER_ADDRESS] == "10.0.0.1"
+    assert attributes[a.SERVER_PORT] == 8000
+    assert attributes[a.POLICY] == "live"
+    assert attributes[a.POLICY_VERSION] == policy.version
+    assert attributes[a.TARGET_MODEL] == "llama"
+    assert attributes[a.CRITICALITY] == "standard"
+    assert attributes[a.REQUEST_ID] == "req-1"
+    assert attributes[a.PROMPT_TOKENS] == 12
+    assert attributes[a.CANDIDATES] == 3
+    assert attributes[a.SURVIVORS] == 2
+    assert attributes[a.OUTCOME] == "routed"
+    assert attributes[a.POD] == "a"
+    assert attributes[a.ENDPOINT] == "10.0.0.1:8000"
+    assert attributes[a.FALLBACKS] == ("10.0.0.2:8000",)
+    assert attributes[a.SCORE] == 0.9
+    assert attributes[a.SCORED_PODS] == ("a", "b")
+    assert attributes[a.SCORED_VALUES] == (0.9, 0.4)
+    assert attributes[a.DECISION_DURATION] == 0.25
+    # The span starts when the decision did.
+    assert span.start_time is not None
+    assert started - 300_000_000 < span.start_time < started - 200_000_000
+    assert span.status.status_code is StatusCode.UNSET
+
+
+def test_each_filter_node_is_an_event(tmp_path: Path, spans: Spans) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply()
+    routed_end(record)
+    events = [e for e in spans.only().events if e.name == a.NODE_EVENT]
+    assert [dict(e.attributes or {}) for e in events] == [
+        {
+            a.NODE_NAME: "short queue",
+            a.NODE_KIND: "filter",
+            a.NODE_IN: 3,
+            a.NODE_KEPT: 2,
+            a.NODE_KEPT_PODS: ("a", "b"),
+            a.NODE_ERRORS: 0,
+            a.NODE_BRANCH: "on_success",
+        },
+        {
+            a.NODE_NAME: "score",
+            a.NODE_KIND: "score",
+            a.NODE_IN: 2,
+            a.NODE_KEPT: 0,
+            a.NODE_ERRORS: 0,
+        },
+    ]
+
+
+def test_the_response_closes_the_loop_when_it_ends(tmp_path: Path, spans: Spans) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply()
+    record.response_headers(200, 0.05)
+    assert spans.finished() == ()  # still open while the response streams
+    routed_end(record)
+    attributes = dict(spans.only().attributes or {})
+    assert attributes[a.HTTP_STATUS] == 200
+    assert attributes[a.TIME_TO_HEADERS] == 0.05
+    assert attributes[a.TIME_TO_FIRST_TOKEN] == 0.125
+    assert attributes[a.RESPONSE_DURATION] == 0.5
+    assert attributes[a.RESPONSE_COMPLETED] is True
+    assert attributes[a.GEN_AI_INPUT_TOKENS] == 12
+    assert attributes[a.GEN_AI_OUTPUT_TOKENS] == 7
+
+
+def test_a_server_error_from_the_pod_marks_the_span(tmp_path: Path, spans: Spans) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply()
+    record.response_headers(503, 0.01)
+    routed_end(record, first_body_seconds=None, completion_tokens=None, prompt_tokens=None)
+    span = spans.only()
+    assert span.status.status_code is StatusCode.ERROR
+    attributes = dict(span.attributes or {})
+    assert attributes[a.ERROR_TYPE] == "503"
+    assert a.TIME_TO_FIRST_TOKEN not in attributes
+    assert a.GEN_AI_OUTPUT_TOKENS not in attributes
+
+
+def test_a_shed_request_ends_only_after_its_error_reply_went_out(
+    tmp_path: Path, spans: Spans
+) -> None:
+    busy = [Pod("c", "10.0.0.3:8000", waiting_queue=30)]
+    decision = router_for(tmp_path).decide(request(), busy)
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    # What the serving path does for a decision that did not route: the
+    # status and the end come before the error reply is handed to gRPC.
+    record.response_headers(429, 0.0)
+    routed_end(record, completed=True, first_body_seconds=None)
+    assert spans.finished() == ()  # shadows and attributes wait for the reply
+    record.after_reply()
+    span = spans.only()
+    attributes = dict(span.attributes or {})
+    assert attributes[a.OUTCOME] == "shed"
+    assert attributes[a.REASON] == "every pod is queueing too much"
+    assert attributes[a.ERROR_TYPE] == "shed"
+    assert attributes[a.HTTP_STATUS] == 429
+    assert a.POD not in attributes and a.SERVER_ADDRESS not in attributes
+    nodes = [dict(e.attributes or {}) for e in span.events if e.name == a.NODE_EVENT]
+    assert [node[a.NODE_KIND] for node in nodes] == ["filter", "shed"]
+
+
+def test_a_stream_gone_before_the_reply_finishes_at_once(tmp_path: Path, spans: Spans) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    routed_end(record, completed=False, first_body_seconds=None)
+    span = spans.only()
+    attributes = dict(span.attributes or {})
+    assert attributes[a.RESPONSE_COMPLETED] is False
+    assert attributes[a.POD] == "a"  # the decision is recorded all the same
+    record.after_reply()  # the serving path's close: nothing more happens
+    assert len(spans.finished()) == 1
+
+
+def test_shadow_policies_are_recorded_with_their_agreement(tmp_path: Path, spans: Spans) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    assert decision.shadows is not None and not decision.shadows.evaluated
+    record.after_reply()
+    routed_end(record)
+    span = spans.only()
+    attributes = dict(span.attributes or {})
+    assert attributes[a.SHADOWS] == 1
+    assert attributes[a.SHADOWS_AGREED] == 0
+    (shadow,) = [dict(e.attributes or {}) for e in span.events if e.name == a.SHADOW_EVENT]
+    assert shadow == {
+        a.SHADOW_POLICY: "fewest-waiting",
+        a.SHADOW_VERSION: router.store.current.policies[0].shadows[0].version,
+        a.SHADOW_OUTCOME: "routed",
+        a.SHADOW_POD: "b",
+        a.SHADOW_ENDPOINT: "10.0.0.2:8000",
+        a.SHADOW_AGREEMENT: "other-pod",
+        a.SHADOW_AGREES: False,
+    }
+
+
+def test_large_pools_and_trees_stay_within_bounds(tmp_path: Path, spans: Spans) -> None:
+    chain = "\n".join(
+        f"  n{i}:\n    keep: pod.waiting_queue < {100 - i}\n    next: n{i + 1}" for i in range(40)
+    )
+    live = (
+        f"name: long\nfilters:\n{chain}\n  n40:\n    keep: 'true'\n"
+        "score:\n  q:\n    expr: 1.0 - pod.kv_cache\n"
+    )
+    path = tmp_path / "long.yaml"
+    path.write_text(textwrap.dedent(live))
+    router = Router(load_policy_set(path))
+    many = [Pod(f"p{i}", f"10.1.0.{i}:8000", kv_cache=i / 200) for i in range(100)]
+    decision = router.decide(request(), many)
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply()
+    routed_end(record)
+    span = spans.only()
+    attributes = dict(span.attributes or {})
+    node_events = [e for e in span.events if e.name == a.NODE_EVENT]
+    assert len(node_events) == a.MAX_NODE_EVENTS
+    assert attributes[a.NODE_EVENTS_DROPPED] == len(decision.trace) - a.MAX_NODE_EVENTS
+    kept = dict(node_events[0].attributes or {})
+    assert kept[a.NODE_KEPT] == 100
+    assert len(kept[a.NODE_KEPT_PODS]) == a.MAX_LISTED_PODS  # type: ignore[arg-type]
+    assert len(attributes[a.SCORED_PODS]) <= a.MAX_LISTED_PODS  # type: ignore[arg-type]
+
+
+def test_a_trace_the_sampler_dropped_still_carries_its_context_upstream(
+    tmp_path: Path, spans: Spans
+) -> None:
+    unsampled = {"traceparent": f"00-{ENVOY_TRACE}-{ENVOY_SPAN}-00"}
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, unsampled, 0.001)
+    record.after_reply()
+    routed_end(record)
+    assert spans.finished() == ()  # parent-based sampling: not recorded
+    version, trace_id, _, flags = record.upstream_headers["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", ENVOY_TRACE, "00")
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "",
+        "garbage",
+        f"ff-{ENVOY_TRACE}-{ENVOY_SPAN}-01",  # version ff is invalid
+        f"00-{'0' * 32}-{ENVOY_SPAN}-01",  # all-zero trace id
+        f"00-{ENVOY_TRACE}-{'0' * 16}-01",  # all-zero span id
+        f"00-{ENVOY_TRACE[:-1]}x-{ENVOY_SPAN}-01",  # not hex
+        f"00-{ENVOY_TRACE}-{ENVOY_SPAN}-01-extra",  # version 00 has exactly four parts
+    ],
+)
+def test_a_malformed_traceparent_starts_a_new_trace(
+    tmp_path: Path, spans: Spans, traceparent: str
+) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, {"traceparent": traceparent}, 0.0)
+    routed_end(record, completed=False)
+    span = spans.only()
+    assert span.parent is None
+
+
+def test_the_parents_tracestate_is_carried_on(tmp_path: Path, spans: Spans) -> None:
+    carrier = {**CARRIER, "tracestate": "vendor=abc"}
+    decision = router_for(tmp_path).decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, carrier, 0.0)
+    assert record.upstream_headers["tracestate"] == "vendor=abc"
+    routed_end(record, completed=False)
+    assert spans.only().parent is not None

@@ -109,7 +109,11 @@ class PodExpression:
     def select(
         self, pods: Sequence[Any], ev: Evaluation, *, keep_failed: bool
     ) -> tuple[list[Any], list[tuple[str, str]]]:
-        """The pods for which the expression is ``true``, and the errors."""
+        """The pods for which the expression is ``true``, and the errors.
+
+        Written out rather than filtering ``values()``: the extra list and pass
+        made a decision over 100 pods about 13% slower (benchmarks/decision.py).
+        """
         evaluate = self.evaluate
         kept: list[Any] = []
         errors: list[tuple[str, str]] = []

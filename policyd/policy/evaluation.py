@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from policyd.cel import Activation, CelEvalError
+from policyd.policy.request import Request
 
 Evaluator = Callable[[Activation], Any]
 Needs = tuple[tuple[str, Evaluator], ...]  # variables an expression uses, dependencies first
@@ -40,7 +41,7 @@ class Evaluation:
 
     __slots__ = ("_failures", "_scopes", "activation", "request")
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: Request) -> None:
         self.request = request
         self.activation: dict[str, Any] = {"request": request, "pod": None}
         self._scopes: dict[int, dict[str, Any]] = {}  # id(pod) -> its activation

@@ -67,7 +67,7 @@ class Scorer:
     expression: PodExpression | RendezvousScore
 
 
-def clamp(value: Any) -> float:
+def clamp(value: float) -> float:
     """A raw scorer value in [0, 1]; NaN and negatives count as 0.
 
     ``score`` applies the same rule inline; a test holds the two together.

@@ -7,7 +7,7 @@ on the same pool and the same requests, in the same run. The ratio of the two
 p50s is the overhead of the rule language: CEL evaluation plus the tree walk,
 the per-node trace and the Decision object.
 
-    python benchmarks/decision.py                      # about a minute
+    python benchmarks/decision.py                      # about 15 s
     python benchmarks/decision.py --budget 1 --sizes 10,100
 
 The goal for the default policy is p50 <= 100 us at 100 pods; the CEL line at
@@ -134,7 +134,8 @@ def hand_scorers(request: Request, pods: list[Pod], rng: random.Random) -> Pod |
 def measure(
     decide: Callable[[Request], Any], requests: Sequence[Request], budget: float
 ) -> list[float]:
-    """Latencies in microseconds, cycling through ``requests`` until ``budget`` seconds."""
+    """Latencies in microseconds, cycling through ``requests`` for ``budget`` seconds
+    (at least 20 and at most 20,000 samples)."""
     for request in requests[:3]:
         decide(request)  # warm caches
     samples: list[float] = []

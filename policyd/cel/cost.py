@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any, Final
 
 from cel.expr import checked_pb2, syntax_pb2
@@ -47,14 +48,8 @@ class Polynomial:
         return nonzero[-1] if nonzero else 0
 
     def __add__(self, other: Polynomial) -> Polynomial:
-        length = max(len(self.terms), len(other.terms))
-        return Polynomial(
-            tuple(
-                (self.terms[i] if i < len(self.terms) else 0)
-                + (other.terms[i] if i < len(other.terms) else 0)
-                for i in range(length)
-            )
-        )
+        pairs = zip_longest(self.terms, other.terms, fillvalue=0)
+        return Polynomial(tuple(a + b for a, b in pairs))
 
     def __mul__(self, other: Polynomial) -> Polynomial:
         terms = [0] * (len(self.terms) + len(other.terms) - 1)
@@ -64,16 +59,9 @@ class Polynomial:
         return Polynomial(tuple(terms))
 
     def maximum(self, other: Polynomial) -> Polynomial:
-        length = max(len(self.terms), len(other.terms))
-        return Polynomial(
-            tuple(
-                max(
-                    self.terms[i] if i < len(self.terms) else 0,
-                    other.terms[i] if i < len(other.terms) else 0,
-                )
-                for i in range(length)
-            )
-        )
+        """Term by term: a bound on either of two sizes (the branches of ``?:``)."""
+        pairs = zip_longest(self.terms, other.terms, fillvalue=0)
+        return Polynomial(tuple(max(a, b) for a, b in pairs))
 
     def at(self, size: int) -> int:
         return sum(term * size**power for power, term in enumerate(self.terms))

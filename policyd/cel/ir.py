@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from cel.expr import checked_pb2
 
+from policyd.cel.runtime import TYPE_OF_KIND
 from policyd.cel.values import CelType
 
 # Static kinds share the runtime kind names (runtime.INT...) plus "dyn".
@@ -31,10 +32,6 @@ class StaticType:
     key: StaticType | None = None  # map key
     denoted: str = ""  # for kind "type": the CEL name of the type this value is
 
-    @property
-    def is_dyn(self) -> bool:
-        return self.kind == DYN_KIND
-
 
 DYN: Final = StaticType(DYN_KIND)
 
@@ -47,22 +44,8 @@ _PRIMITIVES: Final = {
     checked_pb2.Type.BYTES: "bytes",
 }
 _WELL_KNOWN: Final = {
-    checked_pb2.Type.TIMESTAMP: ("timestamp", "google.protobuf.Timestamp"),
-    checked_pb2.Type.DURATION: ("duration", "google.protobuf.Duration"),
-}
-_DENOTED_NAMES: Final = {
-    "bool": "bool",
-    "int": "int",
-    "uint": "uint",
-    "double": "double",
-    "string": "string",
-    "bytes": "bytes",
-    "null": "null_type",
-    "list": "list",
-    "map": "map",
-    "type": "type",
-    "timestamp": "google.protobuf.Timestamp",
-    "duration": "google.protobuf.Duration",
+    checked_pb2.Type.TIMESTAMP: "timestamp",
+    checked_pb2.Type.DURATION: "duration",
 }
 
 
@@ -76,7 +59,7 @@ def static_type(proto: checked_pb2.Type) -> StaticType:
     if which == "primitive" and proto.primitive in _PRIMITIVES:
         return StaticType(_PRIMITIVES[proto.primitive])
     if which == "well_known" and proto.well_known in _WELL_KNOWN:
-        return StaticType(_WELL_KNOWN[proto.well_known][0])
+        return StaticType(_WELL_KNOWN[proto.well_known])
     if which == "null":
         return StaticType("null")
     if which in ("dyn", "type_param", "error"):
@@ -108,7 +91,7 @@ def denoted_name(proto: checked_pb2.Type) -> str:
     inner = static_type(proto)
     if inner.kind == "message":
         return inner.message
-    return _DENOTED_NAMES[inner.kind]
+    return TYPE_OF_KIND[inner.kind].name
 
 
 def _describe(proto: checked_pb2.Type) -> str:

@@ -25,22 +25,7 @@ from policyd.cel.errors import CelEvalError
 from policyd.cel.ir import DYN, StaticType
 from policyd.cel.values import UInt
 
-_BUILTIN_TYPE_NAMES: Final = frozenset(
-    {
-        "bool",
-        "int",
-        "uint",
-        "double",
-        "string",
-        "bytes",
-        "list",
-        "map",
-        "null_type",
-        "type",
-        "google.protobuf.Timestamp",
-        "google.protobuf.Duration",
-    }
-)
+_BUILTIN_TYPE_NAMES: Final = frozenset(cel_type.name for cel_type in runtime.TYPE_OF_KIND.values())
 _STRUCTURAL: Final = frozenset({"_&&_", "_||_", "_?_:_", "@not_strictly_false"})
 # Kinds whose Python ``==`` / ``in`` is exactly CEL's for two values of that kind.
 _PYTHON_EQUALITY_KINDS: Final = frozenset(
@@ -326,7 +311,7 @@ class Lowerer:
         kind = arg.type.kind
         if kind == ir.DYN_KIND:
             return None
-        name = arg.type.message if kind == "message" else _KIND_TYPE_NAMES[kind]
+        name = arg.type.message if kind == "message" else runtime.TYPE_OF_KIND[kind].name
         answer = ir.type_value(name)
         return ir.Call(static, "type", lambda _value, known: known, (arg, answer), "({0}, {1})[1]")
 
@@ -440,22 +425,6 @@ class Lowerer:
                 return self._type(node) if node.id in self._type_map else None
             stack.extend(_children(node))
         return None
-
-
-_KIND_TYPE_NAMES: Final = {
-    "bool": "bool",
-    "int": "int",
-    "uint": "uint",
-    "double": "double",
-    "string": "string",
-    "bytes": "bytes",
-    "null": "null_type",
-    "list": "list",
-    "map": "map",
-    "type": "type",
-    "timestamp": "google.protobuf.Timestamp",
-    "duration": "google.protobuf.Duration",
-}
 
 
 def _constant_values(nodes: tuple[ir.Node, ...]) -> list[Any] | None:

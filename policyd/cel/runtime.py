@@ -81,7 +81,8 @@ _KIND_OF_CLASS: Final[dict[type, str]] = {
     CelType: TYPE,
 }
 
-_TYPE_OF_KIND: Final[dict[str, CelType]] = {
+# A kind's CEL type as a value (``type(x)``); ir and lowering name types with it too.
+TYPE_OF_KIND: Final[dict[str, CelType]] = {
     BOOL: BOOL_TYPE,
     INT: INT_TYPE,
     UINT: UINT_TYPE,
@@ -128,7 +129,7 @@ def type_of(value: Any) -> CelType:
             f"type() of a {value.__class__.__name__} held as dyn is unknown; "
             "apply type() where its message type is declared"
         )
-    return _TYPE_OF_KIND[kind]
+    return TYPE_OF_KIND[kind]
 
 
 # -- errors ---------------------------------------------------------------------

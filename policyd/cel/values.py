@@ -81,13 +81,6 @@ class Timestamp:
 
     nanos: int
 
-    @classmethod
-    def from_seconds(cls, seconds: float) -> Timestamp:
-        return cls(round(seconds * NANOS_PER_SECOND))
-
-    def seconds(self) -> float:
-        return self.nanos / NANOS_PER_SECOND
-
 
 @dataclass(frozen=True, slots=True)
 class CelType:

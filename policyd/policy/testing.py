@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.diagnostics import Diagnostic, PolicyError
@@ -228,7 +228,7 @@ def run_case(policies: PolicySet, case: Case) -> CaseResult:
     return CaseResult(case, tuple(failures))
 
 
-def _compare(failures: list[str], what: str, wanted: Any, got: Any) -> None:
+def _compare(failures: list[str], what: str, wanted: str | None, got: str) -> None:
     if wanted is not None and wanted != got:
         failures.append(f"expected {what} {wanted}, got {got}")
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from policyd.pool.discovery import join_address
+
 _MAX_HEAD: Final = 64 * 1024
 _INITIAL_BUFFER: Final = 64 * 1024  # most metrics pages fit; larger ones grow it once
 _MIN_READ: Final = 16 * 1024  # free space offered to each socket read
@@ -96,10 +98,9 @@ class MetricsEndpoint:
 
     @target.setter
     def target(self, target: str) -> None:
-        host = f"[{self.host}]" if ":" in self.host else self.host
         self._target = target
         self._request = (
-            f"GET {target} HTTP/1.1\r\nHost: {host}:{self.port}\r\n"
+            f"GET {target} HTTP/1.1\r\nHost: {join_address(self.host, self.port)}\r\n"
             "User-Agent: policyd\r\n"
             "Accept: text/plain\r\nAccept-Encoding: identity\r\n\r\n"
         ).encode("ascii")

@@ -31,7 +31,7 @@ from policyd.sim.exposition import CONTENT_TYPE, EngineCollector, metrics_regist
 from policyd.sim.names import adapter_names
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.realtime import RealTimeDriver
-from policyd.sim.text import token_text
+from policyd.sim.text import generated_text, token_text
 
 _SHUTDOWN_TIMEOUT_S = 0.25
 _CREATED = int(time.time())
@@ -230,7 +230,7 @@ class SimServer:
                 return await _stream(request, reply, state, progress, text_seed)
             while not state.finished:
                 await progress.wait()
-            text = "".join(token_text(text_seed, i) for i in range(state.generated))
+            text = generated_text(text_seed, 0, state.generated)
             return _json(reply.full(text, state.finish_reason, state.generated), 200)
         finally:
             if not state.finished:

@@ -37,6 +37,11 @@ def test_fallback_keeps_uints_and_nanoseconds_of_its_inputs() -> None:
     result = program.evaluate({"pod": POD, "u": UInt(2), "dy": UInt(5)})
     assert result[:2] == [3, 5]
     assert all(isinstance(item, UInt) for item in result[:2])
+    exact = ENVIRONMENT.compile(
+        "google.protobuf.Int64Value{value: 1} == 1 && pod.metrics_age == duration('1ns')"
+    )
+    assert exact.lowered is False
+    assert exact.evaluate({"pod": POD}) is True  # the 1 ns input reached cel-cpp whole
 
 
 def test_fallback_reports_that_returned_durations_lose_nanoseconds() -> None:

@@ -1,4 +1,4 @@
-"""The runnable example that opens docs/policy-language.md runs as shown."""
+"""docs/policy-language.md: the opening example runs as shown; the schema tables are exact."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from policyd.cel import POD_FIELDS, REQUEST_FIELDS
+from policyd.cel.schema import Field
 from policyd.cli import main
 
 from .helpers import REPO
@@ -35,3 +37,23 @@ def test_the_opening_example_checks_explains_and_tests_as_documented(
         arguments = command.removeprefix("$ policyd ").split()
         assert main(arguments) == 0
         assert capsys.readouterr().out == expected, command
+
+
+def schema_table(heading: str) -> list[tuple[str, str]]:
+    """(field, type) rows of the table that follows ``heading`` in "What expressions see"."""
+    section = DOC.read_text().split("\n## What expressions see\n", 1)[1].split("\n## ", 1)[0]
+    table = section.split(f"\n{heading}\n", 1)[1].strip().split("\n\n", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]
+    return [(name.strip().strip("`"), kind.strip()) for name, kind in rows]
+
+
+@pytest.mark.parametrize(
+    ("heading", "fields"), [("`pod` (one candidate):", POD_FIELDS), ("`request`:", REQUEST_FIELDS)]
+)
+def test_the_documented_schema_is_the_schema_policies_are_checked_against(
+    heading: str, fields: tuple[Field, ...]
+) -> None:
+    written = [
+        (f.name, f.kind.replace("<", "(").replace(">", ")").replace(",", ", ")) for f in fields
+    ]
+    assert schema_table(heading) == written

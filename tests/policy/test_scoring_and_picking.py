@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from policyd.policy import Outcome
+from policyd.policy.evaluation import Evaluation, PodExpression
 from policyd.policy.pickers import MaxScore, RoundRobin, UniformRandom, WeightedRandom
-from policyd.policy.scoring import clamp
+from policyd.policy.scoring import Scorer, clamp, score
 
 from .helpers import pod, request, router
 
@@ -31,6 +33,14 @@ def test_clamp_keeps_scores_in_the_unit_interval(raw: float, clamped: float) -> 
 
 def test_nan_scores_nothing() -> None:
     assert clamp(float("nan")) == 0.0
+
+
+@pytest.mark.parametrize("raw", [-3, 0, 0.25, 1, 7.5, True, False, math.nan, math.inf, -math.inf])
+def test_the_router_totals_add_each_value_as_clamp_gives_it(raw: float) -> None:
+    """``score`` inlines ``clamp`` on the hot path; the two must not drift apart."""
+    scorer = Scorer("s", 2.0, PodExpression("raw", lambda _activation: raw, ()))
+    totals, errors = score([scorer], [pod("a")], Evaluation(request()))
+    assert (totals, errors) == ([2.0 * clamp(raw)], [])
 
 
 def test_total_is_the_weighted_sum_of_clamped_scores(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -98,6 +98,16 @@ async def next_set(updates: AsyncIterator[tuple[PodIdentity, ...]]) -> tuple[Pod
     return await asyncio.wait_for(anext(updates), timeout=2)
 
 
+async def until(condition: Callable[[], bool], timeout: float = 2.0) -> None:
+    """Poll ``condition`` while the watch runs (bounded): the file is read in a worker
+    thread, so how many polls a fixed sleep covers depends on the machine's load."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
 async def test_the_file_is_watched_and_a_bad_edit_keeps_the_last_good_set(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -119,9 +129,8 @@ async def test_the_file_is_watched_and_a_bad_edit_keeps_the_last_good_set(
             "pods:\n  - name: a\n    address: 10.0.0.1:8000\n  - name: c\n    address: oops\n"
         )
         pending = asyncio.ensure_future(anext(updates))
-        await asyncio.sleep(0.2)
+        await until(lambda: source.last_error is not None)
         assert not pending.done()  # the bad edit produced no pod set
-        assert source.last_error is not None
         assert str(source.last_error) == f"{path}:5: address 'oops' is not ip:port"
         assert f"{path}:5: address 'oops' is not ip:port; keeping the last 2 pods" in caplog.text
 
@@ -142,9 +151,9 @@ async def test_a_vanished_file_keeps_the_last_set_until_it_returns(
         await next_set(updates)
         path.unlink()
         pending = asyncio.ensure_future(anext(updates))
-        await asyncio.sleep(0.2)
+        await until(lambda: "cannot read the pod file" in caplog.text)
+        await asyncio.sleep(0.1)  # several more polls of the missing file
         assert not pending.done()
-        assert "cannot read the pod file" in caplog.text
         assert caplog.text.count("cannot read the pod file") == 1  # said once, not every poll
         replacement = tmp_path / "new.yaml"
         replacement.write_text("pods:\n  - name: z\n    address: 10.0.0.9:8000\n")

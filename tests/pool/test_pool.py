@@ -92,7 +92,7 @@ async def test_metrics_changes_show_up_in_the_next_snapshots(
 ) -> None:
     a = await serve(servers, waiting=0)
     async with Pool(PushedDiscovery(identity(a, "a"))) as pool:
-        await pool.wait_ready(timeout=5)
+        assert await pool.wait_ready(timeout=5)
         a.text = vllm_text(waiting=7, running_loras="hot")
         snapshot = await until(pool, lambda s: s.pods[0].waiting_queue == 7)
         assert snapshot.pods[0].active_loras == ("hot",)
@@ -106,7 +106,7 @@ async def test_a_pod_that_hangs_leaves_the_candidates_within_two_intervals(
     b = await serve(servers)
     config = ScrapeConfig(interval=interval)
     async with Pool(PushedDiscovery(identity(a, "a"), identity(b, "b")), config) as pool:
-        await pool.wait_ready(timeout=5)
+        assert await pool.wait_ready(timeout=5)
         await until(pool, lambda s: candidate_names(s) == {"a", "b"})
         b.hang()
         gone = await until(pool, lambda s: "b" not in candidate_names(s))
@@ -149,7 +149,7 @@ async def test_discovery_changes_add_and_drop_pods_and_their_counters(
     b = await serve(servers)
     discovery = PushedDiscovery(identity(a, "a"))
     async with Pool(discovery) as pool:
-        await pool.wait_ready(timeout=5)
+        assert await pool.wait_ready(timeout=5)
         pool.snapshot().pods[0].load.count = 2
         discovery.push(identity(a, "a"), identity(b, "b"))
         both = await until(pool, lambda s: candidate_names(s) == {"a", "b"})
@@ -212,7 +212,7 @@ async def test_stop_closes_everything_it_started(
     a = await serve(servers)
     pool = Pool(PushedDiscovery(identity(a, "a")))
     await pool.start()
-    await pool.wait_ready(timeout=5)
+    assert await pool.wait_ready(timeout=5)
     await pool.stop()
     requests = a.requests
     await asyncio.sleep(0.3)

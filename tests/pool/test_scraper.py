@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from policyd.pool.metric_names import VLLM
-from policyd.pool.scraper import ScrapeConfig, Scraper
+from policyd.pool.scraper import ScrapeConfig, Scraper, ScrapeResult
 
 from .model_server import VLLM_SAMPLE, MetricsServer, vllm_text
 
@@ -64,6 +64,21 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return await reader.readuntil(b"\r\n\r\n")
 
 
+async def scrape(
+    address: str, *, rounds: int = 1, config: ScrapeConfig | None = None
+) -> list[ScrapeResult]:
+    """One pod's results over ``rounds`` rounds of one scraper (closed afterwards)."""
+    scraper = Scraper(config or ScrapeConfig(interval=0.5))
+    try:
+        return [(await scraper.scrape([address]))[0] for _ in range(rounds)]
+    finally:
+        scraper.close()
+
+
+def errors(results: list[ScrapeResult]) -> list[str | None]:
+    return [result.error for result in results]
+
+
 BODY = vllm_text(waiting=2, running=5, kv_cache=0.5).encode()
 
 
@@ -99,14 +114,11 @@ async def test_rounds_reuse_one_kept_alive_connection_per_pod() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    scraper = Scraper(ScrapeConfig(interval=0.5))
     try:
-        for _ in range(5):
-            (result,) = await scraper.scrape([f"127.0.0.1:{port}"])
-            assert result.ok, result.error
+        results = await scrape(f"127.0.0.1:{port}", rounds=5)
     finally:
-        scraper.close()
         await runner.cleanup()
+    assert errors(results) == [None] * 5
     assert len(peers) == 1
 
 
@@ -162,11 +174,7 @@ async def test_bad_exposition_text_fails_the_scrape_with_the_line(
     servers: list[MetricsServer],
 ) -> None:
     pod = await serve(servers, VLLM_SAMPLE.replace("} 3.0", "} three"))
-    scraper = Scraper(ScrapeConfig(interval=0.5))
-    try:
-        (result,) = await scraper.scrape([pod.address])
-    finally:
-        scraper.close()
+    (result,) = await scrape(pod.address)
     assert result.error == (
         "bad metrics: line 3: vllm:num_requests_running: value 'three' is not a number"
     )
@@ -188,16 +196,13 @@ async def test_a_chunked_response_is_reassembled() -> None:
             await writer.drain()
 
     async with RawServer(handler) as server:
-        scraper = Scraper(ScrapeConfig(interval=0.5))
-        try:
-            for _ in range(2):
-                (result,) = await scraper.scrape([server.address])
-                assert result.ok, result.error
-                assert result.metrics is not None
-                assert (result.metrics.waiting_queue, result.metrics.running) == (2, 5)
-        finally:
-            scraper.close()
+        results = await scrape(server.address, rounds=2)
         assert server.connections == 1
+    assert errors(results) == [None, None]
+    assert [(r.metrics.waiting_queue, r.metrics.running) for r in results if r.metrics] == [
+        (2, 5),
+        (2, 5),
+    ]
 
 
 async def test_a_body_ended_by_closing_the_connection_is_read() -> None:
@@ -207,14 +212,9 @@ async def test_a_body_ended_by_closing_the_connection_is_read() -> None:
         await writer.drain()
 
     async with RawServer(handler) as server:
-        scraper = Scraper(ScrapeConfig(interval=0.5))
-        try:
-            for _ in range(2):
-                (result,) = await scraper.scrape([server.address])
-                assert result.ok, result.error
-        finally:
-            scraper.close()
+        results = await scrape(server.address, rounds=2)
         assert server.connections == 2
+    assert errors(results) == [None, None]
 
 
 async def test_a_kept_alive_connection_closed_by_the_server_is_retried_once() -> None:
@@ -226,14 +226,9 @@ async def test_a_kept_alive_connection_closed_by_the_server_is_retried_once() ->
         await read_request(reader)
 
     async with RawServer(handler) as server:
-        scraper = Scraper(ScrapeConfig(interval=0.5))
-        try:
-            for _ in range(3):
-                (result,) = await scraper.scrape([server.address])
-                assert result.ok, result.error
-        finally:
-            scraper.close()
+        results = await scrape(server.address, rounds=3)
         assert server.connections == 3
+    assert errors(results) == [None] * 3
 
 
 @pytest.mark.parametrize(
@@ -253,11 +248,8 @@ async def test_broken_responses_fail_with_a_reason(response: bytes, error: str) 
         await writer.drain()
 
     async with RawServer(handler) as server:
-        scraper = Scraper(ScrapeConfig(interval=0.5, max_body_bytes=1024 * 1024))
-        try:
-            (result,) = await scraper.scrape([server.address])
-        finally:
-            scraper.close()
+        config = ScrapeConfig(interval=0.5, max_body_bytes=1024 * 1024)
+        (result,) = await scrape(server.address, config=config)
     assert result.error is not None
     assert error in result.error
 
@@ -272,12 +264,8 @@ async def test_the_request_is_a_plain_get_of_the_metrics_path() -> None:
 
     async with RawServer(handler) as server:
         names = dataclasses.replace(VLLM, path="/custom/metrics")
-        scraper = Scraper(ScrapeConfig(interval=0.5, metrics=names))
-        try:
-            (result,) = await scraper.scrape([server.address])
-        finally:
-            scraper.close()
-    assert result.ok
+        (result,) = await scrape(server.address, config=ScrapeConfig(interval=0.5, metrics=names))
+    assert result.ok, result.error
     request = seen[0].decode()
     assert request.startswith(
         "GET /custom/metrics?name%5B%5D=vllm%3Anum_requests_waiting"
@@ -320,11 +308,8 @@ async def test_prometheus_client_servers_send_only_the_families_asked_for(
 async def test_the_metrics_port_overrides_the_pod_port(servers: list[MetricsServer]) -> None:
     pod = await serve(servers)
     metrics_port = int(pod.address.rsplit(":", 1)[1])
-    scraper = Scraper(ScrapeConfig(interval=0.5, metrics_port=metrics_port))
-    try:
-        (result,) = await scraper.scrape(["127.0.0.1:1"])
-    finally:
-        scraper.close()
+    config = ScrapeConfig(interval=0.5, metrics_port=metrics_port)
+    (result,) = await scrape("127.0.0.1:1", config=config)
     assert result.address == "127.0.0.1:1"
     assert result.ok, result.error
 
@@ -375,14 +360,9 @@ async def test_bytes_beyond_the_response_retire_the_connection() -> None:
             await writer.drain()
 
     async with RawServer(handler) as server:
-        scraper = Scraper(ScrapeConfig(interval=0.5))
-        try:
-            for _ in range(2):
-                (result,) = await scraper.scrape([server.address])
-                assert result.ok, result.error
-        finally:
-            scraper.close()
+        results = await scrape(server.address, rounds=2)
         assert server.connections == 2
+    assert errors(results) == [None, None]
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked", "close"])
@@ -412,15 +392,12 @@ async def test_pages_larger_than_the_receive_buffer_are_read_whole(framing: str)
             await writer.drain()
 
     async with RawServer(handler) as server:
-        scraper = Scraper(ScrapeConfig(interval=1.0))
-        try:
-            for _ in range(2):
-                (result,) = await scraper.scrape([server.address])
-                assert result.ok, result.error
-                assert result.metrics is not None
-                assert (result.metrics.waiting_queue, result.metrics.running) == (3, 4)
-        finally:
-            scraper.close()
+        results = await scrape(server.address, rounds=2, config=ScrapeConfig(interval=1.0))
+    assert errors(results) == [None, None]
+    assert [(r.metrics.waiting_queue, r.metrics.running) for r in results if r.metrics] == [
+        (3, 4),
+        (3, 4),
+    ]
 
 
 async def test_a_server_answering_the_family_filter_with_too_little_gets_asked_for_all() -> None:
@@ -440,12 +417,7 @@ async def test_a_server_answering_the_family_filter_with_too_little_gets_asked_f
             await writer.drain()
 
     async with RawServer(handler) as server:
-        scraper = Scraper(ScrapeConfig(interval=0.5))
-        try:
-            for _ in range(3):
-                (result,) = await scraper.scrape([server.address])
-                assert result.ok, result.error
-        finally:
-            scraper.close()
+        results = await scrape(server.address, rounds=3)
+    assert errors(results) == [None] * 3
     assert targets[0].startswith("/metrics?name%5B%5D=")
     assert targets[1:] == ["/metrics"] * 3

@@ -310,7 +310,10 @@ async def test_failing_requests_over_http_and_healing(
         assert response.status == 200
     async with client.get(server.url + "/sim/faults") as response:
         assert (await response.json())["fail_requests"] == 503
-    status, _ = await post(client, server, "/sim/faults", {})
+    assert await post(client, server, "/sim/faults", {}) == (
+        200,
+        {"fail_requests": None, "hang_metrics": False},
+    )
     status, body = await post(client, server, "/v1/completions", completion)
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
@@ -318,7 +321,7 @@ async def test_failing_requests_over_http_and_healing(
 async def test_a_hung_metrics_endpoint_answers_once_released(
     server: SimServer, client: aiohttp.ClientSession
 ) -> None:
-    await post(client, server, "/sim/faults", {"hang_metrics": True})
+    assert (await post(client, server, "/sim/faults", {"hang_metrics": True}))[0] == 200
     with pytest.raises(asyncio.TimeoutError):
         await client.get(server.url + "/metrics", timeout=aiohttp.ClientTimeout(total=0.2))
     pending = asyncio.create_task(client.get(server.url + "/metrics"))

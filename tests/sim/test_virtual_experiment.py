@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +127,16 @@ def test_the_virtual_loop_runs_events_in_time_order_and_skips_cancelled_ones() -
 def test_a_workload_that_cannot_run_is_refused(changes: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="a workload needs"):
         SeedWorkload(**changes)
+
+
+def test_the_documented_example_prints_what_docs_simulator_md_says(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "simulator.md").read_text()
+    match = re.search(r"```python\n(.*?)```", doc, flags=re.DOTALL)
+    assert match is not None
+    example = match.group(1)
+    printed = re.search(r"^print\(.*\)\s+# (.*)$", example, flags=re.MULTILINE)
+    assert printed is not None
+    exec(compile(example, "docs/simulator.md", "exec"), {})
+    assert capsys.readouterr().out == printed.group(1) + "\n"

@@ -104,7 +104,9 @@ async def test_a_pod_that_hangs_leaves_the_candidates_within_two_intervals(
     interval = 0.2
     a = await serve(servers)
     b = await serve(servers)
-    config = ScrapeConfig(interval=interval)
+    # A short timeout leaves the two-interval bound most of an interval of slack
+    # for a loaded machine: the hang is noticed 1.25 intervals after b's last answer.
+    config = ScrapeConfig(interval=interval, timeout=interval / 4)
     async with Pool(PushedDiscovery(identity(a, "a"), identity(b, "b")), config) as pool:
         assert await pool.wait_ready(timeout=5)
         await until(pool, lambda s: candidate_names(s) == {"a", "b"})
@@ -116,7 +118,7 @@ async def test_a_pod_that_hangs_leaves_the_candidates_within_two_intervals(
         # ... which, with rounds every interval and a timeout below it, is within two.
         assert gone.taken_at - b.last_answer_at < 2 * interval
         assert candidate_names(gone) == {"a"}
-        assert pool.stats[b.address].last_error == "no answer within 150 ms"
+        assert pool.stats[b.address].last_error == "no answer within 50 ms"
     assert "metrics scrape of pod b" in caplog.text
 
 

@@ -36,7 +36,7 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         help="policy file or directory (default: the checkout's rules/default.yaml)",
     )
     parser.add_argument(
-        "--requests", type=int, default=150, metavar="N", help="requests to send (default 150)"
+        "--requests", type=int, default=200, metavar="N", help="requests to send (default 200)"
     )
     parser.add_argument(
         "--continuous", action="store_true", help="keep sending until Ctrl-C (ignores --requests)"
@@ -44,9 +44,9 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rate",
         type=float,
-        default=8.0,
+        default=12.0,
         metavar="PER_SECOND",
-        help="average arrivals per second (default 8)",
+        help="average arrivals per second (default 12)",
     )
     parser.add_argument(
         "--max-in-flight",

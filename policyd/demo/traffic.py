@@ -36,13 +36,13 @@ class TrafficPlan:
     """What to send; ``requests`` None sends until stopped."""
 
     models: tuple[str, ...]  # adapters first (in popularity order), the base model last
-    requests: int | None = 150
-    rate: float = 8.0
+    requests: int | None = 200
+    rate: float = 12.0
     max_in_flight: int = 48
     stream_share: float = 0.3
     chat_share: float = 0.3
     critical_share: float = 0.3
-    max_tokens: tuple[int, int] = (32, 160)
+    max_tokens: tuple[int, int] = (48, 256)
     seed: int = 0
 
 

@@ -38,6 +38,7 @@ import contextlib
 import cProfile
 import dataclasses
 import multiprocessing
+import os
 import random
 import re
 import socket
@@ -255,9 +256,11 @@ class SetUp:
     headers: dict[str, str]
     envoy: EnvoyProcess
     session: aiohttp.ClientSession | None = None
+    extproc_pid: int | None = None  # the ext_proc server's process, if any
     latencies_ms: list[float] = dataclasses.field(default_factory=list)
     completed: int = 0
     busy_seconds: float = 0.0
+    extproc_cpu_seconds: float = 0.0  # its CPU time during the throughput phases
 
     async def one(self) -> None:
         assert self.session is not None
@@ -280,16 +283,34 @@ class SetUp:
                 await self.one()
                 self.completed += 1
 
+        cpu = process_cpu_seconds(self.extproc_pid) if self.extproc_pid else 0.0
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         self.busy_seconds += time.perf_counter() - started
+        if self.extproc_pid:
+            self.extproc_cpu_seconds += process_cpu_seconds(self.extproc_pid) - cpu
 
     def figures(self) -> tuple[float, float, float]:
         p99 = statistics.quantiles(self.latencies_ms, n=100)[98]
         return statistics.median(self.latencies_ms), p99, self.completed / self.busy_seconds
 
+    @property
+    def extproc_us_per_request(self) -> float | None:
+        """The ext_proc process's CPU per request at saturation (background work included)."""
+        if not self.extproc_pid or not self.completed:
+            return None
+        return self.extproc_cpu_seconds / self.completed * 1e6
 
-def start_envoy(name: str, directory: Path, extproc_port: int | None, pod: str) -> SetUp:
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_envoy(
+    name: str, directory: Path, extproc_port: int | None, pod: str, extproc_pid: int | None = None
+) -> SetUp:
     listen, admin = free_port(), free_port()
     options = EnvoyConfigOptions(port=listen, admin_port=admin, policyd_port=extproc_port or 1)
     config = bootstrap(options)
@@ -304,7 +325,8 @@ def start_envoy(name: str, directory: Path, extproc_port: int | None, pod: str) 
     path.write_text(yaml.safe_dump(config))
     envoy = EnvoyProcess(path, admin, log_file=directory / f"{key}.log")
     envoy.start()
-    return SetUp(name, f"http://127.0.0.1:{listen}/v1/completions", headers, envoy)
+    url = f"http://127.0.0.1:{listen}/v1/completions"
+    return SetUp(name, url, headers, envoy, extproc_pid=extproc_pid)
 
 
 async def measure(set_ups: list[SetUp], arguments: argparse.Namespace) -> None:
@@ -324,65 +346,95 @@ async def measure(set_ups: list[SetUp], arguments: argparse.Namespace) -> None:
             await set_up.saturate(arguments.seconds / rounds, arguments.concurrency)
 
 
-def start_processes(
-    arguments: argparse.Namespace, directory: Path
-) -> tuple[list[multiprocessing.process.BaseProcess], dict[str, int], str, list[str]]:
+@dataclasses.dataclass
+class Processes:
+    """The helper processes by set-up key ("pods", "b", "c", "c'"), and the ports."""
+
+    running: dict[str, multiprocessing.process.BaseProcess]
+    ports: dict[str, int]
+    pods: list[str]  # addresses
+
+    def pid(self, key: str) -> int:
+        pid = self.running[key].pid
+        assert pid is not None
+        return pid
+
+    def stop(self) -> None:
+        for process in self.running.values():
+            process.terminate()
+        for process in self.running.values():
+            process.join(10)
+
+
+def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes:
     """The pods, then the ext_proc servers (policyd once the pods are up)."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    pods_process = context.Process(target=run_pods, args=(arguments.pods, queue), daemon=True)
-    pods_process.start()
-    addresses = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
-    pods_file = directory / "pods.yaml"
-    pods_file.write_text(
-        "pods:\n"
-        + "".join(f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(addresses))
-    )
-    ports = {"b": free_port(), "c": free_port(), "c'": free_port()}
-    first = addresses[0]
-    targets: list[tuple[Any, tuple[Any, ...]]] = [
-        (run_noop_extproc, (ports["b"], first)),
-        (run_policyd, (ports["c"], str(pods_file), arguments.profile or "")),
-    ]
-    if arguments.pick_first:
-        targets.append((run_pick_first, (ports["c'"], first)))
-    processes = [pods_process]
-    for target, target_arguments in targets:
-        process = context.Process(target=target, args=target_arguments, daemon=True)
-        process.start()
-        processes.append(process)
-    for key in ("b", "c", "c'") if arguments.pick_first else ("b", "c"):
-        wait_for_port(ports[key])
-    return processes, ports, first, addresses
+    pods = context.Process(target=run_pods, args=(arguments.pods, queue), daemon=True)
+    pods.start()
+    started = Processes({"pods": pods}, {}, [])
+    try:
+        started.pods = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
+        pods_file = directory / "pods.yaml"
+        pods_file.write_text(
+            "pods:\n"
+            + "".join(
+                f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(started.pods)
+            )
+        )
+        first = started.pods[0]
+        targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
+            "b": (run_noop_extproc, (first,)),
+            "c": (run_policyd, (str(pods_file), arguments.profile or "")),
+        }
+        if arguments.pick_first:
+            targets["c'"] = (run_pick_first, (first,))
+        for key, (target, target_arguments) in targets.items():
+            port = started.ports[key] = free_port()
+            process = context.Process(target=target, args=(port, *target_arguments), daemon=True)
+            process.start()
+            started.running[key] = process
+        for key in targets:
+            wait_for_port(started.ports[key])
+    except BaseException:
+        started.stop()
+        raise
+    return started
 
 
 async def main(arguments: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="policyd-bench-") as temporary:
         directory = Path(temporary)
-        processes, ports, first, addresses = start_processes(arguments, directory)
+        processes = start_processes(arguments, directory)
+        set_ups: list[SetUp] = []
         try:
-            await policyd_ready(ports["c"], len(addresses))
-            set_ups = [
-                start_envoy("(a) envoy -> pod", directory, None, first),
-                start_envoy("(b) + no-op ext_proc", directory, ports["b"], first),
-                start_envoy(f"(c) + policyd, {arguments.pods} pods", directory, ports["c"], first),
-            ]
-            if arguments.pick_first:
-                set_ups.append(
-                    start_envoy("(c') + policyd pick-first", directory, ports["c'"], first)
-                )
-            try:
-                await measure(set_ups, arguments)
-            finally:
-                for set_up in set_ups:
-                    if set_up.session is not None:
-                        await set_up.session.close()
-                    set_up.envoy.stop()
+            await policyd_ready(processes.ports["c"], len(processes.pods))
+            idle_core = await cpu_share(processes.pid("c"), seconds=3.0)
+            first = processes.pods[0]
+            set_ups.append(start_envoy("(a) envoy -> pod", directory, None, first))
+            for key, name in (
+                ("b", "(b) + no-op ext_proc"),
+                ("c", f"(c) + policyd, {arguments.pods} pods"),
+                ("c'", "(c') + policyd pick-first"),
+            ):
+                if key in processes.running:
+                    set_ups.append(
+                        start_envoy(
+                            name, directory, processes.ports[key], first, processes.pid(key)
+                        )
+                    )
+            await measure(set_ups, arguments)
         finally:
-            for process in reversed(processes):
-                process.terminate()
-                process.join(10)
-    report(set_ups, arguments)
+            for set_up in set_ups:
+                if set_up.session is not None:
+                    await set_up.session.close()
+                set_up.envoy.stop()
+            processes.stop()
+    report(set_ups)
+    print(
+        f"policyd with no requests (scraping {arguments.pods} pods every 100 ms): "
+        f"{idle_core:.3f} of a core"
+    )
 
 
 async def policyd_ready(port: int, pods: int) -> None:
@@ -399,12 +451,24 @@ async def policyd_ready(port: int, pods: int) -> None:
     raise RuntimeError(f"policyd did not get ready over {pods} pods")
 
 
-def report(set_ups: list[SetUp], arguments: argparse.Namespace) -> None:
-    print(f"{'set-up':<30}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}")
+async def cpu_share(pid: int, seconds: float) -> float:
+    """CPU seconds per wall second the process used over ``seconds`` (Linux /proc)."""
+
+    before, started = process_cpu_seconds(pid), time.perf_counter()
+    await asyncio.sleep(seconds)
+    return (process_cpu_seconds(pid) - before) / (time.perf_counter() - started)
+
+
+def report(set_ups: list[SetUp]) -> None:
+    print(f"{'set-up':<30}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'ext_proc CPU us/req':>21}")
     results = {set_up.name.split(")")[0] + ")": set_up.figures() for set_up in set_ups}
     for set_up in set_ups:
         p50, p99, rps = set_up.figures()
-        print(f"{set_up.name:<30}{p50:>9.3f}{p99:>9.3f}{rps:>9.0f}")
+        cpu = set_up.extproc_us_per_request
+        print(
+            f"{set_up.name:<30}{p50:>9.3f}{p99:>9.3f}{rps:>9.0f}"
+            + (f"{cpu:>21.0f}" if cpu is not None else f"{'-':>21}")
+        )
     for label, base, more in (
         ("ext_proc floor (b)-(a)", "(a)", "(b)"),
         ("policyd extra  (c)-(b)", "(b)", "(c)"),

@@ -70,3 +70,6 @@ def configure_logging(level: str = "info", fmt: str = "text", stream: TextIO | N
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # The Kubernetes client's HTTP pool warns on every retry; policyd's discovery
+    # already logs each failure once with its back-off. Shown with --log-level debug.
+    logging.getLogger("urllib3").setLevel(logging.DEBUG if level == "debug" else logging.ERROR)

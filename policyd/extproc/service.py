@@ -81,7 +81,11 @@ class Policyd:
         ``OSError`` when the port cannot be bound or a TLS file read; nothing
         is left running in either case.
         """
-        await self.pool.start()
+        try:
+            await self.pool.start()
+        except BaseException:  # including a cancelled start: stop what discovery began
+            await self.pool.stop()
+            raise
         try:
             self._watch = asyncio.create_task(
                 self.store.watch(self.policy_poll_seconds, self._on_reload), name="policy-watch"
@@ -120,18 +124,19 @@ class Policyd:
     async def run_until_signalled(self) -> None:
         """Start, serve until SIGTERM or SIGINT, then drain and stop.
 
-        A second signal during the drain is logged and otherwise ignored: the
-        grace period bounds the drain.
+        A signal while starting (waiting for an API server that does not
+        answer, say) abandons the start. A second signal during the drain is
+        logged and otherwise ignored: the grace period bounds the drain.
         """
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
 
         def on_signal(signum: signal.Signals) -> None:
             if stopping.is_set():
-                log.info("%s during the drain: still draining", signum.name)
+                log.info("%s again: still stopping", signum.name)
             else:
                 log.info(
-                    "%s: draining open streams for up to %gs",
+                    "%s: stopping; open streams get up to %gs to finish",
                     signum.name,
                     self.server.options.grace_seconds,
                 )
@@ -140,7 +145,9 @@ class Policyd:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
         try:
-            await self.start()
+            if not await self._start_unless(stopping):
+                log.info("stopped before serving")
+                return
             try:
                 await stopping.wait()
             finally:
@@ -149,3 +156,19 @@ class Policyd:
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
+
+    async def _start_unless(self, stopping: asyncio.Event) -> bool:
+        """Start; False if ``stopping`` was set first (the start is then undone)."""
+        starting = asyncio.ensure_future(self.start())
+        stopped = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if starting.done():
+            starting.result()  # raises what the start raised
+            return True
+        starting.cancel()  # start() stops whatever it had started
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return False

@@ -9,9 +9,11 @@ end in ``tests/e2e/test_serve_process.py``.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,41 @@ def test_a_port_in_use_stops_the_start(pods: str) -> None:
     assert events[-1]["message"].startswith(
         f"cannot serve on 127.0.0.1 port {port}: Failed to bind"
     )
+
+
+def test_sigterm_while_waiting_for_an_unreachable_api_server_stops_at_once(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u, namespace: default}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "policyd", "serve", "--policy", POLICY, "--port", "0",
+         "--k8s-selector", "app=vllm", "--kubeconfig", str(kubeconfig)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert process.stderr is not None
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            assert line, "policyd serve exited on its own"
+            if "pod watch:" in line and "retrying in" in line:
+                break  # the start is waiting for the API server
+        process.send_signal(signal.SIGTERM)
+        _, rest = process.communicate(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0
+    assert "stopped before serving" in rest
+    assert "urllib3" not in rest  # the client's retries are not logged a second time

@@ -9,7 +9,6 @@ per request that the view reads.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ class DecisionRecord:
     outcome: Outcome
     pod: str
     why: str
-    decided_at: float
     status: int | None = None
     first_body_seconds: float | None = None
     completion_tokens: int | None = None
@@ -118,7 +116,6 @@ class DemoSpan:
 class Totals:
     """Counts over the whole run (the table shows only the latest rows)."""
 
-    decisions: int = 0
     finished: int = 0
     by_status: Counter[int] = field(default_factory=Counter)
     by_pod: Counter[str] = field(default_factory=Counter)
@@ -151,11 +148,9 @@ class DecisionFeed:
             outcome=decision.outcome,
             pod=decision.pod,
             why=explain(decision),
-            decided_at=time.monotonic(),
         )
         self.records.append(record)
         totals = self.totals
-        totals.decisions += 1
         if decision.outcome is Outcome.ROUTED:
             totals.by_pod[decision.pod] += 1
             totals.by_model_pod[request.model, decision.pod] += 1

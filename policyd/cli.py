@@ -19,7 +19,11 @@ from policyd import __version__
 
 # name -> (module that implements it, one-line help)
 COMMANDS: Final[dict[str, tuple[str, str]]] = {
-    "demo": ("policyd.demo", "run Envoy + policyd + a simulated vLLM pool and show decisions"),
+    "serve": ("policyd.extproc.serve", "run the ext_proc service Envoy asks for each request"),
+    "demo": (
+        "policyd.demo.command",
+        "run Envoy + policyd + a simulated vLLM pool and show decisions",
+    ),
     "sim": ("policyd.sim.command", "run a pool of simulated vLLM pods on local ports"),
     "envoy-config": (
         "policyd.extproc.envoy_config",

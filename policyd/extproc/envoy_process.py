@@ -10,13 +10,17 @@ SIGKILL. ``stop`` terminates politely, then kills.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import IO
+
+from policyd.extproc.envoy_config import EnvoyConfigOptions, render
 
 
 class EnvoyError(RuntimeError):
@@ -34,6 +38,43 @@ def envoy_binary() -> Path:
     return Path(found)
 
 
+def free_port() -> int:
+    """A loopback TCP port free right now (another process may take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def start_envoy(
+    directory: Path, options: EnvoyConfigOptions, *, log_level: str = "warning"
+) -> EnvoyProcess:
+    """Envoy running ``policyd envoy-config``'s bootstrap, live; its files in ``directory``.
+
+    A listener or admin port of 0 is replaced by a free loopback port; the
+    ports used are ``listen_port`` and ``admin_port`` of the result.
+    """
+    options = dataclasses.replace(
+        options, port=options.port or free_port(), admin_port=options.admin_port or free_port()
+    )
+    config = directory / "envoy.yaml"
+    config.write_text(render(options))
+    envoy = EnvoyProcess(
+        config,
+        options.admin_port,
+        listen_port=options.port,
+        log_file=directory / "envoy.log",
+        log_level=log_level,
+    )
+    envoy.start()
+    try:
+        await envoy.wait_ready()
+    except BaseException:
+        envoy.stop()
+        raise
+    return envoy
+
+
 class EnvoyProcess:
     """One Envoy running ``config``; ``admin_port`` must match the config's admin port."""
 
@@ -42,12 +83,14 @@ class EnvoyProcess:
         config: Path,
         admin_port: int,
         *,
+        listen_port: int = 0,
         log_file: Path | None = None,
         concurrency: int = 1,
         log_level: str = "warning",
     ) -> None:
         self.config = config
         self.admin_port = admin_port
+        self.listen_port = listen_port  # the inference listener, when the caller knows it
         self.log_file = log_file
         self.concurrency = concurrency
         self.log_level = log_level

@@ -1,4 +1,10 @@
-"""The end-to-end rig: test upstreams + policyd (in process) + the real Envoy.
+"""The end-to-end rigs: policyd in process behind the real Envoy.
+
+- ``start_gateway``: test upstreams and a scripted router, to prove the wire
+  path case by case;
+- ``start_policyd_gateway``: the ``Policyd`` service ``policyd serve`` runs
+  (real PolicyStore with hot reload, Router, Pool scraping) over simulated
+  vLLM pods, to prove the whole product.
 
 Everything binds loopback ports chosen at run time, and ``stop_gateway`` stops
 Envoy even when a test failed; Envoy is also started with a parent-death
@@ -7,17 +13,25 @@ signal, so not even a killed pytest leaves one behind.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from e2e_support import RecordingTelemetry, ScriptedRouter, SwappablePool, TestUpstream, free_port
+from e2e_support import RecordingTelemetry, ScriptedRouter, SwappablePool, TestUpstream
 
-from policyd.extproc.envoy_config import EnvoyConfigOptions, render
-from policyd.extproc.envoy_process import EnvoyProcess
+from policyd.demo.stack import warm_up
+from policyd.extproc.envoy_config import EnvoyConfigOptions
+from policyd.extproc.envoy_process import EnvoyProcess, start_envoy
 from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.service import Policyd
+from policyd.policy import PolicyStore, Reload
+from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.pool.pod import Pod
+from policyd.sim import SimPool, SimServer
 
 
 @dataclass
@@ -39,7 +53,7 @@ async def start_gateway(
     server_options: ServerOptions | None = None,
     upstream_names: tuple[str, ...] = ("pod-a", "pod-b"),
 ) -> Gateway:
-    """Start upstreams, policyd and Envoy; ``envoy_options`` ports are filled in here."""
+    """Start upstreams, policyd and Envoy; ``envoy_options`` ports are chosen here."""
     upstreams = {name: TestUpstream(name) for name in upstream_names}
     for upstream in upstreams.values():
         await upstream.start()
@@ -54,20 +68,25 @@ async def start_gateway(
         options=server_options or ServerOptions(port=0, grace_seconds=1.0),
     )
     await server.start()
-    listen_port, admin_port = free_port(), free_port()
-    options = dataclasses.replace(
-        envoy_options or EnvoyConfigOptions(),
-        port=listen_port,
-        admin_port=admin_port,
-        policyd_port=server.port,
-    )
-    config = tmp / "envoy.yaml"
-    config.write_text(render(options))
-    envoy = EnvoyProcess(config, admin_port, log_file=tmp / "envoy.log")
-    envoy.start()
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-    gateway = Gateway(
-        f"http://127.0.0.1:{listen_port}",
+    try:
+        envoy = await start_envoy(
+            tmp,
+            dataclasses.replace(
+                envoy_options or EnvoyConfigOptions(),
+                port=0,
+                admin_port=0,
+                policyd_port=server.port,
+            ),
+        )
+    except BaseException:
+        await client.close()
+        await server.stop(0)
+        for upstream in upstreams.values():
+            await upstream.stop()
+        raise
+    return Gateway(
+        f"http://127.0.0.1:{envoy.listen_port}",
         upstreams,
         pods,
         router,
@@ -77,12 +96,6 @@ async def start_gateway(
         envoy,
         client,
     )
-    try:
-        await envoy.wait_ready()
-    except BaseException:
-        await stop_gateway(gateway)
-        raise
-    return gateway
 
 
 async def stop_gateway(gateway: Gateway) -> None:
@@ -93,3 +106,117 @@ async def stop_gateway(gateway: Gateway) -> None:
         await gateway.server.stop(0)
         for upstream in gateway.upstreams.values():
             await upstream.stop()
+
+
+# -- the real thing: simulated vLLM pods + policyd's own store, router and pool ------------
+
+
+@dataclass
+class PolicydGateway:
+    """Envoy in front of a ``Policyd`` service (real PolicyStore, Router and Pool)
+    routing over simulated vLLM pods listed in a static pod file."""
+
+    url: str
+    sim: SimPool
+    service: Policyd
+    telemetry: RecordingTelemetry
+    reloads: list[Reload]
+    policy_path: Path
+    envoy: EnvoyProcess
+    client: aiohttp.ClientSession
+
+    def server(self, pod: str) -> SimServer:
+        return next(server for server in self.sim.servers if server.name == pod)
+
+    def served(self) -> dict[str, int]:
+        """Requests each simulated pod has finished (counted by the pod itself)."""
+        return {
+            server.name: sum(server.driver.engine.stats.finished.values()) if server.running else 0
+            for server in self.sim.servers
+        }
+
+
+async def start_policyd_gateway(
+    tmp: Path,
+    policy: Path,
+    *,
+    pods: int = 6,
+    time_scale: float = 4.0,
+    extra_pods: str = "",
+    scrape_interval: float = 0.05,
+    policy_poll_seconds: float = 0.1,
+) -> PolicydGateway:
+    """Start the pods, policyd over ``policy`` (a file or directory) and Envoy.
+
+    The pod file lists the simulated pods (label ``role: serving``) and then
+    ``extra_pods``, YAML list items for pods outside the simulation.
+    """
+    sim = SimPool(pods, base_port=0, time_scale=time_scale)
+    await sim.start()
+    telemetry = RecordingTelemetry()
+    reloads: list[Reload] = []
+    client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+    service: Policyd | None = None
+    try:
+        await warm_up(sim.servers)
+        pods_file = tmp / "pods.yaml"
+        pods_file.write_text(
+            "pods:\n"
+            + "".join(
+                f"  - {{name: {s.name}, address: '{s.address}', labels: {{role: serving}}}}\n"
+                for s in sim.servers
+            )
+            + extra_pods
+        )
+        service = Policyd(
+            PolicyStore.open(policy),
+            Pool(StaticFileDiscovery(pods_file), ScrapeConfig(interval=scrape_interval)),
+            ServerOptions(port=0, grace_seconds=5.0),
+            telemetry=telemetry,
+            policy_poll_seconds=policy_poll_seconds,
+            on_reload=reloads.append,
+        )
+        await service.start()
+        assert await service.pool.wait_ready(timeout=10)
+        await until(lambda: all(p.max_loras for p in service_candidates(service)), "LoRA state")
+        envoy = await start_envoy(
+            tmp, EnvoyConfigOptions(port=0, admin_port=0, policyd_port=service.port)
+        )
+    except BaseException:
+        await client.close()
+        if service is not None:
+            await service.stop(0)
+        await sim.stop()
+        raise
+    return PolicydGateway(
+        f"http://127.0.0.1:{envoy.listen_port}",
+        sim,
+        service,
+        telemetry,
+        reloads,
+        policy,
+        envoy,
+        client,
+    )
+
+
+async def stop_policyd_gateway(gateway: PolicydGateway) -> None:
+    try:
+        gateway.envoy.stop()
+    finally:
+        await gateway.client.close()
+        await gateway.service.stop(0)
+        await gateway.sim.stop()
+
+
+def service_candidates(service: Policyd) -> tuple[Pod, ...]:
+    return service.pool.snapshot().candidates
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Poll ``condition`` every 10 ms; fail the test with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -1,0 +1,200 @@
+"""``policyd serve``: the ext_proc service Envoy asks where each request goes.
+
+    policyd serve --policy rules/default.yaml --pods pods.yaml [--port 9002]
+    policyd serve --policy /etc/policyd/ --k8s-selector app=vllm --host 0.0.0.0 --workers 2
+
+At start the policy is compiled (a bad one stops the service with every
+``file:line:col`` problem, exit status 1) and so are the pod options (a
+contradiction or a bad value: exit status 2). Then each worker loads the pods,
+polls the policy file or directory for changes, scrapes the pods and serves
+gRPC until SIGTERM or SIGINT, when it drains open streams for up to
+``--grace-seconds``. Logs go to stderr, one line per event (``--log-format
+json`` for collectors). ``docs/cli.md`` lists every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from policyd.extproc.logs import FORMATS, LEVELS, configure_logging
+from policyd.extproc.server import ServerOptions, TlsFiles
+from policyd.extproc.service import Policyd
+from policyd.extproc.servicer import ServingSettings
+from policyd.extproc.workers import run_in_workers
+from policyd.policy import PolicyError, PolicyStore
+from policyd.pool import DiscoveryError
+from policyd.pool.options import (
+    add_arguments as add_pool_arguments,
+)
+from policyd.pool.options import (
+    discovery_from_arguments,
+    pool_from_arguments,
+    scrape_config_from_arguments,
+)
+
+log = logging.getLogger("policyd.extproc.serve")
+
+EXIT_RUNTIME_ERROR = 1
+EXIT_USAGE = 2
+
+
+class UsageError(ValueError):
+    """Flags that cannot work together; the message is for the operator."""
+
+
+def register(name: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy",
+        required=True,
+        type=Path,
+        metavar="PATH",
+        help="policy file, or a directory of policy files (a policy set); hot-reloaded",
+    )
+    parser.add_argument(
+        "--policy-poll-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often the policy files are checked for changes (default 1)",
+    )
+    server = parser.add_argument_group("gRPC server")
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: 0.0.0.0 or :: in a container (default 127.0.0.1)",
+    )
+    server.add_argument("--port", type=int, default=9002, help="gRPC port (default 9002)")
+    server.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes sharing the port, one core each (default 1)",
+    )
+    server.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long open streams may take to finish (default 30)",
+    )
+    server.add_argument("--tls-cert", type=Path, metavar="FILE", help="server certificate (PEM)")
+    server.add_argument("--tls-key", type=Path, metavar="FILE", help="server private key (PEM)")
+    server.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+    server.add_argument(
+        "--send-fallbacks",
+        action="store_true",
+        help="append the fallback endpoints to the destination (only for an Envoy cluster "
+        "that takes a list; ORIGINAL_DST does not)",
+    )
+    add_pool_arguments(parser)
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--log-level", choices=LEVELS, default="info", help="default info")
+    logs.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="one line per event, as text or JSON (default text)",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(arguments: argparse.Namespace) -> int:
+    try:
+        check_arguments(arguments)
+    except (UsageError, ValueError) as error:
+        print(f"policyd serve: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        store = PolicyStore.open(arguments.policy)
+    except PolicyError as error:
+        print(f"policyd serve: the policy does not load:\n{error}", file=sys.stderr)
+        return EXIT_RUNTIME_ERROR
+    configure_logging(arguments.log_level, arguments.log_format)
+    for warning in store.current.warnings:
+        log.warning("policy: %s", warning)
+    if arguments.workers == 1:
+        return asyncio.run(serve(arguments, store))
+    return run_in_workers(arguments.workers, serve_worker, arguments)
+
+
+def check_arguments(arguments: argparse.Namespace) -> None:
+    """Reject what cannot work before anything starts (raises ``UsageError``)."""
+    if arguments.workers < 1:
+        raise UsageError(f"--workers must be at least 1, not {arguments.workers}")
+    if not 0 <= arguments.port < 65536:
+        raise UsageError(f"--port must be from 0 to 65535, not {arguments.port}")
+    if arguments.grace_seconds < 0:
+        raise UsageError("--grace-seconds must not be negative")
+    if not arguments.policy_poll_interval > 0:
+        raise UsageError("--policy-poll-interval must be positive")
+    if (arguments.tls_cert is None) != (arguments.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if arguments.tls_client_ca is not None and arguments.tls_cert is None:
+        raise UsageError("--tls-client-ca needs --tls-cert and --tls-key")
+    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
+        path: Path | None = getattr(arguments, flag)
+        if path is not None and not path.is_file():
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if not arguments.policy.exists():
+        raise UsageError(f"--policy {arguments.policy}: no such file or directory")
+    discovery_from_arguments(arguments)  # ValueError: contradicting pod flags
+    scrape_config_from_arguments(arguments)  # ValueError: bad scrape settings
+
+
+def server_options(arguments: argparse.Namespace) -> ServerOptions:
+    tls = None
+    if arguments.tls_cert is not None:
+        tls = TlsFiles(arguments.tls_cert, arguments.tls_key, arguments.tls_client_ca)
+    host: str = arguments.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address, as gRPC wants it next to a port
+    return ServerOptions(
+        host=host,
+        port=arguments.port,
+        tls=tls,
+        grace_seconds=arguments.grace_seconds,
+        reuse_port=arguments.workers > 1,
+        settings=ServingSettings(send_fallbacks=arguments.send_fallbacks),
+    )
+
+
+def serve_worker(arguments: argparse.Namespace) -> int:
+    """One worker process of ``--workers N`` (started with spawn: it sets itself up)."""
+    configure_logging(arguments.log_level, arguments.log_format)
+    try:
+        store = PolicyStore.open(arguments.policy)
+    except PolicyError as error:  # changed since the parent checked it
+        log.error("the policy does not load:\n%s", error)
+        return EXIT_RUNTIME_ERROR
+    return asyncio.run(serve(arguments, store))
+
+
+async def serve(arguments: argparse.Namespace, store: PolicyStore) -> int:
+    """Serve until a signal; the exit status."""
+    # Telemetry (spans, Prometheus metrics, decision log) is wired here by the
+    # telemetry room: Policyd(..., telemetry=..., on_reload=...).
+    service = Policyd(
+        store,
+        pool_from_arguments(arguments),
+        server_options(arguments),
+        policy_poll_seconds=arguments.policy_poll_interval,
+    )
+    try:
+        await service.run_until_signalled()
+    except DiscoveryError as error:
+        log.error("cannot load the pods: %s", error)
+        return EXIT_RUNTIME_ERROR
+    except OSError as error:
+        log.error("cannot serve on %s port %d: %s", arguments.host, arguments.port, error)
+        return EXIT_RUNTIME_ERROR
+    return 0

@@ -1,0 +1,135 @@
+"""Hot reload through the whole path: the policy file changes while traffic flows.
+
+policyd polls the file (every 0.1 s here); a version that does not load is
+rejected with its place in the file and the old one keeps routing; one that
+loads routes the next requests, while streams already routed finish on the
+pods they were sent to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from e2e_rig import PolicydGateway, start_policyd_gateway, stop_policyd_gateway, until
+from e2e_support import RecordedSpan
+
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = (REPO / "rules" / "default.yaml").read_text()
+TEST_ID = "x-test-id"
+PINNED = """\
+name: pinned
+description: every request to vllm-1
+filters:
+  only vllm-1:
+    keep: pod.name == "vllm-1"
+"""
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def gateway(tmp_path: Path) -> AsyncIterator[PolicydGateway]:
+    policy = tmp_path / "live.yaml"
+    policy.write_text(SEED)
+    # Time runs only twice as fast here: a stream of 50+ tokens lasts over 1.5 s.
+    rig = await start_policyd_gateway(tmp_path, policy, time_scale=2.0)
+    try:
+        yield rig
+    finally:
+        await stop_policyd_gateway(rig)
+
+
+def span(gateway: PolicydGateway, test_id: str) -> RecordedSpan:
+    found = [
+        s for s in gateway.telemetry.spans.values() if s.request.headers.get(TEST_ID) == test_id
+    ]
+    assert len(found) == 1
+    return found[0]
+
+
+async def complete(gateway: PolicydGateway, test_id: str) -> tuple[int, dict[str, Any]]:
+    body = {"model": "adapter-2", "prompt": "p", "max_tokens": 4}
+    async with gateway.client.post(
+        gateway.url + "/v1/completions", json=body, headers={TEST_ID: test_id}
+    ) as response:
+        return response.status, await response.json()
+
+
+async def replace_policy(gateway: PolicydGateway, text: str) -> None:
+    """Write the policy file and wait until policyd has polled it (loaded or rejected)."""
+    seen = len(gateway.reloads)
+    gateway.policy_path.write_text(text)
+    await until(lambda: len(gateway.reloads) > seen, "policyd to poll the changed policy")
+
+
+async def test_a_policy_that_does_not_load_is_rejected_and_the_old_one_keeps_routing(
+    gateway: PolicydGateway,
+) -> None:
+    version = gateway.service.store.current.version
+    line = SEED.splitlines().index("  low queueing:") + 2
+    await replace_policy(gateway, SEED.replace("pod.waiting_queue <", "pod.waiting_qeue <", 1))
+    rejected = gateway.reloads[-1]
+    assert rejected.error is not None
+    assert f"live.yaml:{line}:" in str(rejected.error)
+    assert "waiting_qeue" in str(rejected.error)
+    assert gateway.service.store.current.version == version
+    status, body = await complete(gateway, "after-bad")
+    assert status == 200, body
+    decision = span(gateway, "after-bad").decision
+    assert (decision.policy, decision.policy_version) == ("default", version)
+
+
+async def test_a_new_policy_routes_the_next_requests_and_open_streams_finish(
+    gateway: PolicydGateway,
+) -> None:
+    streams = [
+        await gateway.client.post(
+            gateway.url + "/v1/completions",
+            json={
+                "model": f"adapter-{i}",
+                "prompt": "tell a long story",
+                "max_tokens": 60,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            headers={TEST_ID: f"stream-{i}"},
+        )
+        for i in range(6)
+    ]
+    try:
+        for stream in streams:
+            assert stream.status == 200
+            assert (await stream.content.readuntil(b"\n\n")).startswith(b"data: ")
+        old = {f"stream-{i}": span(gateway, f"stream-{i}") for i in range(6)}
+        assert {s.decision.policy for s in old.values()} == {"default"}
+
+        await replace_policy(gateway, PINNED)
+        assert gateway.reloads[-1].changed
+        assert all(s.end_calls == 0 for s in old.values())  # still streaming
+
+        before = gateway.served()["vllm-1"]
+        answers = await asyncio.gather(*(complete(gateway, f"new-{i}") for i in range(6)))
+        assert [status for status, _ in answers] == [200] * 6
+        assert {span(gateway, f"new-{i}").decision.pod for i in range(6)} == {"vllm-1"}
+        assert {span(gateway, f"new-{i}").decision.policy for i in range(6)} == {"pinned"}
+
+        for stream in streams:
+            events = (await stream.content.read()).split(b"\n\n")
+            assert events[-2:] == [b"data: [DONE]", b""]
+            usage = json.loads(events[-3].removeprefix(b"data: "))["usage"]
+            assert usage["completion_tokens"] >= 50
+        for recorded in old.values():
+            assert recorded.ended["completed"] is True
+            assert recorded.ended["completion_tokens"] >= 50
+        # Six new requests on vllm-1, plus the streams the old policy had sent there.
+        streamed_there = sum(s.decision.pod == "vllm-1" for s in old.values())
+        assert gateway.served()["vllm-1"] == before + 6 + streamed_there
+    finally:
+        for stream in streams:
+            stream.release()

@@ -25,6 +25,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "policy": ("policyd.cel",),
     "telemetry": (ROOT, "policyd.policy.decision", "policyd.policy.request"),
     "extproc": ("policyd.policy", "policyd.pool", "policyd.telemetry"),
+    "demo": (
+        ROOT,
+        "policyd.cel",
+        "policyd.extproc",
+        "policyd.policy",
+        "policyd.pool",
+        "policyd.sim",
+        "policyd.telemetry",
+    ),
 }
 
 

@@ -9,7 +9,10 @@ contradiction or a bad value: exit status 2). Then each worker loads the pods,
 polls the policy file or directory for changes, scrapes the pods and serves
 gRPC until SIGTERM or SIGINT, when it drains open streams for up to
 ``--grace-seconds``. Logs go to stderr, one line per event (``--log-format
-json`` for collectors). ``docs/cli.md`` lists every flag.
+json`` for collectors). Telemetry: Prometheus ``/metrics`` (with ``/healthz``
+and ``/readyz``) on ``--monitoring-port``, decision spans exported over OTLP
+when ``--otlp-endpoint`` or the standard ``OTEL_*`` variables say where, and
+an optional JSON decision log. ``docs/cli.md`` lists every flag.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from policyd.pool.options import (
     pool_from_arguments,
     scrape_config_from_arguments,
 )
+from policyd.telemetry import PoolCollector, build_telemetry, start_metrics_server
 
 log = logging.getLogger("policyd.extproc.serve")
 
@@ -97,6 +101,40 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         "that takes a list; ORIGINAL_DST does not)",
     )
     add_pool_arguments(parser)
+    telemetry = parser.add_argument_group("telemetry")
+    telemetry.add_argument(
+        "--monitoring-port",
+        type=int,
+        default=9090,
+        metavar="PORT",
+        help="Prometheus /metrics, /healthz and /readyz over HTTP; 0 turns it off; "
+        "worker i of --workers listens on PORT+i (default 9090)",
+    )
+    telemetry.add_argument(
+        "--monitoring-host",
+        metavar="HOST",
+        help="address of the monitoring endpoint (default: the same as --host)",
+    )
+    telemetry.add_argument(
+        "--otlp-endpoint",
+        default="",
+        metavar="HOST:PORT",
+        help="export decision spans over OTLP to this collector (default: as the "
+        "OTEL_* environment variables say; none configured means no spans)",
+    )
+    telemetry.add_argument(
+        "--decision-log",
+        default="",
+        metavar="PATH",
+        help="write every decision as a JSON line to PATH, or - for standard output",
+    )
+    telemetry.add_argument(
+        "--decision-log-sample-rate",
+        type=float,
+        default=1.0,
+        metavar="RATE",
+        help="share of decisions the log keeps, 0 to 1 (default 1)",
+    )
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", choices=LEVELS, default="info", help="default info")
     logs.add_argument(
@@ -145,6 +183,18 @@ def check_arguments(arguments: argparse.Namespace) -> None:
         path: Path | None = getattr(arguments, flag)
         if path is not None and not path.is_file():
             raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if arguments.monitoring_port != 0 and not (
+        0 < arguments.monitoring_port + arguments.workers - 1 < 65536
+    ):
+        raise UsageError(
+            f"--monitoring-port must be from 0 to 65535, not {arguments.monitoring_port}"
+        )
+    if arguments.monitoring_port != 0 and arguments.monitoring_port <= arguments.port < (
+        arguments.monitoring_port + arguments.workers
+    ):
+        raise UsageError("--monitoring-port and --port must not overlap")
+    if not 0 <= arguments.decision_log_sample_rate <= 1:
+        raise UsageError("--decision-log-sample-rate must be from 0 to 1")
     if not arguments.policy.exists():
         raise UsageError(f"--policy {arguments.policy}: no such file or directory")
     discovery_from_arguments(arguments)  # ValueError: contradicting pod flags
@@ -168,7 +218,7 @@ def server_options(arguments: argparse.Namespace) -> ServerOptions:
     )
 
 
-def serve_worker(arguments: argparse.Namespace) -> int:
+def serve_worker(arguments: argparse.Namespace, worker: int) -> int:
     """One worker process of ``--workers N`` (started with spawn: it sets itself up)."""
     configure_logging(arguments.log_level, arguments.log_format)
     try:
@@ -176,20 +226,44 @@ def serve_worker(arguments: argparse.Namespace) -> int:
     except PolicyError as error:  # changed since the parent checked it
         log.error("the policy does not load:\n%s", error)
         return EXIT_RUNTIME_ERROR
-    return asyncio.run(serve(arguments, store))
+    return asyncio.run(serve(arguments, store, worker))
 
 
-async def serve(arguments: argparse.Namespace, store: PolicyStore) -> int:
-    """Serve until a signal; the exit status."""
-    # Telemetry (spans, Prometheus metrics, decision log) is wired here by the
-    # telemetry room: Policyd(..., telemetry=..., on_reload=...).
+async def serve(arguments: argparse.Namespace, store: PolicyStore, worker: int = 0) -> int:
+    """Serve until a signal; the exit status. ``worker`` is the index among ``--workers``."""
+    try:
+        telemetry = build_telemetry(
+            otlp_endpoint=arguments.otlp_endpoint,
+            decision_log=arguments.decision_log,
+            decision_log_sample_rate=arguments.decision_log_sample_rate,
+        )
+    except ValueError as error:
+        log.error("telemetry: %s", error)
+        return EXIT_RUNTIME_ERROR
+    metrics = telemetry.metrics
+    assert metrics is not None  # build_telemetry keeps metrics unless asked not to
+    pool = pool_from_arguments(arguments)
+    metrics.registry.register(PoolCollector(pool, decisions=metrics))
+    metrics.policies_loaded(store.current)
     service = Policyd(
         store,
-        pool_from_arguments(arguments),
+        pool,
         server_options(arguments),
+        telemetry=telemetry,
         policy_poll_seconds=arguments.policy_poll_interval,
+        on_reload=metrics.on_reload,
     )
+    monitoring = None
     try:
+        if arguments.monitoring_port:
+            host = arguments.monitoring_host or arguments.host
+            port = arguments.monitoring_port + worker
+            try:
+                monitoring = start_metrics_server(host, port, metrics.registry, ready=service.ready)
+            except OSError as error:
+                log.error("cannot serve metrics on %s port %d: %s", host, port, error)
+                return EXIT_RUNTIME_ERROR
+            log.info("metrics on http://%s:%d/metrics", host, monitoring.port)
         await service.run_until_signalled()
     except DiscoveryError as error:
         log.error("cannot load the pods: %s", error)
@@ -197,4 +271,8 @@ async def serve(arguments: argparse.Namespace, store: PolicyStore) -> int:
     except OSError as error:
         log.error("cannot serve on %s port %d: %s", arguments.host, arguments.port, error)
         return EXIT_RUNTIME_ERROR
+    finally:
+        if monitoring is not None:
+            monitoring.close()
+        telemetry.shutdown()
     return 0

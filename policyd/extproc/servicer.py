@@ -42,7 +42,6 @@ from policyd.pool.pod import InFlight, Pod
 
 log = logging.getLogger("policyd.extproc")
 
-CRITICALITIES: Final = frozenset({"critical", "standard", "sheddable"})
 TRACE_KEYS: Final = ("traceparent", "tracestate")
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 
@@ -58,7 +57,6 @@ class ServingSettings:
     generates, takes exactly one ``ip:port`` and fails on a list.
     """
 
-    criticality_header: str = "x-gateway-criticality"
     send_fallbacks: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
 
@@ -270,17 +268,11 @@ class Exchange:
         )
 
     def _build_request(self, body: InferenceBody) -> Request:
+        # Criticality is the policy's to decide (its own header, the model's
+        # setting, its default), so it is not read here.
         headers = self._headers
-        header_name = self._server.settings.criticality_header
-        criticality = headers.get(header_name, "standard").strip().lower() or "standard"
-        if criticality not in CRITICALITIES:
-            raise RequestError.bad_request(
-                f"header {header_name!r} must be one of critical, standard, sheddable",
-                "invalid_criticality",
-            )
         return Request(
             model=body.model,
-            criticality=criticality,
             headers=headers,
             prompt_tokens=body.prompt_tokens,
             max_tokens=body.max_tokens,

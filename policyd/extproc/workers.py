@@ -9,7 +9,9 @@ streams it serves.
 
 Workers are started with ``spawn`` (a forked gRPC runtime is not safe), so the
 target must be an importable module-level function and its argument
-picklable; the target builds everything inside the worker. SIGTERM/SIGINT to
+picklable; the target builds everything inside the worker. It also gets the
+worker's index (0 .. N-1), for what cannot be shared, such as the port of
+the Prometheus endpoint. SIGTERM/SIGINT to
 the parent is passed on to every worker, which then drains gracefully; if one
 worker dies, the others are stopped too, so the supervisor (Kubernetes)
 restarts a whole, healthy set.
@@ -32,17 +34,19 @@ log = logging.getLogger("policyd.extproc.workers")
 T = TypeVar("T")
 
 
-def run_in_workers(count: int, target: Callable[[T], int], argument: T) -> int:
-    """Run ``target(argument)`` in ``count`` processes; returns the worst exit code.
+def run_in_workers(count: int, target: Callable[[T, int], int], argument: T) -> int:
+    """Run ``target(argument, index)`` in ``count`` processes; returns the worst exit code.
 
     With ``count == 1`` the target runs in this process. The target must bind
     its server with ``reuse_port=True`` when ``count > 1``.
     """
     if count <= 1:
-        return target(argument)
+        return target(argument, 0)
     context = multiprocessing.get_context("spawn")
     workers = [
-        context.Process(target=_worker, args=(target, argument), name=f"policyd-worker-{index}")
+        context.Process(
+            target=_worker, args=(target, argument, index), name=f"policyd-worker-{index}"
+        )
         for index in range(count)
     ]
 
@@ -86,5 +90,5 @@ def _exit_status(exitcode: int | None) -> int:
     return exitcode if exitcode >= 0 else 128 - exitcode  # killed by signal n: 128 + n
 
 
-def _worker(target: Callable[[T], int], argument: T) -> None:
-    raise SystemExit(target(argument))
+def _worker(target: Callable[[T, int], int], argument: T, index: int) -> None:
+    raise SystemExit(target(argument, index))

@@ -75,11 +75,12 @@ async def test_the_router_sees_the_request_as_parsed_from_headers_and_body(
         "max_completion_tokens": 64,
     }
     status, _, _ = await post(
-        gateway, body, {"x-gateway-criticality": "Sheddable", "x-tenant": "t1"}, CHAT
+        gateway, body, {"x-gateway-inference-criticality": "Sheddable", "x-tenant": "t1"}, CHAT
     )
     assert status == 200
     seen = gateway.router.seen[-1]
-    assert (seen.model, seen.path, seen.criticality) == ("chat-model", CHAT, "sheddable")
+    assert (seen.model, seen.path) == ("chat-model", CHAT)
+    assert seen.headers["x-gateway-inference-criticality"] == "Sheddable"  # the policy's to read
     assert (seen.prompt_tokens, seen.max_tokens, seen.stream) == (4 + 10, 64, False)
     assert seen.headers["x-tenant"] == "t1"
     assert seen.id and seen.id == seen.headers["x-request-id"]  # Envoy's request id
@@ -156,7 +157,6 @@ async def test_a_stream_passes_through_byte_identical_and_live_with_usage_record
         ({}, {"prompt": "no model"}, 400, "missing_model"),
         ({}, {"model": "m", "prompt": "p", "max_tokens": "ten"}, 400, "invalid_max_tokens"),
         ({}, {"model": "m", "prompt": {"not": "a prompt"}}, 400, "invalid_prompt"),
-        ({"x-gateway-criticality": "urgent"}, {"model": "m", "prompt": "p"}, 400, None),
         ({"x-test-outcome": "unknown-model"}, {"model": "m", "prompt": "p"}, 404, None),
         ({"x-test-outcome": "shed"}, {"model": "m", "prompt": "p"}, 429, "request_shed"),
         ({"x-test-outcome": "no-capacity"}, {"model": "m", "prompt": "p"}, 503, None),

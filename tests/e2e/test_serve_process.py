@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.demo.stack import warm_up
 from policyd.extproc.envoy_config import EnvoyConfigOptions
@@ -45,6 +47,30 @@ async def wait_ready(port: int, process: subprocess.Popen[str], timeout: float =
     raise AssertionError("policyd serve did not become ready")
 
 
+def two_free_ports() -> int:
+    """A port P such that P and P+1 are both free now (the workers' monitoring ports)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two adjacent free ports")
+
+
+def decisions_counted(text: str) -> float:
+    """The routed decisions one worker's /metrics reports."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "policyd_decisions"
+        for sample in family.samples
+        if sample.name == "policyd_decisions_total" and sample.labels["outcome"] == "routed"
+    )
+
+
 async def test_serve_routes_through_envoy_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     async with SimPool(2, base_port=0, time_scale=10) as sim:
         await warm_up(sim.servers)
@@ -54,11 +80,13 @@ async def test_serve_routes_through_envoy_and_stops_cleanly_on_sigterm(tmp_path:
             + "".join(f"  - {{name: {s.name}, address: '{s.address}'}}\n" for s in sim.servers)
         )
         port = free_port()
+        monitoring = two_free_ports()
         command = [
             sys.executable, "-m", "policyd", "serve",
             "--policy", str(REPO / "rules" / "default.yaml"), "--pods", str(pods),
             "--port", str(port), "--workers", "2", "--scrape-interval", "0.05",
             "--grace-seconds", "5", "--log-format", "json",
+            "--monitoring-port", str(monitoring),
         ]  # fmt: skip
         process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
         envoy = None
@@ -76,6 +104,17 @@ async def test_serve_routes_through_envoy_and_stops_cleanly_on_sigterm(tmp_path:
                         assert (await response.json())["usage"]["completion_tokens"] == 3
                 served = sum(sum(s.driver.engine.stats.finished.values()) for s in sim.servers)
                 assert served == 2 + 4  # the warm-up requests and these
+                # Each worker serves its own /metrics on the next port; together they
+                # counted every routed request once.
+                counted = 0.0
+                for worker_port in (monitoring, monitoring + 1):
+                    address = f"http://127.0.0.1:{worker_port}"
+                    async with client.get(f"{address}/metrics") as response:
+                        assert response.status == 200
+                        counted += decisions_counted(await response.text())
+                    async with client.get(f"{address}/readyz") as response:
+                        assert response.status == 200
+                assert counted == 4
 
                 process.send_signal(signal.SIGTERM)
                 _, errors = await asyncio.to_thread(process.communicate, timeout=20)

@@ -33,7 +33,7 @@ class EmptySnapshot:
     candidates: tuple[Pod, ...] = ()
 
 
-def serve(settings: tuple[int, bool]) -> int:
+def serve(settings: tuple[int, bool], worker: int) -> int:
     port, reuse_port = settings
     router, snapshot = PidRouter(), EmptySnapshot()
     server = ExtProcServer(

@@ -48,6 +48,9 @@ def serve(*arguments: str) -> int:
         (["--tls-cert", "/nonexistent.pem", "--tls-key", POLICY], "/nonexistent.pem: no such file"),
         (["--scrape-interval", "0.1", "--scrape-timeout", "0.5"], "timeout"),
         (["--metric-waiting", 'bad{"'], "label matchers must end with"),
+        (["--monitoring-port", "65535", "--workers", "2"], "--monitoring-port must be from"),
+        (["--monitoring-port", "9000", "--workers", "3", "--port", "9002"], "must not overlap"),
+        (["--decision-log-sample-rate", "1.5"], "--decision-log-sample-rate must be from 0 to 1"),
     ],
 )
 def test_flags_that_cannot_work_are_a_usage_error(
@@ -96,7 +99,17 @@ def test_an_unknown_flag_is_refused_by_the_parser(capsys: pytest.CaptureFixture[
 
 def run_serve(*arguments: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "policyd", "serve", "--policy", POLICY, *arguments],
+        [
+            sys.executable,
+            "-m",
+            "policyd",
+            "serve",
+            "--policy",
+            POLICY,
+            "--monitoring-port",
+            "0",
+            *arguments,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -143,7 +156,7 @@ def test_sigterm_while_waiting_for_an_unreachable_api_server_stops_at_once(
     )
     process = subprocess.Popen(
         [sys.executable, "-m", "policyd", "serve", "--policy", POLICY, "--port", "0",
-         "--k8s-selector", "app=vllm", "--kubeconfig", str(kubeconfig)],
+         "--monitoring-port", "0", "--k8s-selector", "app=vllm", "--kubeconfig", str(kubeconfig)],
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip

@@ -186,7 +186,7 @@ async def test_a_request_without_a_body_is_a_400(rig: Rig) -> None:
 async def test_headers_reach_the_router_lower_cased_joined_and_without_pseudo_headers(
     rig: Rig,
 ) -> None:
-    message = request_headers({"X-Tenant": "t1", "x-gateway-criticality": " Critical "})
+    message = request_headers({"X-Tenant": "t1"})
     message.request_headers.headers.headers.add(key="x-tag", raw_value=b"a")
     message.request_headers.headers.headers.add(key="x-tag", raw_value=b"b")
     message.request_headers.headers.headers.add(key="x-legacy", value="plain")
@@ -197,26 +197,7 @@ async def test_headers_reach_the_router_lower_cased_joined_and_without_pseudo_he
     assert seen.headers["x-tag"] == "a,b"
     assert seen.headers["x-legacy"] == "plain"
     assert not any(name.startswith(":") for name in seen.headers)
-    assert (seen.path, seen.criticality, seen.id) == ("/v1/completions", "critical", "req-1")
-
-
-async def test_an_unknown_criticality_is_a_400_naming_the_header(rig: Rig) -> None:
-    _, reply = await rig.envoy.exchange(
-        request_headers({"x-gateway-criticality": "vip"}), request_body(BODY)
-    )
-    status, error = error_of(reply)
-    assert status == 400
-    assert "x-gateway-criticality" in error["message"]
-
-
-async def test_the_criticality_header_name_is_configurable() -> None:
-    rig = await start_rig(ServingSettings(criticality_header="x-priority"))
-    try:
-        await rig.envoy.exchange(request_headers({"x-priority": "sheddable"}), request_body(BODY))
-    finally:
-        await rig.envoy.close()
-        await rig.server.stop(0)
-    assert rig.router.seen[0].criticality == "sheddable"
+    assert (seen.path, seen.id) == ("/v1/completions", "req-1")
 
 
 @pytest.mark.parametrize(

@@ -155,8 +155,11 @@ def test_the_deployment_arguments_are_accepted_by_policyd_serve(tmp_path: Path) 
 def test_ports_and_probes_line_up_with_the_service_and_the_gateway() -> None:
     parsed = build_parser("serve").parse_args(serve_arguments())
     spec = container()
-    (port,) = spec["ports"]
+    port, monitoring = spec["ports"]
     assert port["containerPort"] == parsed.port
+    assert monitoring["containerPort"] == parsed.monitoring_port
+    annotations = resource("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(parsed.monitoring_port)
     assert spec["readinessProbe"]["grpc"] == {"port": parsed.port, "service": READINESS}
     assert spec["livenessProbe"]["grpc"] == {"port": parsed.port, "service": LIVENESS}
     service = resource("Service")["spec"]

@@ -12,13 +12,19 @@ offending place in the file:
 - node links name existing nodes, and the filter tree has no cycle;
 - nodes never reached from the first one, params and variables never used,
   and scores a picker would ignore are warnings.
+
+It also works out which request fields the filter tree reads and whether it
+reads anything that changes between two requests over the same pool snapshot
+(``pod.in_flight``, headers, the request id): when it does not, the router can
+reuse one walk of the tree for every request with the same key on one snapshot.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
@@ -56,6 +62,14 @@ _RENDEZVOUS_SEES: Final = (
     "(each pod's name is hashed with it)"
 )
 _NO_FIELD: Final = re.compile(r"undefined field '([^']*)' not found in struct 'policyd\.(\w+)'")
+# What a filter tree may read and still give the same walk for every request with
+# the same key over one snapshot: not the pods' in-flight counts (they move with
+# every request), nor what differs per request anyway (headers, the request id).
+_NOT_CACHEABLE: Final = frozenset(
+    {"pod.*", "pod.in_flight", "request.*", "request.headers", "request.id"}
+)
+
+WalkKey = Callable[[Any], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +121,9 @@ class CompiledPolicy:
     # The loaded shadows (the loader fills them in): evaluated beside this policy
     # on the same request and candidates, never acted on.
     shadows: tuple[CompiledPolicy, ...] = ()
+    # The request fields the filter tree reads, as one key (None: the walk
+    # depends on more than the snapshot and those fields, so it is not reused).
+    walk_key: WalkKey | None = None
 
     @property
     def summary(self) -> str:
@@ -162,6 +179,8 @@ class _Compiler:
         }
         self.variable_types: dict[str, cel.Type] = {}
         self.variable_needs: dict[str, Needs] = {}
+        self.variable_reads: dict[str, frozenset[str]] = {}  # with their dependencies'
+        self.tree_reads: set[str] = set()  # fields of pod / request the filter tree reads
 
     def error(self, node: YNode, message: str) -> None:
         self.diagnostics.append(self.source.diagnostic(node.at, message))
@@ -212,6 +231,7 @@ class _Compiler:
             warnings=tuple(sorted(self.diagnostics)),
             shadow_refs=tuple((ref.file, ref.node.at) for ref in spec.shadows),
             shadows_at=spec.shadows_node.at if spec.shadows_node is not None else None,
+            walk_key=_walk_key(self.tree_reads),
         )
         return policy, self.diagnostics
 
@@ -295,6 +315,7 @@ class _Compiler:
                 continue
             program, names, return_type = compiled
             self.variable_types[full_name] = return_type
+            self.variable_reads[full_name] = self._reads(names)
             self.variable_needs[full_name] = (
                 *self._needs(names),
                 (full_name, program.evaluate),
@@ -309,13 +330,28 @@ class _Compiler:
                     needs.setdefault(dependency, evaluate)
         return tuple(needs.items())
 
+    def _reads(self, names: frozenset[str]) -> frozenset[str]:
+        """The pod and request fields behind ``names``, through the variables used."""
+        reads = {name for name in names if name.startswith(("pod.", "request."))}
+        for name in names & self.variable_reads.keys():
+            reads |= self.variable_reads[name]
+        return frozenset(reads)
+
     def _pod_expression(
-        self, env: Environment, expression: Expression, *, what: str, want: tuple[str, ...]
+        self,
+        env: Environment,
+        expression: Expression,
+        *,
+        what: str,
+        want: tuple[str, ...],
+        in_tree: bool = False,
     ) -> PodExpression | None:
         compiled = self._compile(env, expression, what=what, want=want)
         if compiled is None:
             return None
         program, names, _ = compiled
+        if in_tree:
+            self.tree_reads |= self._reads(names)
         return PodExpression(expression.source, program.evaluate, self._needs(names))
 
     def _compile_scorers(
@@ -412,6 +448,7 @@ class _Compiler:
             compiled = self._compile(request_env, spec.expression, what=what, want=("BOOL",))
             if compiled is None:
                 return None
+            self.tree_reads |= self._reads(compiled[1])
             return ConditionNode(
                 spec.name,
                 spec.description,
@@ -421,7 +458,9 @@ class _Compiler:
                 failure,
             )
         want = ("BOOL",) if spec.kind == "filter" else _NUMBERS
-        expression = self._pod_expression(pod_env, spec.expression, what=what, want=want)
+        expression = self._pod_expression(
+            pod_env, spec.expression, what=what, want=want, in_tree=True
+        )
         if expression is None:
             return None
         common = (spec.name, spec.description, expression, spec.pass_on_error, success, failure)
@@ -471,15 +510,74 @@ def _reachable(start: str, specs: Mapping[str, NodeSpec]) -> set[str]:
 
 
 def _references(checked: cel.Expression) -> frozenset[str]:
-    """Names (variables, params, pod, request) an expression refers to, from the checker."""
+    """Names an expression refers to, from the checker.
+
+    Variables, params, ``pod`` and ``request``, plus the fields of ``pod`` and
+    ``request`` it selects (``request.model``); ``pod.*`` / ``request.*`` when
+    the object is used whole (``dyn(pod)``), so any field may be read.
+    """
     wrapped = any_pb2.Any.FromString(checked.serialize())
     expression = checked_pb2.CheckedExpr()
     wrapped.Unpack(expression)
-    return frozenset(
+    names = {
         reference.name
         for reference in expression.reference_map.values()
         if not reference.overload_id
-    )
+    }
+    return frozenset(names | set(_field_reads(expression.expr, expression.reference_map)))
+
+
+def _field_reads(expr: Any, references: Any) -> Iterator[str]:
+    """``pod.<field>`` / ``request.<field>`` for each selection of a schema object's field."""
+    kind = expr.WhichOneof("expr_kind")
+    if kind == "select_expr":
+        operand = expr.select_expr.operand
+        if operand.WhichOneof("expr_kind") == "ident_expr" and _is_object(operand, references):
+            yield f"{references[operand.id].name}.{expr.select_expr.field}"
+            return
+        yield from _field_reads(operand, references)
+    elif kind == "ident_expr":
+        if _is_object(expr, references):
+            yield f"{references[expr.id].name}.*"
+    elif kind == "call_expr":
+        call = expr.call_expr
+        if call.HasField("target"):
+            yield from _field_reads(call.target, references)
+        for argument in call.args:
+            yield from _field_reads(argument, references)
+    elif kind == "list_expr":
+        for element in expr.list_expr.elements:
+            yield from _field_reads(element, references)
+    elif kind == "struct_expr":
+        for entry in expr.struct_expr.entries:
+            if entry.HasField("map_key"):
+                yield from _field_reads(entry.map_key, references)
+            yield from _field_reads(entry.value, references)
+    elif kind == "comprehension_expr":
+        loop = expr.comprehension_expr
+        for part in (loop.iter_range, loop.accu_init, loop.loop_condition, loop.loop_step):
+            yield from _field_reads(part, references)
+        yield from _field_reads(loop.result, references)
+
+
+def _is_object(ident: Any, references: Any) -> bool:
+    """An identifier that names the ``pod`` or ``request`` variable (not a loop variable)."""
+    return ident.id in references and references[ident.id].name in ("pod", "request")
+
+
+def _walk_key(reads: set[str]) -> WalkKey | None:
+    """The key of a reusable walk: the request fields the tree reads, or None."""
+    if reads & _NOT_CACHEABLE:
+        return None
+    fields = sorted(name.removeprefix("request.") for name in reads if name.startswith("request."))
+    if not fields:
+        return _no_key
+    return operator.attrgetter(*fields)
+
+
+def _no_key(request: Any) -> None:
+    """A tree that reads no request field walks the same way for every request."""
+    return None
 
 
 def _model_rule(criticality: str | None, targets: tuple[tuple[str, int], ...]) -> ModelRule:

@@ -16,6 +16,14 @@ only when asked (after the live reply is out). Shadows draw from their own
 random generator, so they never change the live policy's random sequence, and
 they see the picked pod's ``in_flight`` as the live decision saw it (the
 serving path has counted the request against that pod by then).
+
+The walk of the filter tree is reused: the pool publishes candidates as a new
+tuple per scrape round, and a tree that reads only pod metrics and a few
+request fields (``CompiledPolicy.walk_key``) walks the same way for every
+request with the same values of those fields over the same tuple. So the
+router keeps the walks of the current tuple, keyed by policy and those
+fields, and the hot path pays the tree once per key and snapshot; scoring and
+picking, which may read in-flight counts or draw at random, run per request.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import heapq
 import logging
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from policyd.policy.compiler import CompiledPolicy
@@ -38,7 +47,24 @@ from policyd.policy.scoring import score
 from policyd.policy.store import PolicyStore
 
 TOP_SCORES: Final = 5  # how many (pod, score) pairs a decision carries
+MAX_WALKS: Final = 1024  # walks kept per snapshot; past it the cache starts again
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """Where the filter tree led for one request key over one candidate tuple."""
+
+    pods: Sequence[Any]  # the candidates in the policy's pool
+    survivors: Sequence[Any]
+    survivor_names: tuple[str, ...]
+    trace: tuple[NodeTrace, ...]
+    outcome: Outcome | None  # NO_CAPACITY / SHED when the walk already decided, else None
+    reason: str  # why, for those outcomes
+
+
+# The candidate tuple the walks were made over, and the walks by (policy, key).
+_Walks = tuple[Sequence[Any] | None, dict[tuple[CompiledPolicy, Any], _Walk]]
 
 
 class Router:
@@ -51,6 +77,9 @@ class Router:
         self._rng = rng if rng is not None else random.Random()
         self._shadow_rng = random.Random()  # a copy: shadows never draw from the live sequence
         self._shadow_rng.setstate(self._rng.getstate())
+        # Replaced whole, never changed in place for another tuple: a decision on
+        # another thread holds on to the pair it read.
+        self._walks: _Walks = (None, {})
 
     @property
     def store(self) -> PolicyStore:
@@ -132,41 +161,25 @@ class Router:
         rng: random.Random,
     ) -> tuple[Decision, Any]:
         resolved = self._resolve(policy, request, rng)
-        pods = in_pool(policy.pool_labels, candidates)
-        if not pods:
-            return self._answer(
-                policy,
-                resolved,
-                Outcome.NO_CAPACITY,
-                reason="no ready pods" if not candidates else "no ready pods in the policy's pool",
-            )
         ev = Evaluation(resolved)
-        trace: list[NodeTrace] = []
-        node = policy.start
-        survivors: Sequence[Any] = pods
-        while node is not None:
-            step, survivors, node, shed = node.visit(survivors, ev)
-            trace.append(step)
-            if shed:
-                return self._answer(
-                    policy, resolved, Outcome.SHED, reason=shed, trace=trace, candidates=pods
-                )
-        if not survivors:
-            last = trace[-1].node if trace else ""
+        walk = self._walk(policy, resolved, candidates, ev)
+        if walk.outcome is not None:
             return self._answer(
                 policy,
                 resolved,
-                Outcome.SHED,
-                reason=f"no pod passed the filters (the walk ended at '{last}')",
-                trace=trace,
-                candidates=pods,
+                walk.outcome,
+                reason=walk.reason,
+                trace=walk.trace,
+                candidates=walk.pods,
             )
+        survivors = walk.survivors
+        trace = walk.trace
         count = len(survivors)
         totals: list[float] | None = None
         if policy.picker.uses_scores:
             if policy.scorers:
                 totals, errors = score(policy.scorers, survivors, ev)
-                trace.append(NodeTrace("score", "score", count, (), tuple(errors)))
+                trace += (NodeTrace("score", "score", count, (), tuple(errors)),)
             else:
                 totals = [0.0] * count
         chosen = policy.picker.pick(totals, count, policy.fallbacks, rng)
@@ -185,12 +198,29 @@ class Router:
             pod=pod.name,
             fallbacks=tuple([survivors[i].address for i in chosen[1:]]) if policy.fallbacks else (),
             score=totals[chosen[0]] if totals is not None and policy.scorers else None,
-            survivors=pod_names(survivors),
-            trace=tuple(trace),
+            survivors=walk.survivor_names,
+            trace=trace,
             scores=top,
-            candidates=pods,
+            candidates=walk.pods,
         )
         return decision, pod
+
+    def _walk(
+        self, policy: CompiledPolicy, request: Request, candidates: Sequence[Any], ev: Evaluation
+    ) -> _Walk:
+        """The walk for this request: reused from an earlier request when it may be."""
+        key_of = policy.walk_key
+        if key_of is None or type(candidates) is not tuple:  # a list may change in place
+            return _walk_tree(policy, candidates, ev)
+        walks = self._walks
+        if walks[0] is not candidates or len(walks[1]) >= MAX_WALKS:
+            walks = (candidates, {})
+            self._walks = walks
+        key = (policy, key_of(request))
+        walk = walks[1].get(key)
+        if walk is None:
+            walk = walks[1][key] = _walk_tree(policy, candidates, ev)
+        return walk
 
     @staticmethod
     def _resolve(policy: CompiledPolicy, request: Request, rng: random.Random) -> Request:
@@ -260,3 +290,24 @@ def in_pool(labels: tuple[tuple[str, str], ...], candidates: Sequence[Any]) -> S
 
 def _has_labels(pod_labels: Mapping[str, str], wanted: tuple[tuple[str, str], ...]) -> bool:
     return all(pod_labels.get(name) == value for name, value in wanted)
+
+
+def _walk_tree(policy: CompiledPolicy, candidates: Sequence[Any], ev: Evaluation) -> _Walk:
+    """Keep the policy's pool, then walk the filter tree from its first node."""
+    pods = in_pool(policy.pool_labels, candidates)
+    if not pods:
+        reason = "no ready pods" if not candidates else "no ready pods in the policy's pool"
+        return _Walk(pods, (), (), (), Outcome.NO_CAPACITY, reason)
+    trace: list[NodeTrace] = []
+    node = policy.start
+    survivors: Sequence[Any] = pods
+    while node is not None:
+        step, survivors, node, shed = node.visit(survivors, ev)
+        trace.append(step)
+        if shed:
+            return _Walk(pods, (), (), tuple(trace), Outcome.SHED, shed)
+    if not survivors:
+        last = trace[-1].node if trace else ""
+        reason = f"no pod passed the filters (the walk ended at '{last}')"
+        return _Walk(pods, (), (), tuple(trace), Outcome.SHED, reason)
+    return _Walk(pods, survivors, pod_names(survivors), tuple(trace), None, "")

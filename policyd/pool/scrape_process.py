@@ -17,8 +17,9 @@ staleness, statistics) stays in the serving process.
 When the child fails, the pods look exactly as if they had stopped answering:
 
 - a round whose answer is not back within its deadline (``answer_timeout``:
-  the request timeout plus a quarter interval, at least the interval) fails
-  for every pod with the reason, and they go stale as usual;
+  the stale threshold, at least the request timeout plus one interval)
+  fails for every pod with the reason, and they leave the candidates as
+  pods that stop answering do;
 - a child that exits (crash, OOM kill, ``kill -9``) is logged and started
   again, after 0.25 s doubling to 8 s while children keep dying young;
 - a child that answers nothing (not even late) for three rounds in a row
@@ -217,6 +218,19 @@ class _Child:
         return await self.process.wait()
 
 
+def answer_timeout(config: ScrapeConfig) -> float:
+    """How long a round waits for the child's answer before failing every pod.
+
+    As long as the last snapshot's metrics may stay in use anyway (the stale
+    threshold): a child that waits for a core (on a saturated 2-core machine a
+    round's answer takes ~17 ms, its p99 60-80 ms, and about one in 500 takes
+    over 175 ms: ``benchmarks/RESULTS.md``) then costs no more than a busy
+    serving loop would, instead of emptying the candidate set. At least the
+    request timeout plus one interval.
+    """
+    return max(config.stale_threshold, config.request_timeout + config.interval)
+
+
 def _child_environment() -> dict[str, str]:
     """Our environment, with this policyd's directory first on the child's import path."""
     environment = dict(os.environ)
@@ -236,7 +250,7 @@ class ProcessScraper:
     def __init__(self, config: ScrapeConfig) -> None:
         self._config = config
         self._loop = asyncio.get_running_loop()
-        self.answer_timeout = max(config.interval, config.request_timeout + config.interval / 4)
+        self.answer_timeout = answer_timeout(config)
         self._child: _Child | None = None
         self._ready = asyncio.Event()  # the current child said Ready
         self._ever_ready = False
@@ -258,20 +272,21 @@ class ProcessScraper:
         started = self._loop.time()
         first = not self._ever_ready
         deadline = started + (START_TIMEOUT if first else self.answer_timeout)
-        sent = False
+        answer: asyncio.Future[list[ScrapeResult]] | None = None
         try:
             async with asyncio.timeout_at(deadline):
                 await self._ready.wait()
                 child = self._child
                 assert child is not None  # ready is cleared as soon as a child goes
                 self._round += 1
-                answer: asyncio.Future[list[ScrapeResult]] = self._loop.create_future()
+                answer = self._loop.create_future()
                 self._waiting = (self._round, answer)
                 child.link.send(ScrapeRequest(self._round, list(addresses)))
-                sent = True
                 return await answer
         except TimeoutError:
-            if not sent:
+            if answer is not None and _has_result(answer):
+                return answer.result()  # it came in the loop turn of the deadline
+            if answer is None:
                 reason = (
                     f"the scraper process did not start within {START_TIMEOUT:.0f} s"
                     if first
@@ -365,6 +380,10 @@ class ProcessScraper:
 
 class _ChildGoneError(Exception):
     """The child's socket closed while a round waited for its answer."""
+
+
+def _has_result(future: asyncio.Future[list[ScrapeResult]]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _describe(status: int) -> str:

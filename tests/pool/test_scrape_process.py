@@ -21,13 +21,14 @@ from aiohttp import web
 
 from policyd.pool import Pool, PoolSnapshot, ScrapeConfig
 from policyd.pool.discovery import PodIdentity
-from policyd.pool.scrape_process import ProcessScraper
+from policyd.pool.scrape_process import ProcessScraper, answer_timeout
 from policyd.pool.scraper import Scraper, ScrapeResult
 
 from .model_server import VLLM_SAMPLE, MetricsServer, vllm_text
 from .test_scraper import BODY, RawServer, read_request
 
-CONFIG = ScrapeConfig(interval=0.2, timeout=0.1)  # answers are due 0.2 s after a round starts
+# Answers are due 0.4 s (the stale threshold) after a round starts.
+CONFIG = ScrapeConfig(interval=0.2, timeout=0.1, stale_after=0.4)
 
 
 @pytest.fixture
@@ -83,6 +84,21 @@ def process_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+@pytest.mark.parametrize(
+    ("settings", "seconds"),
+    [
+        ({}, 0.5),  # the stale threshold, 5 intervals
+        ({"interval": 0.2, "stale_after": 0.4}, 0.4),
+        ({"interval": 0.2, "stale_after": 0.2}, 0.35),  # timeout 0.15 + one interval
+        ({"interval": 0.2, "timeout": 0.2, "stale_after": 0.3}, 0.4),
+    ],
+)
+def test_a_round_waits_for_the_child_up_to_the_stale_threshold(
+    settings: dict[str, float], seconds: float
+) -> None:
+    assert answer_timeout(ScrapeConfig(**settings)) == pytest.approx(seconds)  # type: ignore[arg-type]
 
 
 async def test_results_equal_the_in_process_scrapers_on_the_same_pods(
@@ -163,21 +179,25 @@ async def test_a_pod_that_went_away_fails_to_connect(
     assert second.error is not None and second.error.startswith("cannot connect")
 
 
-async def test_a_killed_child_is_logged_and_replaced(
+async def test_a_killed_child_fails_its_round_and_is_logged_and_replaced(
     servers: list[MetricsServer], scraper: ProcessScraper, caplog: pytest.LogCaptureFixture
 ) -> None:
     pod = await serve(servers)
     assert all_ok(await scraper.scrape([pod.address]))
     killed = scraper.pid
     assert killed is not None
+    os.kill(killed, signal.SIGSTOP)  # so that it dies with the round's request in hand
+    round_ = asyncio.create_task(scraper.scrape([pod.address]))
+    await asyncio.sleep(0.05)
     os.kill(killed, signal.SIGKILL)
+    (failed,) = await round_
+    assert failed.error == "the scraper process exited during the round"
+    assert failed.latency < scraper.answer_timeout
     rounds = await rounds_until(scraper, [pod.address], all_ok)
-    # The pod failed (and would go stale) until the new child answered for it.
-    (failed,) = rounds[0]
-    assert failed.error in (
-        "the scraper process exited during the round",
-        "the scraper process is restarting",
-    )
+    # Until the new child answered, the pod failed (and would go stale) with the reason.
+    assert {r.error for results in rounds[:-1] for r in results} <= {
+        "the scraper process is restarting"
+    }
     assert scraper.pid not in (None, killed)
     assert scraper.restarts == 1
     assert f"scraper process {killed} exited (killed by signal 9)" in caplog.text
@@ -197,7 +217,7 @@ async def test_a_stuck_child_is_killed_after_three_silent_rounds_and_replaced(
     finally:
         os.kill(stuck, signal.SIGCONT)  # harmless if it was killed already
     assert [results[0].error for results in silent] == [
-        "the scraper process did not answer within 200 ms"
+        "the scraper process did not answer within 400 ms"
     ] * 3
     assert f"scraper process {stuck} did not answer 3 rounds in a row; killing it" in caplog.text
     await rounds_until(scraper, [pod.address], all_ok)
@@ -217,7 +237,7 @@ async def test_a_late_answer_is_not_taken_for_the_next_round(
         (late,) = await scraper.scrape([first.address])
     finally:
         os.kill(child, signal.SIGCONT)
-    assert late.error == "the scraper process did not answer within 200 ms"
+    assert late.error == "the scraper process did not answer within 400 ms"
     (answer,) = await scraper.scrape([second.address])
     assert answer.address == second.address
     assert answer.ok, answer.error
@@ -307,7 +327,7 @@ async def test_the_child_exits_when_the_serving_process_dies(
         textwrap.dedent(
             f"""
             import asyncio
-            from policyd.pool.scrape_process import ProcessScraper
+            from policyd.pool.scrape_process import ProcessScraper, answer_timeout
             from policyd.pool.scraper import ScrapeConfig
 
             async def main():

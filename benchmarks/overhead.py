@@ -275,6 +275,8 @@ class SetUp:
     extproc_cpu_seconds: float = 0.0  # its CPU time during the throughput phases
     children_cpu_seconds: float = 0.0  # its child processes' (policyd's scraper), the same
     machine_busy_seconds: float = 0.0  # CPU seconds the whole machine used, the same
+    envoy_cpu_seconds: float = 0.0  # Envoy's, the same
+    client_cpu_seconds: float = 0.0  # this process's (the load generator), the same
 
     async def one(self) -> None:
         assert self.session is not None
@@ -300,11 +302,19 @@ class SetUp:
         pid = self.extproc_pid
         cpu = process_cpu_seconds(pid) if pid else 0.0
         children = children_cpu_seconds(pid) if pid else {}
-        machine = machine_busy_seconds()
+        assert self.envoy.process is not None
+        envoy_pid = self.envoy.process.pid
+        machine, envoy, client = (
+            machine_busy_seconds(),
+            process_cpu_seconds(envoy_pid),
+            time.process_time(),
+        )
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         self.busy_seconds += time.perf_counter() - started
         self.machine_busy_seconds += machine_busy_seconds() - machine
+        self.envoy_cpu_seconds += process_cpu_seconds(envoy_pid) - envoy
+        self.client_cpu_seconds += time.process_time() - client
         if pid:
             self.extproc_cpu_seconds += process_cpu_seconds(pid) - cpu
             after = children_cpu_seconds(pid)
@@ -522,22 +532,27 @@ async def cpu_share(pid: int, seconds: float) -> tuple[float, float]:
 
 
 def report(set_ups: list[SetUp]) -> None:
-    """The table; "cores" are CPU seconds per second of the throughput phases: the
-    ext_proc process's (1.0: it is the bottleneck) and the machine's (all cores)."""
-    print(
-        f"{'set-up':<30}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'ext_proc CPU us/req':>21}"
-        f"{'ext_proc cores':>16}{'machine cores':>15}"
-    )
+    """The table, then where the CPU went in the throughput phases, in cores (CPU
+    seconds per second): the ext_proc server's process (near 1.0: it is the
+    bottleneck), Envoy's, this process's (the load generator), the machine's."""
+    print(f"{'set-up':<30}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'ext_proc CPU us/req':>21}")
     results = {set_up.name.split(")")[0] + ")": set_up.figures() for set_up in set_ups}
     for set_up in set_ups:
         p50, p99, rps = set_up.figures()
         cpu = set_up.extproc_us_per_request
-        machine = set_up.machine_busy_seconds / set_up.busy_seconds
         print(
             f"{set_up.name:<30}{p50:>9.3f}{p99:>9.3f}{rps:>9.0f}"
             + (f"{cpu:>21.0f}" if cpu is not None else f"{'-':>21}")
-            + (f"{cpu * rps / 1e6:>16.2f}" if cpu is not None else f"{'-':>16}")
-            + f"{machine:>15.2f}"
+        )
+    print(f"{'cores at throughput':<30}{'ext_proc':>9}{'envoy':>9}{'client':>9}{'machine':>9}")
+    for set_up in set_ups:
+        wall = set_up.busy_seconds
+        extproc = set_up.extproc_cpu_seconds / wall if set_up.extproc_pid else None
+        print(
+            f"{set_up.name:<30}"
+            + (f"{extproc:>9.2f}" if extproc is not None else f"{'-':>9}")
+            + f"{set_up.envoy_cpu_seconds / wall:>9.2f}{set_up.client_cpu_seconds / wall:>9.2f}"
+            f"{set_up.machine_busy_seconds / wall:>9.2f}"
         )
     for label, base, more in (
         ("ext_proc floor (b)-(a)", "(a)", "(b)"),

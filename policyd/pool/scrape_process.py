@@ -223,7 +223,7 @@ def answer_timeout(config: ScrapeConfig) -> float:
 
     As long as the last snapshot's metrics may stay in use anyway (the stale
     threshold): a child that waits for a core (on a saturated 2-core machine a
-    round's answer takes ~17 ms, its p99 60-80 ms, and about one in 500 takes
+    round's answer takes 14-19 ms, its p99 50-80 ms, and one in about 1600 takes
     over 175 ms: ``benchmarks/RESULTS.md``) then costs no more than a busy
     serving loop would, instead of emptying the candidate set. At least the
     request timeout plus one interval.

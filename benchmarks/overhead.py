@@ -1,7 +1,7 @@
 """What putting policyd in Envoy's request path costs, measured through the real Envoy.
 
     python benchmarks/overhead.py [--requests 1200] [--seconds 6] [--concurrency 16] [--pods 100]
-                                  [--pick-first] [--profile FILE]
+                                  [--pick-first] [--scrape-in-process] [--profile FILE]
 
 Set-ups on loopback, measured in the same run:
 
@@ -10,8 +10,11 @@ Set-ups on loopback, measured in the same run:
       names a fixed pod: the floor for any Python ext_proc),
   (c) Envoy + policyd as ``policyd serve`` runs it (the ``Policyd`` service:
       ``rules/default.yaml`` through the real PolicyStore and Router, the pool
-      scraping ``--pods`` endpoints' vLLM metrics every 100 ms, request
-      parsing, replies, usage reading), routing each request to one of them,
+      built from ``policyd serve``'s own flags and defaults, scraping
+      ``--pods`` endpoints' vLLM metrics every 100 ms in its scraper child
+      process, request parsing, replies, usage reading), routing each request
+      to one of them; ``--scrape-in-process`` scrapes on policyd's serving
+      loop instead (``policyd serve --scrape-in-process``),
   (c') with ``--pick-first``: policyd's serving path with a pick-first router
       over one pod and no pool, to tell the policy's share from the serving
       path's.
@@ -26,7 +29,9 @@ and LoRA values (ignoring the ``name[]=`` filter, as vLLM does) and answers
 completions at once with a fixed JSON body. (a) and (b) send to the first of
 them. Each ext_proc server and Envoy (``--concurrency 1``) run in their own
 processes too; policyd scrapes all through the run, as it would in service,
-so its scraping is background load for every set-up and in-loop work for (c).
+so its scraping is background load for every set-up and, with
+``--scrape-in-process``, in-loop work for (c). The ext_proc CPU column is the
+serving process's; the scraper child's CPU is printed after the table.
 ``--profile FILE`` writes a cProfile of policyd's process (pstats format).
 """
 
@@ -57,6 +62,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from policyd.cli import build_parser
 from policyd.extproc import replies
 from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
@@ -65,7 +71,7 @@ from policyd.extproc.service import Policyd
 from policyd.policy import PolicyStore
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
-from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
+from policyd.pool.options import pool_from_arguments
 from policyd.pool.pod import Pod
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -203,13 +209,19 @@ def run_noop_extproc(port: int, destination: str) -> None:
     asyncio.run(serve())
 
 
-def run_policyd(port: int, pods_file: str, profile: str) -> None:
-    """policyd as ``policyd serve --policy rules/default.yaml --pods FILE`` runs it."""
+def run_policyd(port: int, pods_file: str, profile: str, scrape_in_process: bool) -> None:
+    """policyd as ``policyd serve --policy rules/default.yaml --pods FILE`` runs it
+    (telemetry aside): its pool from ``policyd serve``'s own flags and defaults."""
+    policy = REPO / "rules" / "default.yaml"
+    argv = ["serve", "--policy", str(policy), "--pods", pods_file]
+    if scrape_in_process:
+        argv.append("--scrape-in-process")
+    arguments = build_parser("serve").parse_args(argv)
 
     async def serve() -> None:
         service = Policyd(
-            PolicyStore.open(REPO / "rules" / "default.yaml"),
-            Pool(StaticFileDiscovery(Path(pods_file)), ScrapeConfig(interval=0.1)),
+            PolicyStore.open(arguments.policy),
+            pool_from_arguments(arguments),
             ServerOptions(port=port, grace_seconds=0),
         )
         await service.run_until_signalled()
@@ -261,6 +273,10 @@ class SetUp:
     completed: int = 0
     busy_seconds: float = 0.0
     extproc_cpu_seconds: float = 0.0  # its CPU time during the throughput phases
+    children_cpu_seconds: float = 0.0  # its child processes' (policyd's scraper), the same
+    machine_busy_seconds: float = 0.0  # CPU seconds the whole machine used, the same
+    envoy_cpu_seconds: float = 0.0  # Envoy's, the same
+    client_cpu_seconds: float = 0.0  # this process's (the load generator), the same
 
     async def one(self) -> None:
         assert self.session is not None
@@ -283,12 +299,28 @@ class SetUp:
                 await self.one()
                 self.completed += 1
 
-        cpu = process_cpu_seconds(self.extproc_pid) if self.extproc_pid else 0.0
+        pid = self.extproc_pid
+        cpu = process_cpu_seconds(pid) if pid else 0.0
+        children = children_cpu_seconds(pid) if pid else {}
+        assert self.envoy.process is not None
+        envoy_pid = self.envoy.process.pid
+        machine, envoy, client = (
+            machine_busy_seconds(),
+            process_cpu_seconds(envoy_pid),
+            time.process_time(),
+        )
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         self.busy_seconds += time.perf_counter() - started
-        if self.extproc_pid:
-            self.extproc_cpu_seconds += process_cpu_seconds(self.extproc_pid) - cpu
+        self.machine_busy_seconds += machine_busy_seconds() - machine
+        self.envoy_cpu_seconds += process_cpu_seconds(envoy_pid) - envoy
+        self.client_cpu_seconds += time.process_time() - client
+        if pid:
+            self.extproc_cpu_seconds += process_cpu_seconds(pid) - cpu
+            after = children_cpu_seconds(pid)
+            self.children_cpu_seconds += sum(
+                after[child] - children[child] for child in after.keys() & children.keys()
+            )
 
     def figures(self) -> tuple[float, float, float]:
         p99 = statistics.quantiles(self.latencies_ms, n=100)[98]
@@ -301,11 +333,37 @@ class SetUp:
             return None
         return self.extproc_cpu_seconds / self.completed * 1e6
 
+    @property
+    def children_us_per_request(self) -> float:
+        return self.children_cpu_seconds / self.completed * 1e6 if self.completed else 0.0
+
 
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores spent not idle so far (Linux /proc/stat)."""
+    ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds(parent: int) -> dict[int, float]:
+    """CPU seconds so far of each running child process of ``parent`` (Linux /proc)."""
+    found: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            if int(fields[1]) == parent:
+                found[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf(
+                    "SC_CLK_TCK"
+                )
+    return found
 
 
 def start_envoy(
@@ -385,7 +443,10 @@ def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes
         first = started.pods[0]
         targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
             "b": (run_noop_extproc, (first,)),
-            "c": (run_policyd, (str(pods_file), arguments.profile or "")),
+            "c": (
+                run_policyd,
+                (str(pods_file), arguments.profile or "", arguments.scrape_in_process),
+            ),
         }
         if arguments.pick_first:
             targets["c'"] = (run_pick_first, (first,))
@@ -409,7 +470,7 @@ async def main(arguments: argparse.Namespace) -> None:
         set_ups: list[SetUp] = []
         try:
             await policyd_ready(processes.ports["c"], len(processes.pods))
-            idle_core = await cpu_share(processes.pid("c"), seconds=3.0)
+            idle_core, idle_children = await cpu_share(processes.pid("c"), seconds=3.0)
             first = processes.pods[0]
             set_ups.append(start_envoy("(a) envoy -> pod", directory, None, first))
             for key, name in (
@@ -431,10 +492,17 @@ async def main(arguments: argparse.Namespace) -> None:
                 set_up.envoy.stop()
             processes.stop()
     report(set_ups)
+    where = "on its serving loop" if arguments.scrape_in_process else "in its scraper child"
     print(
-        f"policyd with no requests (scraping {arguments.pods} pods every 100 ms): "
-        f"{idle_core:.3f} of a core"
+        f"policyd with no requests (scraping {arguments.pods} pods every 100 ms {where}): "
+        f"serving process {idle_core:.3f} of a core, child processes {idle_children:.3f}"
     )
+    for set_up in set_ups:
+        if set_up.name.startswith("(c)"):
+            print(
+                f"(c) child processes' CPU during the throughput phases: "
+                f"{set_up.children_us_per_request:.0f} us/req (not in the table)"
+            )
 
 
 async def policyd_ready(port: int, pods: int) -> None:
@@ -451,15 +519,22 @@ async def policyd_ready(port: int, pods: int) -> None:
     raise RuntimeError(f"policyd did not get ready over {pods} pods")
 
 
-async def cpu_share(pid: int, seconds: float) -> float:
-    """CPU seconds per wall second the process used over ``seconds`` (Linux /proc)."""
+async def cpu_share(pid: int, seconds: float) -> tuple[float, float]:
+    """CPU seconds per wall second the process, and its children, used over ``seconds``."""
 
-    before, started = process_cpu_seconds(pid), time.perf_counter()
+    before, children = process_cpu_seconds(pid), children_cpu_seconds(pid)
+    started = time.perf_counter()
     await asyncio.sleep(seconds)
-    return (process_cpu_seconds(pid) - before) / (time.perf_counter() - started)
+    after = children_cpu_seconds(pid)
+    wall = time.perf_counter() - started
+    children_used = sum(after[child] - children[child] for child in after.keys() & children.keys())
+    return (process_cpu_seconds(pid) - before) / wall, children_used / wall
 
 
 def report(set_ups: list[SetUp]) -> None:
+    """The table, then where the CPU went in the throughput phases, in cores (CPU
+    seconds per second): the ext_proc server's process (near 1.0: it is the
+    bottleneck), Envoy's, this process's (the load generator), the machine's."""
     print(f"{'set-up':<30}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'ext_proc CPU us/req':>21}")
     results = {set_up.name.split(")")[0] + ")": set_up.figures() for set_up in set_ups}
     for set_up in set_ups:
@@ -468,6 +543,16 @@ def report(set_ups: list[SetUp]) -> None:
         print(
             f"{set_up.name:<30}{p50:>9.3f}{p99:>9.3f}{rps:>9.0f}"
             + (f"{cpu:>21.0f}" if cpu is not None else f"{'-':>21}")
+        )
+    print(f"{'cores at throughput':<30}{'ext_proc':>9}{'envoy':>9}{'client':>9}{'machine':>9}")
+    for set_up in set_ups:
+        wall = set_up.busy_seconds
+        extproc = set_up.extproc_cpu_seconds / wall if set_up.extproc_pid else None
+        print(
+            f"{set_up.name:<30}"
+            + (f"{extproc:>9.2f}" if extproc is not None else f"{'-':>9}")
+            + f"{set_up.envoy_cpu_seconds / wall:>9.2f}{set_up.client_cpu_seconds / wall:>9.2f}"
+            f"{set_up.machine_busy_seconds / wall:>9.2f}"
         )
     for label, base, more in (
         ("ext_proc floor (b)-(a)", "(a)", "(b)"),
@@ -492,6 +577,11 @@ if __name__ == "__main__":
     parser.add_argument("--pods", type=int, default=100, help="pods policyd scrapes and routes to")
     parser.add_argument(
         "--pick-first", action="store_true", help="also measure (c'): serving path, no policy"
+    )
+    parser.add_argument(
+        "--scrape-in-process",
+        action="store_true",
+        help="(c) scrapes on its serving loop, not in a scraper child (the old default)",
     )
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of policyd's process")
     asyncio.run(main(parser.parse_args()))

@@ -96,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scrape.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="scrape this port instead of the pod's"
     )
+    scrape.add_argument(
+        "--scrape-in-process",
+        action="store_true",
+        help="scrape on the serving event loop instead of in a scraper child process",
+    )
 
 
 def pool_from_arguments(args: argparse.Namespace) -> Pool:
@@ -148,4 +153,5 @@ def scrape_config_from_arguments(args: argparse.Namespace) -> ScrapeConfig:
         metrics=metrics,
         metrics_port=args.metrics_port,
         filter_families=not args.no_metrics_filter,
+        in_process=args.scrape_in_process,
     )

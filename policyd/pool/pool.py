@@ -1,5 +1,10 @@
 """The pod pool the service runs: discovery, scraping and snapshots in one object.
 
+The scrape rounds run in a child process (``ProcessScraper``) unless
+``ScrapeConfig.in_process`` says to run them on this event loop (``Scraper``);
+everything else (discovery, the datastore and its snapshots, in-flight
+counters, staleness, statistics) lives here, on the serving loop.
+
 ```python
 pool = Pool(StaticFileDiscovery(Path("pods.yaml")), ScrapeConfig(interval=0.1))
 await pool.start()                 # first pod set loaded (a bad file raises here)
@@ -24,7 +29,8 @@ from types import TracebackType
 
 from policyd.pool.datastore import Datastore, PoolSnapshot, ScrapeStats
 from policyd.pool.discovery import Discovery, DiscoveryError, PodIdentity
-from policyd.pool.scraper import ScrapeConfig, Scraper, ScrapeResult
+from policyd.pool.scrape_process import ProcessScraper
+from policyd.pool.scraper import ScrapeConfig, Scraper, ScrapeResult, ScrapeRounds
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ class Pool:
             include_stale=self.config.include_stale,
             on_publish=self._published,
         )
-        self._scraper: Scraper | None = None
+        self._scraper: ScrapeRounds | None = None
         self._updates: AsyncIterator[tuple[PodIdentity, ...]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[ScrapeListener] = []
@@ -79,7 +85,9 @@ class Pool:
             first = await anext(self._updates)
         except StopAsyncIteration:
             raise DiscoveryError("the pod source ended before giving a pod set") from None
-        self._scraper = Scraper(self.config)
+        self._scraper = (
+            Scraper(self.config) if self.config.in_process else ProcessScraper(self.config)
+        )
         self._datastore.set_pods(first)
         self._tasks = [
             asyncio.create_task(self._follow_discovery(self._updates), name="pool-discovery"),
@@ -99,7 +107,7 @@ class Pool:
                 await aclose()
             self._updates = None
         if self._scraper is not None:
-            self._scraper.close()
+            await self._scraper.close()
             self._scraper = None
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -140,7 +148,7 @@ class Pool:
         except Exception:
             log.exception("pod discovery stopped; keeping the last pod set")
 
-    async def _scrape_forever(self, scraper: Scraper) -> None:
+    async def _scrape_forever(self, scraper: ScrapeRounds) -> None:
         loop = asyncio.get_running_loop()
         interval = self.config.interval
         due = loop.time()

@@ -15,7 +15,7 @@ import logging
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from policyd.pool.discovery import split_address
 from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
@@ -42,6 +42,11 @@ class ScrapeConfig:
     the query sends its whole page, which is read just the same; one whose
     answer lacks a needed family (prometheus_client before 0.25 in
     multiprocess mode returns nothing) is asked for its whole page instead.
+
+    ``in_process`` runs the rounds on the pool's own event loop instead of in
+    a scraper child process (``policyd.pool.scrape_process``): the serving
+    process then pays the scraping's CPU and its parsing stalls (the default
+    keeps both off the serving loop).
     """
 
     interval: float = 0.1
@@ -52,6 +57,7 @@ class ScrapeConfig:
     metrics_port: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     filter_families: bool = True
+    in_process: bool = False
 
     def __post_init__(self) -> None:
         if not self.interval > 0:
@@ -107,8 +113,22 @@ class ScrapeResult(NamedTuple):
         return self.metrics is not None
 
 
+class ScrapeRounds(Protocol):
+    """What the pool needs of a scraper: ``Scraper`` here, ``ProcessScraper`` in a child."""
+
+    async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
+        """One result per address, in order, within about one interval."""
+
+    def retain(self, addresses: Iterable[str]) -> None:
+        """Forget (and disconnect from) every pod not in ``addresses``."""
+
+    async def close(self) -> None:
+        """Release every connection (and process) the scraper holds."""
+
+
 class Scraper:
-    """Runs scrape rounds; keeps one endpoint (and connection) per pod address."""
+    """Runs scrape rounds on the running event loop; keeps one endpoint
+    (and connection) per pod address."""
 
     def __init__(self, config: ScrapeConfig) -> None:
         self._config = config
@@ -151,13 +171,19 @@ class Scraper:
         return [results[address] for address in addresses]
 
     def retain(self, addresses: Iterable[str]) -> None:
-        """Close the connections of pods that are gone."""
+        """Close the connections of pods that are gone.
+
+        A pod may leave while a round is scraping it: its request is abandoned
+        (the round gets its result at once) rather than left to the timeout.
+        """
         keep = set(addresses)
         for address in [a for a in self._endpoints if a not in keep]:
-            self._endpoints.pop(address).close()
+            endpoint = self._endpoints.pop(address)
+            endpoint.abandon("the pod left the pool")
+            endpoint.close()
             self._hints.pop(address, None)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for endpoint in self._endpoints.values():
             endpoint.close()
         self._endpoints.clear()

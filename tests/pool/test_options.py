@@ -32,6 +32,8 @@ def test_a_pod_file_and_default_scraping() -> None:
     assert not scrape_config_from_arguments(
         parse("--pods", "p", "--no-metrics-filter")
     ).filter_families
+    assert not config.in_process  # a scraper child process by default
+    assert scrape_config_from_arguments(parse("--pods", "p", "--scrape-in-process")).in_process
 
 
 def test_kubernetes_flags() -> None:

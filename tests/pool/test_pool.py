@@ -1,10 +1,14 @@
-"""The running pool: discovery + scraping + snapshots, against stand-in pods on loopback."""
+"""The running pool: discovery + scraping + snapshots, against stand-in pods on loopback.
+
+Every test that scrapes runs twice: with the scraper child process (the
+default) and with the rounds on the test's own event loop (``in_process``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,20 @@ class PushedDiscovery:
     async def updates(self) -> AsyncIterator[tuple[PodIdentity, ...]]:
         while True:
             yield await self._sets.get()
+
+
+Scraping = Callable[..., ScrapeConfig]
+
+
+@pytest.fixture(params=["child process", "in process"])
+def scraping(request: pytest.FixtureRequest) -> Scraping:
+    """``ScrapeConfig`` with the scraper under test."""
+
+    def config(**settings: float) -> ScrapeConfig:
+        in_process = request.param == "in process"
+        return ScrapeConfig(in_process=in_process, **settings)  # type: ignore[arg-type]
+
+    return config
 
 
 @pytest.fixture
@@ -68,10 +86,11 @@ def candidate_names(snapshot: PoolSnapshot) -> set[str]:
 
 async def test_the_pool_becomes_ready_with_every_pod_scraped(
     servers: list[MetricsServer],
+    scraping: Scraping,
 ) -> None:
     a = await serve(servers, waiting=1, running=2, kv_cache=0.3, running_loras="x,y")
     b = await serve(servers, waiting=4, running=0, kv_cache=0.9)
-    async with Pool(PushedDiscovery(identity(a, "a"), identity(b, "b"))) as pool:
+    async with Pool(PushedDiscovery(identity(a, "a"), identity(b, "b")), scraping()) as pool:
         assert await pool.wait_ready(timeout=5)
         snapshot = pool.snapshot()
         assert snapshot.ready
@@ -89,9 +108,10 @@ async def test_the_pool_becomes_ready_with_every_pod_scraped(
 
 async def test_metrics_changes_show_up_in_the_next_snapshots(
     servers: list[MetricsServer],
+    scraping: Scraping,
 ) -> None:
     a = await serve(servers, waiting=0)
-    async with Pool(PushedDiscovery(identity(a, "a"))) as pool:
+    async with Pool(PushedDiscovery(identity(a, "a")), scraping()) as pool:
         assert await pool.wait_ready(timeout=5)
         a.text = vllm_text(waiting=7, running_loras="hot")
         snapshot = await until(pool, lambda s: s.pods[0].waiting_queue == 7)
@@ -99,14 +119,16 @@ async def test_metrics_changes_show_up_in_the_next_snapshots(
 
 
 async def test_a_pod_that_hangs_leaves_the_candidates_within_two_intervals(
-    servers: list[MetricsServer], caplog: pytest.LogCaptureFixture
+    servers: list[MetricsServer],
+    caplog: pytest.LogCaptureFixture,
+    scraping: Scraping,
 ) -> None:
     interval = 0.2
     a = await serve(servers)
     b = await serve(servers)
     # A short timeout leaves the two-interval bound most of an interval of slack
     # for a loaded machine: the hang is noticed 1.25 intervals after b's last answer.
-    config = ScrapeConfig(interval=interval, timeout=interval / 4)
+    config = scraping(interval=interval, timeout=interval / 4)
     async with Pool(PushedDiscovery(identity(a, "a"), identity(b, "b")), config) as pool:
         assert await pool.wait_ready(timeout=5)
         await until(pool, lambda s: candidate_names(s) == {"a", "b"})
@@ -124,11 +146,12 @@ async def test_a_pod_that_hangs_leaves_the_candidates_within_two_intervals(
 
 async def test_a_pod_that_goes_away_leaves_and_rejoins_when_back(
     servers: list[MetricsServer],
+    scraping: Scraping,
 ) -> None:
     interval = 0.2
     a = await serve(servers)
     b = await serve(servers)
-    config = ScrapeConfig(interval=interval)
+    config = scraping(interval=interval)
     async with Pool(PushedDiscovery(identity(a, "a"), identity(b, "b")), config) as pool:
         await until(pool, lambda s: candidate_names(s) == {"a", "b"})
         port = int(b.address.rsplit(":", 1)[1])
@@ -146,11 +169,12 @@ async def test_a_pod_that_goes_away_leaves_and_rejoins_when_back(
 
 async def test_discovery_changes_add_and_drop_pods_and_their_counters(
     servers: list[MetricsServer],
+    scraping: Scraping,
 ) -> None:
     a = await serve(servers)
     b = await serve(servers)
     discovery = PushedDiscovery(identity(a, "a"))
-    async with Pool(discovery) as pool:
+    async with Pool(discovery, scraping()) as pool:
         assert await pool.wait_ready(timeout=5)
         pool.snapshot().pods[0].load.count = 2
         discovery.push(identity(a, "a"), identity(b, "b"))
@@ -164,30 +188,34 @@ async def test_discovery_changes_add_and_drop_pods_and_their_counters(
         assert again.pods[0].in_flight == 0
 
 
-async def test_listeners_see_every_scrape_result(servers: list[MetricsServer]) -> None:
+async def test_listeners_see_every_scrape_result(
+    servers: list[MetricsServer], scraping: Scraping
+) -> None:
     a = await serve(servers)
     seen: list[tuple[str, ScrapeResult]] = []
-    async with Pool(PushedDiscovery(identity(a, "a"))) as pool:
+    async with Pool(PushedDiscovery(identity(a, "a")), scraping()) as pool:
         pool.add_listener(lambda pod, result: seen.append((pod.name, result)))
         await until(pool, lambda s: s.scrape_round >= 3)
     assert len(seen) >= 2
     assert all(name == "a" and result.ok for name, result in seen)
 
 
-async def test_wait_ready_times_out_without_pods() -> None:
-    async with Pool(PushedDiscovery()) as pool:
+async def test_wait_ready_times_out_without_pods(scraping: Scraping) -> None:
+    async with Pool(PushedDiscovery(), scraping()) as pool:
         assert not await pool.wait_ready(timeout=0.3)
         assert not pool.snapshot().ready
 
 
 async def test_a_static_file_drives_the_pool_end_to_end(
-    servers: list[MetricsServer], tmp_path: Path
+    servers: list[MetricsServer],
+    tmp_path: Path,
+    scraping: Scraping,
 ) -> None:
     a = await serve(servers, running=1)
     b = await serve(servers, running=2)
     pods = tmp_path / "pods.yaml"
     pods.write_text(f"pods:\n  - name: a\n    address: {a.address}\n")
-    async with Pool(StaticFileDiscovery(pods, poll_interval=0.05)) as pool:
+    async with Pool(StaticFileDiscovery(pods, poll_interval=0.05), scraping()) as pool:
         assert await pool.wait_ready(timeout=5)
         assert candidate_names(pool.snapshot()) == {"a"}
         pods.write_text(
@@ -208,11 +236,13 @@ async def test_a_bad_pod_file_at_start_fails_start(tmp_path: Path) -> None:
 
 
 async def test_stop_closes_everything_it_started(
-    servers: list[MetricsServer], caplog: pytest.LogCaptureFixture
+    servers: list[MetricsServer],
+    caplog: pytest.LogCaptureFixture,
+    scraping: Scraping,
 ) -> None:
     caplog.set_level(logging.ERROR)
     a = await serve(servers)
-    pool = Pool(PushedDiscovery(identity(a, "a")))
+    pool = Pool(PushedDiscovery(identity(a, "a")), scraping())
     await pool.start()
     assert await pool.wait_ready(timeout=5)
     await pool.stop()

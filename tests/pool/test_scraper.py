@@ -72,7 +72,7 @@ async def scrape(
     try:
         return [(await scraper.scrape([address]))[0] for _ in range(rounds)]
     finally:
-        scraper.close()
+        await scraper.close()
 
 
 def errors(results: list[ScrapeResult]) -> list[str | None]:
@@ -89,7 +89,7 @@ async def test_a_round_scrapes_every_pod_concurrently(servers: list[MetricsServe
     try:
         results = await scraper.scrape([pod.address for pod in pods])
     finally:
-        scraper.close()
+        await scraper.close()
     assert [r.address for r in results] == [pod.address for pod in pods]
     for i, result in enumerate(results):
         assert result.ok, result.error
@@ -139,7 +139,7 @@ async def test_a_hanging_pod_times_out_without_holding_up_the_others(
         (again,) = await scraper.scrape([hanging.address])
         assert again.ok, again.error
     finally:
-        scraper.close()
+        await scraper.close()
 
 
 async def test_a_pod_that_went_away_fails_to_connect(servers: list[MetricsServer]) -> None:
@@ -153,7 +153,7 @@ async def test_a_pod_that_went_away_fails_to_connect(servers: list[MetricsServer
         assert second.error is not None
         assert second.error.startswith("cannot connect")
     finally:
-        scraper.close()
+        await scraper.close()
 
 
 async def test_an_error_status_fails_the_scrape(servers: list[MetricsServer]) -> None:
@@ -167,7 +167,7 @@ async def test_an_error_status_fails_the_scrape(servers: list[MetricsServer]) ->
         (result,) = await scraper.scrape([pod.address])
         assert result.ok
     finally:
-        scraper.close()
+        await scraper.close()
 
 
 async def test_bad_exposition_text_fails_the_scrape_with_the_line(
@@ -296,7 +296,7 @@ async def test_prometheus_client_servers_send_only_the_families_asked_for(
         (result,) = await scraper.scrape([address])
         body = scraper._endpoints[address].body
     finally:
-        scraper.close()
+        await scraper.close()
         server.shutdown()
         thread.join()
     assert result.metrics is not None, result.error
@@ -325,7 +325,27 @@ async def test_retain_closes_the_connections_of_pods_that_left(
         scraper.retain([])
         assert scraper._endpoints == {}
     finally:
-        scraper.close()
+        await scraper.close()
+
+
+async def test_a_pod_that_leaves_during_a_round_gets_its_result_at_once(
+    servers: list[MetricsServer],
+) -> None:
+    healthy = await serve(servers)
+    hanging = await serve(servers)
+    hanging.hang()
+    scraper = Scraper(ScrapeConfig(interval=10.0))  # a 7.5 s timeout the round must not wait for
+    try:
+        round_ = asyncio.create_task(scraper.scrape([healthy.address, hanging.address]))
+        async with asyncio.timeout(5):
+            while hanging.requests == 0:
+                await asyncio.sleep(0.005)
+        scraper.retain([healthy.address])
+        results = await asyncio.wait_for(round_, 2)
+    finally:
+        await scraper.close()
+    assert results[0].ok, results[0].error
+    assert results[1].error == "the pod left the pool"
 
 
 @pytest.mark.parametrize(

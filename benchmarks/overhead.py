@@ -1,7 +1,8 @@
 """What putting policyd in Envoy's request path costs, measured through the real Envoy.
 
     python benchmarks/overhead.py [--requests 1200] [--seconds 6] [--concurrency 16] [--pods 100]
-                                  [--pick-first] [--scrape-in-process] [--profile FILE]
+                                  [--pick-first] [--tracing] [--scrape-in-process]
+                                  [--profile FILE]
 
 Set-ups on loopback, measured in the same run:
 
@@ -12,12 +13,19 @@ Set-ups on loopback, measured in the same run:
       ``rules/default.yaml`` through the real PolicyStore and Router, the pool
       built from ``policyd serve``'s own flags and defaults, scraping
       ``--pods`` endpoints' vLLM metrics every 100 ms in its scraper child
-      process, request parsing, replies, usage reading), routing each request
-      to one of them; ``--scrape-in-process`` scrapes on policyd's serving
+      process, request parsing, replies, usage reading, its Prometheus
+      metrics; tracing off), routing each request to one of them;
+      ``--scrape-in-process`` scrapes on policyd's serving
       loop instead (``policyd serve --scrape-in-process``),
   (c') with ``--pick-first``: policyd's serving path with a pick-first router
       over one pod and no pool, to tell the policy's share from the serving
-      path's.
+      path's,
+  (d) with ``--tracing``: (c) with tracing on, as ``policyd serve
+      --otlp-endpoint`` runs it: a span per decision, sampled always (Envoy
+      sends no trace context here, so every span is a root), exported over
+      OTLP/gRPC by the SDK's batch processor to a collector stand-in run here
+      that counts and discards them. The goal is (d) >= 0.9 x (c) in
+      throughput.
 
 For each: latency p50/p99 at concurrency 1, then throughput at
 ``--concurrency``, in rounds that visit the set-ups in turn. Printed as
@@ -32,7 +40,8 @@ processes too; policyd scrapes all through the run, as it would in service,
 so its scraping is background load for every set-up and, with
 ``--scrape-in-process``, in-loop work for (c). The ext_proc CPU column is the
 serving process's; the scraper child's CPU is printed after the table.
-``--profile FILE`` writes a cProfile of policyd's process (pstats format).
+``--profile FILE`` writes a cProfile of policyd's serving thread (pstats
+format), and of (d)'s to ``FILE.d``; the span exporter's thread is not in it.
 """
 
 from __future__ import annotations
@@ -61,6 +70,8 @@ import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
 
 from policyd.cli import build_parser
 from policyd.extproc import replies
@@ -73,6 +84,7 @@ from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
 from policyd.pool.options import pool_from_arguments
 from policyd.pool.pod import Pod
+from policyd.telemetry import build_telemetry
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scrape import vllm_page  # the scrape benchmark's vLLM-shaped page
@@ -209,9 +221,13 @@ def run_noop_extproc(port: int, destination: str) -> None:
     asyncio.run(serve())
 
 
-def run_policyd(port: int, pods_file: str, profile: str, scrape_in_process: bool) -> None:
-    """policyd as ``policyd serve --policy rules/default.yaml --pods FILE`` runs it
-    (telemetry aside): its pool from ``policyd serve``'s own flags and defaults."""
+def run_policyd(
+    port: int, pods_file: str, profile: str, scrape_in_process: bool, otlp_endpoint: str = ""
+) -> None:
+    """policyd as ``policyd serve --policy rules/default.yaml --pods FILE`` runs it:
+    its pool from ``policyd serve``'s own flags and defaults, its Prometheus
+    metrics (on by default), and with ``otlp_endpoint`` its spans to that
+    collector (``--otlp-endpoint``)."""
     policy = REPO / "rules" / "default.yaml"
     argv = ["serve", "--policy", str(policy), "--pods", pods_file]
     if scrape_in_process:
@@ -219,12 +235,17 @@ def run_policyd(port: int, pods_file: str, profile: str, scrape_in_process: bool
     arguments = build_parser("serve").parse_args(argv)
 
     async def serve() -> None:
+        telemetry = build_telemetry(tracing=bool(otlp_endpoint), otlp_endpoint=otlp_endpoint)
         service = Policyd(
             PolicyStore.open(arguments.policy),
             pool_from_arguments(arguments),
             ServerOptions(port=port, grace_seconds=0),
+            telemetry=telemetry,
         )
-        await service.run_until_signalled()
+        try:
+            await service.run_until_signalled()
+        finally:
+            telemetry.shutdown()
 
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
@@ -235,6 +256,32 @@ def run_policyd(port: int, pods_file: str, profile: str, scrape_in_process: bool
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(profile)
+
+
+class DiscardingCollector(otlp_grpc.TraceServiceServicer):  # type: ignore[misc]
+    """The collector stand-in: takes every OTLP export, counts the spans, keeps nothing."""
+
+    def __init__(self, spans: Any) -> None:
+        self.spans = spans
+
+    async def Export(  # noqa: N802 (the gRPC method name)
+        self, request: otlp.ExportTraceServiceRequest, context: Any
+    ) -> otlp.ExportTraceServiceResponse:
+        count = sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)
+        with self.spans.get_lock():
+            self.spans.value += count
+        return otlp.ExportTraceServiceResponse()
+
+
+def run_collector(port: int, spans: Any) -> None:
+    async def serve() -> None:
+        server = grpc.aio.server()
+        otlp_grpc.add_TraceServiceServicer_to_server(DiscardingCollector(spans), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
 
 
 class PickFirst:
@@ -406,11 +453,13 @@ async def measure(set_ups: list[SetUp], arguments: argparse.Namespace) -> None:
 
 @dataclasses.dataclass
 class Processes:
-    """The helper processes by set-up key ("pods", "b", "c", "c'"), and the ports."""
+    """The helper processes by set-up key ("pods", "b", "c", "c'", "d", "collector"),
+    and the ports."""
 
     running: dict[str, multiprocessing.process.BaseProcess]
     ports: dict[str, int]
     pods: list[str]  # addresses
+    spans: Any  # the collector stand-in's count of spans received (a shared value)
 
     def pid(self, key: str) -> int:
         pid = self.running[key].pid
@@ -430,7 +479,7 @@ def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes
     queue = context.Queue()
     pods = context.Process(target=run_pods, args=(arguments.pods, queue), daemon=True)
     pods.start()
-    started = Processes({"pods": pods}, {}, [])
+    started = Processes({"pods": pods}, {}, [], context.Value("q", 0))
     try:
         started.pods = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
         pods_file = directory / "pods.yaml"
@@ -450,6 +499,22 @@ def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes
         }
         if arguments.pick_first:
             targets["c'"] = (run_pick_first, (first,))
+        if arguments.tracing:
+            collector = started.ports["collector"] = free_port()
+            started.running["collector"] = context.Process(
+                target=run_collector, args=(collector, started.spans), daemon=True
+            )
+            started.running["collector"].start()
+            endpoint = f"127.0.0.1:{collector}"
+            targets["d"] = (
+                run_policyd,
+                (
+                    str(pods_file),
+                    (arguments.profile + ".d") if arguments.profile else "",
+                    arguments.scrape_in_process,
+                    endpoint,
+                ),
+            )
         for key, (target, target_arguments) in targets.items():
             port = started.ports[key] = free_port()
             process = context.Process(target=target, args=(port, *target_arguments), daemon=True)
@@ -469,7 +534,9 @@ async def main(arguments: argparse.Namespace) -> None:
         processes = start_processes(arguments, directory)
         set_ups: list[SetUp] = []
         try:
-            await policyd_ready(processes.ports["c"], len(processes.pods))
+            for key in ("c", "d"):
+                if key in processes.running:
+                    await policyd_ready(processes.ports[key], len(processes.pods))
             idle_core, idle_children = await cpu_share(processes.pid("c"), seconds=3.0)
             first = processes.pods[0]
             set_ups.append(start_envoy("(a) envoy -> pod", directory, None, first))
@@ -477,6 +544,7 @@ async def main(arguments: argparse.Namespace) -> None:
                 ("b", "(b) + no-op ext_proc"),
                 ("c", f"(c) + policyd, {arguments.pods} pods"),
                 ("c'", "(c') + policyd pick-first"),
+                ("d", "(d) + policyd with tracing"),
             ):
                 if key in processes.running:
                     set_ups.append(
@@ -485,6 +553,9 @@ async def main(arguments: argparse.Namespace) -> None:
                         )
                     )
             await measure(set_ups, arguments)
+            if "d" in processes.running:
+                await asyncio.sleep(6)  # the batch processor exports every 5 s
+            spans = processes.spans.value
         finally:
             for set_up in set_ups:
                 if set_up.session is not None:
@@ -502,6 +573,12 @@ async def main(arguments: argparse.Namespace) -> None:
             print(
                 f"(c) child processes' CPU during the throughput phases: "
                 f"{set_up.children_us_per_request:.0f} us/req (not in the table)"
+            )
+        if set_up.name.startswith("(d)"):
+            served = set_up.completed + len(set_up.latencies_ms)
+            print(
+                f"(d) spans the collector received: {spans} for {served} requests "
+                "(the SDK drops spans when its export queue is full)"
             )
 
 
@@ -558,6 +635,7 @@ def report(set_ups: list[SetUp]) -> None:
         ("ext_proc floor (b)-(a)", "(a)", "(b)"),
         ("policyd extra  (c)-(b)", "(b)", "(c)"),
         ("serving path  (c')-(b)", "(b)", "(c')"),
+        ("tracing       (d)-(c)", "(c)", "(d)"),
     ):
         if more in results:
             (base50, base99, base_rps), (p50, p99, rps) = results[base], results[more]
@@ -566,6 +644,8 @@ def report(set_ups: list[SetUp]) -> None:
                 f"req/s x{rps / base_rps:.2f}"
             )
     print("goals: (c) - (b) p50 <= +0.5 ms at concurrency 1; (c) req/s >= 0.85 x (b)")
+    if "(d)" in results:
+        print("goal: tracing costs under 10% of throughput, (d) req/s >= 0.9 x (c)")
 
 
 if __name__ == "__main__":
@@ -577,6 +657,9 @@ if __name__ == "__main__":
     parser.add_argument("--pods", type=int, default=100, help="pods policyd scrapes and routes to")
     parser.add_argument(
         "--pick-first", action="store_true", help="also measure (c'): serving path, no policy"
+    )
+    parser.add_argument(
+        "--tracing", action="store_true", help="also measure (d): (c) exporting a span per request"
     )
     parser.add_argument(
         "--scrape-in-process",

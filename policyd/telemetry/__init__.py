@@ -24,14 +24,16 @@ from policyd.telemetry.record import DecisionTelemetry, RequestRecord
 from policyd.telemetry.setup import (
     PolicydTelemetry,
     build_telemetry,
-    tracer_provider_from_env,
+    tracer_from_env,
     tracing_configured,
 )
+from policyd.telemetry.tracing import DecisionTracer
 
 __all__ = [
     "DecisionLog",
     "DecisionMetrics",
     "DecisionTelemetry",
+    "DecisionTracer",
     "MetricsServer",
     "PolicydTelemetry",
     "PoolCollector",
@@ -39,6 +41,6 @@ __all__ = [
     "build_telemetry",
     "combine",
     "start_metrics_server",
-    "tracer_provider_from_env",
+    "tracer_from_env",
     "tracing_configured",
 ]

@@ -11,6 +11,7 @@ runs into the SDK's attribute and event limits.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 # -- OpenTelemetry semantic conventions ------------------------------------------------
@@ -87,6 +88,7 @@ _OPERATIONS: Final = (
 )
 
 
+@functools.lru_cache(maxsize=1024)  # a gateway serves a handful of paths
 def operation_name(path: str) -> str:
     """``gen_ai.operation.name`` for an OpenAI-style path."""
     for suffix, operation in _OPERATIONS:
@@ -100,6 +102,7 @@ def span_name(operation: str, model: str) -> str:
     return f"{operation} {model}" if model else operation
 
 
+@functools.lru_cache(maxsize=4096)  # one entry per pod
 def split_endpoint(endpoint: str) -> tuple[str, int | None]:
     """``server.address`` and ``server.port`` of an ``ip:port`` (IPv6 in brackets)."""
     host, _, port = endpoint.rpartition(":")

@@ -33,29 +33,31 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Event, EventBase
 from opentelemetry.trace import (
     NonRecordingSpan,
-    Span,
     SpanContext,
-    SpanKind,
     Status,
     StatusCode,
     TraceFlags,
-    Tracer,
     TraceState,
     set_span_in_context,
 )
 
-from policyd.policy.decision import Decision, Outcome, ShadowResult
+from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
 from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
 from policyd.telemetry.decision_log import DecisionLog
 from policyd.telemetry.metrics import DecisionMetrics
+from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, FrozenEvent, StartedSpan
 
 log = logging.getLogger(__name__)
 
 _EMPTY: Final[Mapping[str, str]] = {}
 _NO_PARENT: Final = Context()
+_UNSET: Final = Status()
+_FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last field
+_NODE_EVENTS_KEPT: Final = 4096  # filter-tree steps whose event attributes are kept for reuse
 
 
 class DecisionTelemetry:
@@ -64,13 +66,28 @@ class DecisionTelemetry:
     def __init__(
         self,
         *,
-        tracer: Tracer | None = None,
+        tracer: DecisionTracer | None = None,
         metrics: DecisionMetrics | None = None,
         decision_log: DecisionLog | None = None,
     ) -> None:
         self.tracer = tracer
         self.metrics = metrics
         self.decision_log = decision_log
+        # A reused filter-tree walk hands out the same NodeTrace objects: their
+        # event attributes are made (and OTLP-encoded) once. Keyed by identity,
+        # holding the step so that its id cannot be reused while it is here.
+        self._node_events: dict[int, tuple[NodeTrace, FrozenAttributes]] = {}
+
+    def node_event_attributes(self, step: NodeTrace) -> FrozenAttributes:
+        """The attributes of ``step``'s span event, made once per step object."""
+        known = self._node_events.get(id(step))
+        if known is not None and known[0] is step:
+            return known[1]
+        attributes = FrozenAttributes(_node_event(step))
+        if len(self._node_events) >= _NODE_EVENTS_KEPT:
+            self._node_events.clear()
+        self._node_events[id(step)] = (step, attributes)
+        return attributes
 
     def start(
         self,
@@ -96,12 +113,15 @@ class RequestRecord:
         "_deferred_done",
         "_end_ns",
         "_entry",
+        "_events",
         "_finished",
         "_owner",
         "_pending_end",
         "_request",
         "_seconds",
         "_span",
+        "_span_attributes",
+        "_span_status",
         "_status",
         "_to_headers",
         "upstream_headers",
@@ -127,18 +147,20 @@ class RequestRecord:
         self._finished = False
         self._pending_end: dict[str, Any] | None = None
         self._end_ns = 0
-        self._span: Span | None = None
+        self._span: StartedSpan | None = None
+        self._span_attributes: dict[str, Any] = {}
+        self._events: list[EventBase] = []
+        self._span_status = _UNSET
         self.upstream_headers: Mapping[str, str] = _EMPTY
         tracer = owner.tracer
         if tracer is not None:
-            span = tracer.start_span(
+            span = tracer.start(
                 a.span_name(a.operation_name(request.path), request.model),
-                context=_parent(carrier),
-                kind=SpanKind.INTERNAL,
-                start_time=time.time_ns() - int(decision_seconds * 1e9),
+                _parent(carrier),
+                time.time_ns() - int(decision_seconds * 1e9),
             )
             self._span = span
-            self.upstream_headers = _trace_headers(span)
+            self.upstream_headers = _trace_headers(span.context)
         log_ = owner.decision_log
         self._entry: dict[str, Any] | None = {} if log_ is not None and log_.sampled() else None
 
@@ -167,12 +189,12 @@ class RequestRecord:
             metrics.decision(decision, self._seconds)
             if trial is not None:
                 metrics.shadows(decision.policy, shadows, trial.seconds)
-        if self._span is not None and self._span.is_recording():
-            self._annotate(self._span, shadows)
+        if self._span is not None and self._span.recording:
+            self._annotate(shadows)
         if self._entry is not None:
             self._entry.update(self._log_decision(shadows))
 
-    def _annotate(self, span: Span, shadows: tuple[ShadowResult, ...]) -> None:
+    def _annotate(self, shadows: tuple[ShadowResult, ...]) -> None:
         decision = self._decision
         request = self._request
         attributes: dict[str, Any] = {
@@ -210,37 +232,21 @@ class RequestRecord:
             attributes[a.ERROR_TYPE] = decision.outcome.value
         if decision.scores:
             top = decision.scores[: a.MAX_LISTED_PODS]
-            attributes[a.SCORED_PODS] = [name for name, _ in top]
-            attributes[a.SCORED_VALUES] = [score for _, score in top]
+            attributes[a.SCORED_PODS] = tuple([name for name, _ in top])
+            attributes[a.SCORED_VALUES] = tuple([score for _, score in top])
         if decision.shadows is not None:
             attributes[a.SHADOWS] = len(shadows)
             attributes[a.SHADOWS_AGREED] = sum(1 for s in shadows if s.agreement.agrees)
-        span.set_attributes(attributes)
-        if decision.outcome is Outcome.ERROR:
-            span.set_status(Status(StatusCode.ERROR, a.clip(decision.reason)))
-        at = int(self._decided_wall * 1e9)
-        for step in decision.trace[: a.MAX_NODE_EVENTS]:
-            event: dict[str, Any] = {
-                a.NODE_NAME: step.node,
-                a.NODE_KIND: step.kind,
-                a.NODE_IN: step.candidates_in,
-                a.NODE_KEPT: len(step.kept),
-                a.NODE_ERRORS: len(step.errors),
-            }
-            if step.kept:
-                event[a.NODE_KEPT_PODS] = step.kept[: a.MAX_LISTED_PODS]
-            if step.errors:
-                pod, message = step.errors[0]
-                event[a.NODE_FIRST_ERROR] = a.clip(f"{pod}: {message}" if pod else message)
-            if step.branch:
-                event[a.NODE_BRANCH] = step.branch
-            if step.next:
-                event[a.NODE_NEXT] = step.next
-            if step.note:
-                event[a.NODE_NOTE] = a.clip(step.note)
-            span.add_event(a.NODE_EVENT, event, timestamp=at)
         if len(decision.trace) > a.MAX_NODE_EVENTS:
-            span.set_attribute(a.NODE_EVENTS_DROPPED, len(decision.trace) - a.MAX_NODE_EVENTS)
+            attributes[a.NODE_EVENTS_DROPPED] = len(decision.trace) - a.MAX_NODE_EVENTS
+        self._span_attributes = attributes
+        if decision.outcome is Outcome.ERROR:
+            self._span_status = Status(StatusCode.ERROR, a.clip(decision.reason))
+        at = int(self._decided_wall * 1e9)
+        events = self._events
+        node_event = self._owner.node_event_attributes
+        for step in decision.trace[: a.MAX_NODE_EVENTS]:
+            events.append(FrozenEvent(a.NODE_EVENT, node_event(step), at))
         for shadow in shadows:
             would = shadow.decision
             event = {
@@ -255,7 +261,7 @@ class RequestRecord:
                 event[a.SHADOW_ENDPOINT] = would.endpoint
             if would.reason:
                 event[a.SHADOW_REASON] = a.clip(would.reason)
-            span.add_event(a.SHADOW_EVENT, event)
+            events.append(Event(a.SHADOW_EVENT, event, at))
 
     def _log_decision(self, shadows: tuple[ShadowResult, ...]) -> dict[str, Any]:
         decision = self._decision
@@ -320,7 +326,7 @@ class RequestRecord:
     def _trace_ids(self) -> tuple[str, str]:
         """The decision span's ids, else the trace the request came with, else empty."""
         if self._span is not None:
-            context = self._span.get_span_context()
+            context = self._span.context
             if context.is_valid:
                 return f"{context.trace_id:032x}", f"{context.span_id:016x}"
         parts = self._carrier.get("traceparent", "").split("-")
@@ -381,27 +387,25 @@ class RequestRecord:
                 duration_seconds=duration_seconds,
             )
         span = self._span
-        if span is not None:
-            if span.is_recording():
-                outcome: dict[str, Any] = {
-                    a.RESPONSE_COMPLETED: completed,
-                    a.RESPONSE_DURATION: duration_seconds,
-                }
-                if self._status:
-                    outcome[a.HTTP_STATUS] = self._status
-                if self._to_headers is not None:
-                    outcome[a.TIME_TO_HEADERS] = self._to_headers
-                if first_body_seconds is not None:
-                    outcome[a.TIME_TO_FIRST_TOKEN] = first_body_seconds
-                if prompt_tokens is not None:
-                    outcome[a.GEN_AI_INPUT_TOKENS] = prompt_tokens
-                if completion_tokens is not None:
-                    outcome[a.GEN_AI_OUTPUT_TOKENS] = completion_tokens
-                span.set_attributes(outcome)
-                if routed and self._status >= 500:
-                    span.set_attribute(a.ERROR_TYPE, str(self._status))
-                    span.set_status(Status(StatusCode.ERROR))
-            span.end(end_time=self._end_ns)
+        tracer = self._owner.tracer
+        if span is not None and span.recording and tracer is not None:
+            attributes = self._span_attributes
+            attributes[a.RESPONSE_COMPLETED] = completed
+            attributes[a.RESPONSE_DURATION] = duration_seconds
+            if self._status:
+                attributes[a.HTTP_STATUS] = self._status
+            if self._to_headers is not None:
+                attributes[a.TIME_TO_HEADERS] = self._to_headers
+            if first_body_seconds is not None:
+                attributes[a.TIME_TO_FIRST_TOKEN] = first_body_seconds
+            if prompt_tokens is not None:
+                attributes[a.GEN_AI_INPUT_TOKENS] = prompt_tokens
+            if completion_tokens is not None:
+                attributes[a.GEN_AI_OUTPUT_TOKENS] = completion_tokens
+            if routed and self._status >= 500:
+                attributes[a.ERROR_TYPE] = str(self._status)
+                self._span_status = Status(StatusCode.ERROR)
+            tracer.finish(span, self._end_ns, attributes, self._events, self._span_status)
         entry = self._entry
         decision_log = self._owner.decision_log
         if entry is not None and decision_log is not None:
@@ -415,6 +419,29 @@ class RequestRecord:
                 "completion_tokens": completion_tokens,
             }
             decision_log.write(entry)
+
+
+def _node_event(step: NodeTrace) -> dict[str, Any]:
+    """A filter node's span event: what went in, what stayed, errors, where the walk went."""
+    event: dict[str, Any] = {
+        a.NODE_NAME: step.node,
+        a.NODE_KIND: step.kind,
+        a.NODE_IN: step.candidates_in,
+        a.NODE_KEPT: len(step.kept),
+        a.NODE_ERRORS: len(step.errors),
+    }
+    if step.kept:
+        event[a.NODE_KEPT_PODS] = step.kept[: a.MAX_LISTED_PODS]
+    if step.errors:
+        pod, message = step.errors[0]
+        event[a.NODE_FIRST_ERROR] = a.clip(f"{pod}: {message}" if pod else message)
+    if step.branch:
+        event[a.NODE_BRANCH] = step.branch
+    if step.next:
+        event[a.NODE_NEXT] = step.next
+    if step.note:
+        event[a.NODE_NOTE] = a.clip(step.note)
+    return event
 
 
 def _parent(carrier: Mapping[str, str]) -> Context:
@@ -445,16 +472,13 @@ def _parent(carrier: Mapping[str, str]) -> Context:
     return set_span_in_context(NonRecordingSpan(parent), _NO_PARENT)
 
 
-def _trace_headers(span: Span) -> Mapping[str, str]:
+def _trace_headers(context: SpanContext) -> Mapping[str, str]:
     """W3C trace context naming the decision span as the parent of what follows."""
-    context = span.get_span_context()
     if not context.is_valid:
         return _EMPTY
-    headers = {
-        "traceparent": (
-            f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
-        )
-    }
+    trace_id = context.trace_id.to_bytes(16, "big").hex()
+    span_id = context.span_id.to_bytes(8, "big").hex()
+    headers = {"traceparent": f"00-{trace_id}-{span_id}-{_FLAGS[context.trace_flags & 0xFF]}"}
     if context.trace_state:
         headers["tracestate"] = context.trace_state.to_header()
     return headers

@@ -27,12 +27,14 @@ from typing import Final
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry
 
 from policyd import __version__
 from policyd.telemetry.decision_log import DecisionLog
 from policyd.telemetry.metrics import DecisionMetrics
 from policyd.telemetry.record import DecisionTelemetry
+from policyd.telemetry.tracing import DecisionTracer
 
 DEFAULT_SERVICE_NAME: Final = "policyd"
 INSTRUMENTATION_NAME: Final = "policyd"
@@ -40,27 +42,12 @@ _TRUE: Final = ("true", "1", "yes")
 
 
 class PolicydTelemetry(DecisionTelemetry):
-    """``DecisionTelemetry`` plus what it owns: the tracer provider and the log writer."""
-
-    def __init__(
-        self,
-        *,
-        tracer_provider: TracerProvider | None,
-        metrics: DecisionMetrics | None,
-        decision_log: DecisionLog | None,
-    ) -> None:
-        tracer = (
-            tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
-            if tracer_provider is not None
-            else None
-        )
-        super().__init__(tracer=tracer, metrics=metrics, decision_log=decision_log)
-        self.tracer_provider = tracer_provider
+    """``DecisionTelemetry`` that owns its tracer's exporters and its log writer."""
 
     def shutdown(self) -> None:
         """Export the spans still queued and write the log entries still queued."""
-        if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()
         if self.decision_log is not None:
             self.decision_log.close()
 
@@ -84,16 +71,16 @@ def build_telemetry(
     """
     environ = os.environ
     enabled = tracing if tracing is not None else bool(otlp_endpoint) or tracing_configured(environ)
-    provider = None
+    tracer = None
     if enabled and not _flag(environ, "OTEL_SDK_DISABLED"):
-        provider = tracer_provider_from_env(otlp_endpoint=otlp_endpoint)
+        tracer = tracer_from_env(otlp_endpoint=otlp_endpoint)
     log = (
         DecisionLog.open(decision_log, sample_rate=decision_log_sample_rate)
         if decision_log
         else None
     )
     return PolicydTelemetry(
-        tracer_provider=provider,
+        tracer=tracer,
         metrics=DecisionMetrics(registry) if metrics else None,
         decision_log=log,
     )
@@ -113,18 +100,25 @@ def tracing_configured(environ: Mapping[str, str] = os.environ) -> bool:
     )
 
 
-def tracer_provider_from_env(*, otlp_endpoint: str = "") -> TracerProvider:
-    """A tracer provider with a batch processor per configured exporter (``os.environ``)."""
+def tracer_from_env(*, otlp_endpoint: str = "") -> DecisionTracer:
+    """A decision tracer with a batch processor per configured exporter (``os.environ``)."""
     environ = os.environ
     resource = Resource.create()  # OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-    provider = TracerProvider(resource=resource)  # the sampler from OTEL_TRACES_SAMPLER
-    for name in _exporters(environ):
-        if name == "none":
-            continue
-        provider.add_span_processor(BatchSpanProcessor(_exporter(name, otlp_endpoint, environ)))
-    return provider
+    # The sampler as the SDK's provider reads it from OTEL_TRACES_SAMPLER(_ARG).
+    sampler = TracerProvider(resource=resource, shutdown_on_exit=False).sampler
+    processors = [
+        BatchSpanProcessor(_exporter(name, otlp_endpoint, environ))
+        for name in _exporters(environ)
+        if name != "none"
+    ]
+    return DecisionTracer(
+        processors=processors,
+        resource=resource,
+        sampler=sampler,
+        scope=InstrumentationScope(INSTRUMENTATION_NAME, __version__),
+    )
 
 
 def _exporters(environ: Mapping[str, str]) -> list[str]:
@@ -145,11 +139,9 @@ def _exporter(name: str, endpoint: str, environ: Mapping[str, str]) -> SpanExpor
     base = endpoint if "://" in endpoint or not endpoint else f"http://{endpoint}"
     try:
         if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
-                OTLPSpanExporter as GrpcExporter,
-            )
+            from policyd.telemetry.otlp_exporter import GrpcSpanExporter  # noqa: PLC0415
 
-            return GrpcExporter(endpoint=base) if base else GrpcExporter()
+            return GrpcSpanExporter(endpoint=base) if base else GrpcSpanExporter()
         if protocol == "http/protobuf":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
                 OTLPSpanExporter as HttpExporter,

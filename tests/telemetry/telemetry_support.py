@@ -8,12 +8,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from policyd.policy import PolicyStore, Request, Router
 from policyd.pool.pod import Pod
+from policyd.telemetry import DecisionTracer
 
 # The live policy: keep pods with a short queue, prefer free KV cache, one fallback.
 LIVE = """
@@ -81,9 +82,9 @@ def request(**fields: object) -> Request:
 
 @dataclass
 class Spans:
-    """A tracer provider exporting synchronously into memory."""
+    """A decision tracer exporting synchronously into memory."""
 
-    provider: TracerProvider
+    tracer: DecisionTracer
     exporter: InMemorySpanExporter
 
     def finished(self) -> tuple[ReadableSpan, ...]:
@@ -96,7 +97,6 @@ class Spans:
 
 def in_memory_spans() -> Iterator[Spans]:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield Spans(provider, exporter)
-    provider.shutdown()
+    tracer = DecisionTracer(processors=[SimpleSpanProcessor(exporter)])
+    yield Spans(tracer, exporter)
+    tracer.shutdown()

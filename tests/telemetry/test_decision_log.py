@@ -39,7 +39,7 @@ def test_a_line_holds_the_inputs_the_walk_the_pick_and_the_response(
 ) -> None:
     out = io.StringIO()
     log = DecisionLog(out)
-    telemetry = DecisionTelemetry(tracer=spans.provider.get_tracer("t"), decision_log=log)
+    telemetry = DecisionTelemetry(tracer=spans.tracer, decision_log=log)
     one_request(telemetry, tmp_path, CARRIER)
     log.close()
     (entry,) = lines(out)

@@ -53,7 +53,7 @@ class Rig:
 async def rig(tmp_path: Path, spans: Spans) -> AsyncIterator[Rig]:
     router = router_for(tmp_path)
     metrics = DecisionMetrics()
-    telemetry = DecisionTelemetry(tracer=spans.provider.get_tracer("t"), metrics=metrics)
+    telemetry = DecisionTelemetry(tracer=spans.tracer, metrics=metrics)
     snapshot = Snapshot(tuple(pods()))
     server = ExtProcServer(
         lambda: router,

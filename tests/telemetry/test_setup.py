@@ -6,14 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from telemetry_support import pods, request
 
 from policyd.policy.decision import Decision, Outcome
-from policyd.telemetry import build_telemetry, combine, tracing_configured
+from policyd.telemetry import DecisionTracer, build_telemetry, combine, tracing_configured
+from policyd.telemetry.otlp_exporter import GrpcSpanExporter
 
 OTEL = (
     "OTEL_SDK_DISABLED",
@@ -35,15 +34,14 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def exporters(provider: TracerProvider | None) -> list[Any]:
-    assert provider is not None
-    processors = provider._active_span_processor._span_processors
-    return [p._batch_processor._exporter for p in processors]
+def exporters(tracer: DecisionTracer | None) -> list[Any]:
+    assert tracer is not None
+    return [p._batch_processor._exporter for p in tracer.processors]
 
 
 def test_unconfigured_tracing_stays_off_and_metrics_are_on() -> None:
     telemetry = build_telemetry()
-    assert telemetry.tracer is None and telemetry.tracer_provider is None
+    assert telemetry.tracer is None
     assert telemetry.metrics is not None
     assert telemetry.decision_log is None
     telemetry.shutdown()
@@ -68,12 +66,12 @@ def test_grpc_is_the_default_protocol_and_http_protobuf_is_supported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     telemetry = build_telemetry(otlp_endpoint="127.0.0.1:4317")
-    (exporter,) = exporters(telemetry.tracer_provider)
-    assert isinstance(exporter, GrpcExporter)
+    (exporter,) = exporters(telemetry.tracer)
+    assert isinstance(exporter, GrpcSpanExporter)
     telemetry.shutdown()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     telemetry = build_telemetry(otlp_endpoint="127.0.0.1:4318")
-    (exporter,) = exporters(telemetry.tracer_provider)
+    (exporter,) = exporters(telemetry.tracer)
     assert isinstance(exporter, HttpExporter)
     assert exporter._endpoint == "http://127.0.0.1:4318/v1/traces"
     telemetry.shutdown()
@@ -85,8 +83,8 @@ def test_grpc_is_the_default_protocol_and_http_protobuf_is_supported(
 def test_several_exporters_and_unknown_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console,otlp")
     telemetry = build_telemetry()
-    kinds = [type(e) for e in exporters(telemetry.tracer_provider)]
-    assert kinds == [ConsoleSpanExporter, GrpcExporter]
+    kinds = [type(e) for e in exporters(telemetry.tracer)]
+    assert kinds == [ConsoleSpanExporter, GrpcSpanExporter]
     telemetry.shutdown()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER=zipkin is not supported"):
@@ -98,14 +96,14 @@ def test_the_service_name_defaults_to_policyd_and_the_environment_wins(
 ) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging")
-    provider = build_telemetry().tracer_provider
-    assert provider is not None
-    assert provider.resource.attributes["service.name"] == "policyd"
-    assert provider.resource.attributes["deployment.environment"] == "staging"
+    tracer = build_telemetry().tracer
+    assert tracer is not None
+    assert tracer.resource.attributes["service.name"] == "policyd"
+    assert tracer.resource.attributes["deployment.environment"] == "staging"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "policyd-eu")
-    provider = build_telemetry().tracer_provider
-    assert provider is not None
-    assert provider.resource.attributes["service.name"] == "policyd-eu"
+    tracer = build_telemetry().tracer
+    assert tracer is not None
+    assert tracer.resource.attributes["service.name"] == "policyd-eu"
 
 
 def test_the_sampler_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +112,7 @@ def test_the_sampler_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     telemetry = build_telemetry()
     decision = Decision(Outcome.ROUTED, "p", "1", "m", endpoint="10.0.0.1:8000", pod="a")
     record = telemetry.start(request(), decision, {}, 0.0)
-    assert record._span is not None and not record._span.is_recording()
+    assert record._span is not None and not record._span.recording
     telemetry.shutdown()
 
 

@@ -22,7 +22,7 @@ CARRIER = {"traceparent": f"00-{ENVOY_TRACE}-{ENVOY_SPAN}-01"}
 
 
 def telemetry(spans: Spans) -> DecisionTelemetry:
-    return DecisionTelemetry(tracer=spans.provider.get_tracer("test"))
+    return DecisionTelemetry(tracer=spans.tracer)
 
 
 def routed_end(record: object, **overrides: object) -> None:

@@ -105,9 +105,9 @@ async def gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Tra
 
 async def flush(gateway: TracedGateway) -> None:
     """Export policyd's finished spans now (off the loop: the collector runs on it)."""
-    provider = gateway.telemetry.tracer_provider
-    assert provider is not None
-    await asyncio.to_thread(provider.force_flush)
+    tracer = gateway.telemetry.tracer
+    assert tracer is not None
+    await asyncio.to_thread(tracer.force_flush)
 
 
 async def test_one_request_is_one_trace_from_envoy_through_policyd_to_the_pod(

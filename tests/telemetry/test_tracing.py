@@ -1,0 +1,119 @@
+"""DecisionTracer: the SDK's sampler, ids and processors around policyd's own span."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    Status,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
+from opentelemetry.trace.span import TraceState
+
+from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, FrozenEvent
+
+
+class RecordOnly(Sampler):
+    """Records without sampling, adds an attribute and a tracestate entry."""
+
+    def should_sample(self, parent_context: Any, trace_id: int, *args: Any, **kw: Any) -> Any:
+        return SamplingResult(
+            Decision.RECORD_ONLY, {"sampler.rule": "canary"}, TraceState([("policyd", "r1")])
+        )
+
+    def get_description(self) -> str:
+        return "RecordOnly"
+
+
+class Exploding(SpanProcessor):
+    def on_end(self, span: ReadableSpan) -> None:
+        raise RuntimeError("processor down")
+
+
+class Collecting(SpanProcessor):
+    """Sees every span handed to processors, sampled or not (the SDK's own drop them)."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
+
+
+def remote_parent(flags: int = 1) -> Context:
+    parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(flags))
+    return set_span_in_context(NonRecordingSpan(parent), Context())
+
+
+def finish(tracer: DecisionTracer, parent: Context, events: Sequence[Any] = ()) -> None:
+    span = tracer.start("chat m", parent, 100)
+    tracer.finish(span, 200, {"policyd.pod": "vllm-0"}, events, Status(StatusCode.OK))
+
+
+def test_a_span_joins_its_remote_parent_and_reaches_the_exporter() -> None:
+    exporter = InMemorySpanExporter()
+    tracer = DecisionTracer(processors=[SimpleSpanProcessor(exporter)])
+    node = FrozenAttributes({"policyd.node.name": "has capacity", "policyd.node.kept": 3})
+    finish(tracer, remote_parent(), [FrozenEvent("policyd.node", node, 150)])
+    (span,) = exporter.get_finished_spans()
+    assert span.context is not None and span.context.trace_id == 0xABC
+    assert span.parent is not None and span.parent.span_id == 0xDEF and span.parent.is_remote
+    assert span.context.trace_flags.sampled
+    assert (span.start_time, span.end_time) == (100, 200)
+    assert dict(span.attributes or {}) == {"policyd.pod": "vllm-0"}
+    assert span.status.status_code is StatusCode.OK
+    (event,) = span.events
+    assert (event.name, event.timestamp, dict(event.attributes or {})) == (
+        "policyd.node",
+        150,
+        {"policyd.node.name": "has capacity", "policyd.node.kept": 3},
+    )
+
+
+def test_parent_based_sampling_follows_an_unsampled_parent() -> None:
+    collecting = Collecting()
+    tracer = DecisionTracer(processors=[collecting])
+    span = tracer.start("chat m", remote_parent(flags=0), 100)
+    assert not span.recording and not span.context.trace_flags.sampled
+    assert span.context.trace_id == 0xABC  # the context still goes upstream
+    tracer.finish(span, 200, {}, (), Status())
+    assert collecting.spans == []
+
+
+def test_the_samplers_attributes_and_tracestate_are_kept() -> None:
+    collecting = Collecting()
+    tracer = DecisionTracer(processors=[collecting], sampler=RecordOnly())
+    finish(tracer, Context())
+    (span,) = collecting.spans
+    assert span.context is not None and not span.context.trace_flags.sampled
+    assert span.context.trace_state.get("policyd") == "r1"
+    assert span.parent is None
+    assert dict(span.attributes or {}) == {"sampler.rule": "canary", "policyd.pod": "vllm-0"}
+
+
+def test_a_failing_processor_is_logged_and_the_next_still_gets_the_span(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    exporter = InMemorySpanExporter()
+    tracer = DecisionTracer(processors=[Exploding(), SimpleSpanProcessor(exporter)])
+    finish(tracer, Context())
+    assert len(exporter.get_finished_spans()) == 1
+    assert "span processor Exploding failed" in caplog.text
+
+
+def test_frozen_attributes_read_like_a_mapping_and_cannot_be_changed() -> None:
+    attributes = FrozenAttributes({"a": 1, "b": ("x", "y")})
+    assert dict(attributes) == {"a": 1, "b": ("x", "y")} and len(attributes) == 2
+    with pytest.raises(TypeError):
+        attributes["a"] = 2  # type: ignore[index]

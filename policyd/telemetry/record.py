@@ -148,8 +148,8 @@ class RequestRecord:
         self._pending_end: dict[str, Any] | None = None
         self._end_ns = 0
         self._span: StartedSpan | None = None
-        self._span_attributes: dict[str, Any] = {}
-        self._events: list[EventBase] = []
+        self._span_attributes: dict[str, Any] | None = None  # made by _annotate
+        self._events: list[EventBase] | None = None
         self._span_status = _UNSET
         self.upstream_headers: Mapping[str, str] = _EMPTY
         tracer = owner.tracer
@@ -243,7 +243,8 @@ class RequestRecord:
         if decision.outcome is Outcome.ERROR:
             self._span_status = Status(StatusCode.ERROR, a.clip(decision.reason))
         at = int(self._decided_wall * 1e9)
-        events = self._events
+        events: list[EventBase] = []
+        self._events = events
         node_event = self._owner.node_event_attributes
         for step in decision.trace[: a.MAX_NODE_EVENTS]:
             events.append(FrozenEvent(a.NODE_EVENT, node_event(step), at))
@@ -389,7 +390,7 @@ class RequestRecord:
         span = self._span
         tracer = self._owner.tracer
         if span is not None and span.recording and tracer is not None:
-            attributes = self._span_attributes
+            attributes = self._span_attributes if self._span_attributes is not None else {}
             attributes[a.RESPONSE_COMPLETED] = completed
             attributes[a.RESPONSE_DURATION] = duration_seconds
             if self._status:
@@ -405,7 +406,8 @@ class RequestRecord:
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
-            tracer.finish(span, self._end_ns, attributes, self._events, self._span_status)
+            events = self._events if self._events is not None else ()
+            tracer.finish(span, self._end_ns, attributes, events, self._span_status)
         entry = self._entry
         decision_log = self._owner.decision_log
         if entry is not None and decision_log is not None:

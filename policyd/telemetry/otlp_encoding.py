@@ -5,9 +5,10 @@ attribute value, key-value pair, event and span, about 8 us per attribute
 here; a decision span carries some 65 (attributes plus node events), so
 encoding cost ~530 us per span, several times the decision itself, on the
 batch thread of the serving process. Writing the protobuf wire format
-directly, with the encoded attribute keys, string pairs, resources, scopes and
-shared node events (``FrozenAttributes``) cached, costs a fraction of that
-(``benchmarks/overhead.py --tracing``).
+directly, with the encoded attribute keys, recurring pairs, resources, scopes
+and shared node events (``FrozenAttributes``) cached, costs a fifth of that
+when nothing is shared and about a tenth when walks are reused
+(``benchmarks/telemetry.py``).
 
 The output is the same message the SDK's ``encode_spans`` builds, field for
 field (``tests/telemetry/test_otlp_encoding.py`` parses both and compares);
@@ -43,8 +44,6 @@ _SPAN_KINDS: Final = {  # SpanKind to Span.SpanKind (0 is unspecified)
 }
 
 _CACHE_LIMIT: Final = 4096  # entries per cache: keys come from code, values may not
-
-
 _BYTES: Final = [bytes((i,)) for i in range(0x100)]  # tags, and varints under 0x80
 
 

@@ -102,6 +102,12 @@ def span_name(operation: str, model: str) -> str:
     return f"{operation} {model}" if model else operation
 
 
+@functools.lru_cache(maxsize=4096)  # paths times models: few
+def decision_span_name(path: str, model: str) -> str:
+    """The decision span's name for a request to ``path`` for ``model``."""
+    return span_name(operation_name(path), model)
+
+
 @functools.lru_cache(maxsize=4096)  # one entry per pod
 def split_endpoint(endpoint: str) -> tuple[str, int | None]:
     """``server.address`` and ``server.port`` of an ``ip:port`` (IPv6 in brackets)."""

@@ -25,7 +25,7 @@ from typing import Any, Final
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext, SpanKind, TraceState
 
-from policyd.telemetry.tracing import FrozenAttributes
+from policyd.telemetry.tracing import FrozenAttributes, FrozenEvent
 
 _FIXED64: Final = struct.Struct("<Q").pack
 _FIXED32: Final = struct.Struct("<I").pack
@@ -198,6 +198,13 @@ class SpanEncoder:
 
     def _event(self, event: Any) -> bytes:
         timestamp = event.timestamp
+        if type(event) is FrozenEvent and timestamp:  # name and attributes made once
+            shared = event.attributes.encoded
+            rest = shared.get(event.name)
+            if rest is None:
+                head = _field(0x12, event.name.encode()) if event.name else b""
+                rest = shared[event.name] = head + self._attributes(0x1A, event.attributes)
+            return b"\x09" + _FIXED64(timestamp) + rest
         name = self._names.get(event.name)
         if name is None:
             name = _field(0x12, event.name.encode()) if event.name else b""

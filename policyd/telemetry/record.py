@@ -140,7 +140,8 @@ class RequestRecord:
         self._decision = decision
         self._carrier = carrier
         self._seconds = decision_seconds
-        self._decided_wall = time.time()
+        now_ns = time.time_ns()
+        self._decided_wall = now_ns / 1e9
         self._status = 0
         self._to_headers: float | None = None
         self._deferred_done = False
@@ -155,9 +156,9 @@ class RequestRecord:
         tracer = owner.tracer
         if tracer is not None:
             span = tracer.start(
-                a.span_name(a.operation_name(request.path), request.model),
+                a.decision_span_name(request.path, request.model),
                 _parent(carrier),
-                time.time_ns() - int(decision_seconds * 1e9),
+                now_ns - int(decision_seconds * 1e9),
             )
             self._span = span
             self.upstream_headers = _trace_headers(span.context)
@@ -451,7 +452,9 @@ def _parent(carrier: Mapping[str, str]) -> Context:
 
     An absent or malformed header gives an empty context: the span is a root.
     """
-    header = carrier.get("traceparent", "")
+    header = carrier.get("traceparent")
+    if not header:
+        return _NO_PARENT
     parts = header.split("-")
     if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
         return _NO_PARENT

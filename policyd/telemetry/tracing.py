@@ -49,7 +49,9 @@ class FrozenAttributes(Mapping[str, Any]):
 
     def __init__(self, items: Mapping[str, Any]) -> None:
         self._items = dict(items)
-        self.encoded: dict[int, bytes] = {}  # by the field tag it was encoded under
+        # Encodings made of these by the OTLP encoder: the pairs under a field
+        # tag (int), and a whole event but its time under the event's name (str).
+        self.encoded: dict[int | str, bytes] = {}
 
     def __getitem__(self, key: str) -> Any:
         return self._items[key]

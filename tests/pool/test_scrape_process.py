@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from policyd.pool import Pool, PoolSnapshot, ScrapeConfig
 from policyd.pool.discovery import PodIdentity
@@ -25,7 +24,7 @@ from policyd.pool.scrape_process import ProcessScraper, answer_timeout
 from policyd.pool.scraper import Scraper, ScrapeResult
 
 from .model_server import VLLM_SAMPLE, MetricsServer, vllm_text
-from .test_scraper import BODY, RawServer, read_request
+from .test_scraper import BODY, RawServer, peer_recording_server, read_request
 
 # Answers are due 0.4 s (the stale threshold) after a round starts.
 CONFIG = ScrapeConfig(interval=0.2, timeout=0.1, stale_after=0.4)
@@ -131,24 +130,8 @@ async def test_results_equal_the_in_process_scrapers_on_the_same_pods(
 async def test_the_child_keeps_one_connection_per_pod_across_rounds(
     scraper: ProcessScraper,
 ) -> None:
-    peers: set[object] = set()
-
-    async def metrics(request: web.Request) -> web.Response:
-        assert request.transport is not None
-        peers.add(request.transport.get_extra_info("peername"))
-        return web.Response(body=BODY)
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        rounds = [await scraper.scrape([f"127.0.0.1:{port}"]) for _ in range(4)]
-    finally:
-        await runner.cleanup()
+    async with peer_recording_server() as (address, peers):
+        rounds = [await scraper.scrape([address]) for _ in range(4)]
     assert all(all_ok(results) for results in rounds)
     assert len(peers) == 1
 

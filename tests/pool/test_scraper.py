@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -99,7 +100,9 @@ async def test_a_round_scrapes_every_pod_concurrently(servers: list[MetricsServe
         assert 0 < result.latency < 0.5
 
 
-async def test_rounds_reuse_one_kept_alive_connection_per_pod() -> None:
+@contextlib.asynccontextmanager
+async def peer_recording_server() -> AsyncIterator[tuple[str, set[object]]]:
+    """A metrics endpoint that records the client address of every scrape."""
     peers: set[object] = set()
 
     async def metrics(request: web.Request) -> web.Response:
@@ -115,9 +118,14 @@ async def test_rounds_reuse_one_kept_alive_connection_per_pod() -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        results = await scrape(f"127.0.0.1:{port}", rounds=5)
+        yield f"127.0.0.1:{port}", peers
     finally:
         await runner.cleanup()
+
+
+async def test_rounds_reuse_one_kept_alive_connection_per_pod() -> None:
+    async with peer_recording_server() as (address, peers):
+        results = await scrape(address, rounds=5)
     assert errors(results) == [None] * 5
     assert len(peers) == 1
 

@@ -384,7 +384,14 @@ class Exchange:
 
 
 def _claim(decision: Decision, candidates: Sequence[Pod]) -> InFlight | None:
-    """Count the request against the chosen pod until its exchange ends."""
+    """Count the request against the chosen pod until its exchange ends.
+
+    The router hands over the pod it picked; a router that names only the pod
+    or endpoint (a test's, a benchmark's) has it looked up among the candidates.
+    """
+    if isinstance(decision.chosen, Pod):
+        decision.chosen.load.count += 1
+        return decision.chosen.load
     for pod in candidates:
         if pod.name == decision.pod or (not decision.pod and pod.address == decision.endpoint):
             pod.load.count += 1

@@ -97,6 +97,9 @@ class Decision:
     # telemetry's record of the inputs. Not a copy: read it soon.
     candidates: Sequence[Any] = ()
     shadows: ShadowTrial | None = None  # set when the policy has shadow policies
+    # The picked pod object itself (None unless routed), so the server can count
+    # the request against it without searching the candidates.
+    chosen: Any = None
 
     @property
     def candidate_count(self) -> int:

@@ -202,6 +202,7 @@ class Router:
             trace=trace,
             scores=top,
             candidates=walk.pods,
+            chosen=pod,
         )
         return decision, pod
 

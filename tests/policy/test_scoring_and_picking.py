@@ -66,6 +66,7 @@ def test_total_is_the_weighted_sum_of_clamped_scores(tmp_path: Path) -> None:
     assert decision.pod == "b"
     assert decision.score == pytest.approx(2.45)
     assert [name for name, _ in decision.scores] == ["b", "c", "a"]  # best first
+    assert decision.chosen is PODS[1]  # the candidate object itself, for in-flight counting
 
 
 def test_a_scorer_error_adds_nothing_for_that_pod_and_is_traced(tmp_path: Path) -> None:

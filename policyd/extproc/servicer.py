@@ -83,10 +83,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         exchange = Exchange(self, _trace_metadata(context.invocation_metadata()))
         try:
             async for message in request_iterator:
-                reply = exchange.handle(message)
-                yield reply  # resumes once gRPC has taken the reply
+                yield exchange.handle(message)  # resumes once gRPC has taken the reply
                 exchange.after_reply()
-                if reply.HasField("immediate_response"):
+                if exchange.answered:  # an ImmediateResponse ends the exchange
                     return
         finally:
             exchange.close()
@@ -119,6 +118,7 @@ class Exchange:
         "_server",
         "_span",
         "_usage",
+        "answered",
     )
 
     def __init__(self, server: ExternalProcessor, trace_metadata: dict[str, str]) -> None:
@@ -135,6 +135,7 @@ class Exchange:
         self._first_body_at: float | None = None
         self._usage: UsageReader | None = None
         self._ended = False
+        self.answered = False  # True once policyd answered the request itself (an error)
 
     # -- dispatch -------------------------------------------------------------------
 
@@ -142,8 +143,8 @@ class Exchange:
         """The reply to one message; never raises."""
         phase = message.WhichOneof("request")
         try:
-            if message.HasField("protocol_config"):
-                self._configure(message.protocol_config)
+            if self._body_mode is None and message.HasField("protocol_config"):
+                self._configure(message.protocol_config)  # sent with the first message only
             if phase == "request_headers":
                 return self._on_request_headers(message.request_headers)
             if phase == "request_body":
@@ -314,6 +315,7 @@ class Exchange:
             self._safely(self._span.response_headers, error.status, self._elapsed())
         self._end(completed=True)
         log.debug("request %s: %d %s", self._request_id, error.status, error.message)
+        self.answered = True
         return replies.immediate(error)
 
     # -- response path --------------------------------------------------------------
@@ -322,10 +324,15 @@ class Exchange:
         status = 0
         content_type = ""
         for header in message.headers.headers:
-            if header.key == ":status":
+            key = header.key
+            if key == ":status":
                 status = int(_value(header) or 0)
-            elif header.key == "content-type":
+            elif key == "content-type":
                 content_type = _value(header)
+            else:
+                continue
+            if status and content_type:
+                break
         self._usage = UsageReader(content_type)
         if self._span is not None:
             self._safely(self._span.response_headers, status, self._elapsed())

@@ -1,12 +1,16 @@
 """A small HTTP/1.1 client made for one job: GET ``/metrics`` from many pods, often.
 
-Why not aiohttp: on these machines an aiohttp ``ClientSession`` GET over a
-kept-alive loopback connection costs about 190 us of CPU, so 100 pods at 10 Hz
-would take ~0.2 of a core before a byte is parsed (``benchmarks/scrape.py``
-runs both side by side). This client keeps one connection per pod, writes a
-request built once, receives into a buffer it keeps, frames the response as
-bytes arrive and reports through a callback, so a scrape round costs no
-task, future or timer per pod.
+Why not aiohttp, nor asyncio at all: on these machines an aiohttp
+``ClientSession`` GET over a kept-alive loopback connection costs about 190 us
+of CPU, and even a bare asyncio protocol pays ~45 us per scrape in transports,
+handles and callbacks on top of the ~20 us the kernel spends on the socket
+calls (``benchmarks/RESULTS.md``, "Pool scraping"). Here a round is one loop
+on the calling thread: it sends every pod's request, then waits on one
+selector and reads whatever is ready into a buffer kept per connection,
+framing each response as its bytes arrive and handing the finished body,
+still in that buffer, to a callback. No task, future, timer or callback
+object is made per pod, and the sockets stay registered with the selector
+from round to round.
 
 What it speaks: GET over plain TCP, HTTP/1.0 and 1.1 responses framed by
 Content-Length, chunked transfer coding, or the server closing; keep-alive
@@ -17,8 +21,13 @@ once on a fresh one, as browsers and urllib3 do.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+import contextlib
+import errno
+import os
+import selectors
+import socket
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,7 +37,9 @@ _MAX_HEAD: Final = 64 * 1024
 _INITIAL_BUFFER: Final = 64 * 1024  # most metrics pages fit; larger ones grow it once
 _MIN_READ: Final = 16 * 1024  # free space offered to each socket read
 _KEPT_BUFFER: Final = 1024 * 1024  # a buffer grown past this is dropped after its response
-_DISCARD: Final = bytearray(4096)  # where bytes nobody asked for are read to
+_READ: Final = selectors.EVENT_READ
+_WRITE: Final = selectors.EVENT_WRITE
+_CLOSED_EARLY: Final = "connection closed before the response was complete"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +47,7 @@ class Body:
     """A response body, ``data[start:end]``.
 
     ``data`` is often the connection's receive buffer itself (no copy is
-    made): it holds still until the endpoint's next ``fetch``. ``bytes(body)``
+    made): it holds still until the endpoint's next request. ``bytes(body)``
     makes a copy to keep.
     """
 
@@ -49,44 +60,186 @@ class Body:
             return view[self.start : self.end].tobytes()
 
 
+class MetricsClient:
+    """The selector every endpoint of one scraper shares, and the rounds run on it.
+
+    Used by one thread at a time, except ``wake``, which any thread may call
+    to have a running ``fetch`` call its ``on_wake`` (the next ``fetch`` does
+    when none runs).
+    """
+
+    def __init__(self, max_body_bytes: int) -> None:
+        self._max_body = max_body_bytes
+        self._selector = selectors.DefaultSelector()
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
+        self._selector.register(self._wake_in, _READ, None)
+
+    def endpoint(self, key: str, host: str, port: int, target: str) -> MetricsEndpoint:
+        """A new endpoint, connected at its first request; ``key`` is the caller's name for it."""
+        return MetricsEndpoint(
+            key, host, port, target, max_body_bytes=self._max_body, selector=self._selector
+        )
+
+    def fetch(
+        self,
+        endpoints: Iterable[MetricsEndpoint],
+        timeout: float,
+        on_done: Callable[[MetricsEndpoint], bool],
+        on_wake: Callable[[], None],
+    ) -> None:
+        """One request on every endpoint; returns once all finished or ``timeout`` passed.
+
+        ``on_done(endpoint)`` is called once per request, when its ``body`` or
+        ``error`` is set, while the body is still in the connection's buffer;
+        it returns True to have the endpoint asked again in this round (after
+        changing its target). Requests still running at the timeout are
+        abandoned with ``no answer within N ms``.
+        """
+        select = self._selector.select
+        waiting: set[MetricsEndpoint] = set()
+
+        def settle(endpoint: MetricsEndpoint) -> None:
+            """The endpoint's request finished: report it (and ask again if told to)."""
+            while on_done(endpoint):
+                endpoint.start(started)
+                if not endpoint.finished:
+                    return
+            waiting.discard(endpoint)
+
+        def woken() -> None:
+            self._drain_wake()
+            on_wake()
+            for endpoint in [e for e in waiting if e.finished]:
+                settle(endpoint)
+
+        # Idle connections the server closed, or wrote to unasked, since the
+        # last round are retired before a request is sent on them.
+        for key, mask in select(0):
+            if key.data is None:
+                woken()
+            else:
+                key.data.handle(mask)
+        started = time.monotonic()
+        deadline = started + timeout
+        for endpoint in endpoints:
+            waiting.add(endpoint)
+            endpoint.start(started)
+            if endpoint.finished:
+                settle(endpoint)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = f"no answer within {timeout * 1000:.0f} ms"
+                for endpoint in waiting:
+                    endpoint.abandon(reason)
+                    on_done(endpoint)
+                return
+            for key, mask in select(left):
+                endpoint = key.data
+                if endpoint is None:
+                    woken()
+                    continue
+                endpoint.handle(mask)
+                if endpoint.finished and endpoint in waiting:
+                    settle(endpoint)
+
+    def wake(self) -> None:
+        """Have the running (or next) ``fetch`` call its ``on_wake``; safe from any thread."""
+        with contextlib.suppress(BlockingIOError):  # full of wake-ups already
+            self._wake_out.send(b"\0")
+
+    def close(self) -> None:
+        """Close the selector (the endpoints must be closed first)."""
+        self._selector.close()
+        self._wake_in.close()
+        self._wake_out.close()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_in.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
 class MetricsEndpoint:
     """One pod's metrics URL over one kept-alive connection, one request at a time.
 
-    ``fetch(on_done)`` starts a GET; ``on_done(endpoint)`` is called exactly
-    once, when ``body`` or ``error`` is set (``abandon`` sets an error).
-    ``latency`` is the seconds from ``fetch`` to that moment. Must be used on
-    one event loop.
+    ``start(now)`` sends a GET (connecting first when there is no idle
+    connection); ``handle(mask)`` takes the socket's readiness from the
+    selector. The request is over when ``finished``: ``body`` or ``error`` is
+    set, ``latency`` is the seconds since ``now``.
     """
 
     __slots__ = (
-        "_connect_task",
-        "_connection",
-        "_loop",
+        "_body_start",
+        "_buffer",
+        "_chunk_at",
+        "_chunked",
+        "_chunked_size",
+        "_chunks",
+        "_connecting",
+        "_expecting",
+        "_family",
+        "_filled",
+        "_keep_alive",
+        "_length",
         "_max_body",
-        "_on_done",
         "_request",
         "_retried",
+        "_reused",
+        "_selector",
+        "_sock",
         "_started",
         "_target",
+        "_view",
+        "_wanted",
         "body",
         "error",
         "host",
+        "key",
         "latency",
         "port",
     )
 
-    def __init__(self, host: str, port: int, target: str, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        key: str,
+        host: str,
+        port: int,
+        target: str,
+        *,
+        max_body_bytes: int,
+        selector: selectors.BaseSelector,
+    ) -> None:
+        self.key = key
         self.host = host
         self.port = port
+        self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._request = b""
         self.target = target
         self._max_body = max_body_bytes
-        self._loop = asyncio.get_running_loop()
-        self._connection: _Connection | None = None
-        self._connect_task: asyncio.Task[None] | None = None
-        self._on_done: Callable[[MetricsEndpoint], None] | None = None
-        self._started = 0.0
+        self._selector = selector
+        self._sock: socket.socket | None = None
+        self._connecting = False
+        self._expecting = False  # a request was sent and its response is being read
+        self._reused = False
         self._retried = False
+        self._started = 0.0
+        self._buffer = bytearray(_INITIAL_BUFFER)
+        self._view = memoryview(self._buffer)
+        self._filled = 0
+        self._wanted = 0  # buffer size the response being read needs
+        # Framing of the response being read.
+        self._body_start = -1  # -1 until the header block is complete
+        self._length = -1  # Content-Length, -1 when absent
+        self._chunked = False
+        self._keep_alive = True
+        self._chunk_at = 0
+        self._chunks: list[bytes] = []
+        self._chunked_size = 0
         self.body: Body | None = None
         self.error: str | None = None
         self.latency = 0.0
@@ -105,121 +258,81 @@ class MetricsEndpoint:
             "Accept: text/plain\r\nAccept-Encoding: identity\r\n\r\n"
         ).encode("ascii")
 
-    def fetch(self, on_done: Callable[[MetricsEndpoint], None]) -> None:
+    @property
+    def finished(self) -> bool:
+        return self.body is not None or self.error is not None
+
+    def start(self, now: float) -> None:
+        """Send a GET, on the kept-alive connection if there is one; ``latency``
+        will count from ``now`` (``time.monotonic()``, the round's start)."""
         self.body = None
         self.error = None
-        self._on_done = on_done
-        self._started = self._loop.time()
+        self._started = now
         self._retried = False
-        connection = self._connection
-        if connection is not None and connection.idle:
-            connection.send(self._request, reused=True)
+        if self._sock is not None and not self._connecting:
+            self._send(reused=True)
         else:
-            self._open()
+            self._connect()
+
+    def handle(self, mask: int) -> None:
+        """The selector reports the socket ready."""
+        if self._connecting:
+            self._connected()
+        elif self._expecting:
+            self._read()
+        else:
+            # An idle connection became readable: the server closed it or sent
+            # bytes nobody asked for (the stream is out of step). Never reuse it.
+            self._drop()
 
     def abandon(self, reason: str) -> None:
         """Give up on the request in flight; its connection is dropped, since a
         late answer on it would be taken for the next request's."""
-        if self._on_done is None:
+        if self.finished:
             return
-        self._drop_connection()
+        self._drop()
         self._finish(None, reason)
 
     def close(self) -> None:
-        self._on_done = None
-        self._drop_connection()
+        self._drop()
 
-    def _open(self) -> None:
-        self._drop_connection()
-        self._connect_task = self._loop.create_task(self._connect())
-
-    async def _connect(self) -> None:
+    def _connect(self) -> None:
+        self._drop()
         try:
-            _, connection = await self._loop.create_connection(
-                lambda: _Connection(self, self._max_body), self.host, self.port
-            )
+            sock = socket.socket(self._family, socket.SOCK_STREAM)
         except OSError as error:
-            self._connect_task = None
             self._finish(None, f"cannot connect: {error.strerror or error}")
             return
-        self._connect_task = None
-        self._connection = connection
-        connection.send(self._request, reused=False)
-
-    def _drop_connection(self) -> None:
-        if self._connect_task is not None:
-            self._connect_task.cancel()
-            self._connect_task = None
-        if self._connection is not None:
-            self._connection.abort()
-            self._connection = None
-
-    # Called by the connection.
-
-    def _response(self, connection: _Connection, body: Body) -> None:
-        if connection is self._connection:
-            self._finish(body, None)
-
-    def _failure(self, connection: _Connection, reason: str, *, retry: bool) -> None:
-        if connection is not self._connection:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        status = sock.connect_ex((self.host, self.port))
+        if status not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._finish(None, f"cannot connect: {os.strerror(status)}")
             return
-        self._connection = None
-        if retry and not self._retried and self._on_done is not None:
-            self._retried = True
-            self._open()
+        self._sock = sock
+        if status == 0:
+            self._selector.register(sock, _READ, self)
+            self._send(reused=False)
         else:
-            self._finish(None, reason)
+            self._connecting = True
+            self._selector.register(sock, _WRITE, self)
 
-    def _detach(self, connection: _Connection) -> None:
-        if connection is self._connection:
-            self._connection = None
-
-    def _finish(self, body: Body | None, error: str | None) -> None:
-        on_done = self._on_done
-        if on_done is None:
+    def _connected(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        status = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if status:
+            self._drop()
+            self._finish(None, f"cannot connect: {os.strerror(status)}")
             return
-        self._on_done = None
-        self.body = body
-        self.error = error
-        self.latency = self._loop.time() - self._started
-        on_done(self)
+        self._connecting = False
+        self._selector.modify(sock, _READ, self)
+        self._send(reused=False)
 
-
-class _Connection(asyncio.BufferedProtocol):
-    """Frames one response at a time on one TCP connection.
-
-    A buffered protocol: the transport receives straight into this
-    connection's buffer, which is kept from one response to the next. A plain
-    ``Protocol`` would have asyncio allocate a fresh 256 KiB bytes object per
-    read (``sock.recv(262144)``), measured at ~30 us per 40 KB page here
-    against ~3 us for ``recv_into`` a reused buffer.
-    """
-
-    def __init__(self, endpoint: MetricsEndpoint, max_body: int) -> None:
-        self._endpoint = endpoint
-        self._max_body = max_body
-        self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray(_INITIAL_BUFFER)
-        self._filled = 0
-        self._wanted = 0  # buffer size the response being read needs
-        self._expecting = False
-        self._reused = False
-        self._closed = False
-        # Framing of the response being read.
-        self._body_start = -1  # -1 until the header block is complete
-        self._length = -1  # Content-Length, -1 when absent
-        self._chunked = False
-        self._keep_alive = True
-        self._chunk_at = 0
-        self._chunks: list[bytes] = []
-        self._chunked_size = 0
-
-    @property
-    def idle(self) -> bool:
-        return not self._expecting and not self._closed and self._transport is not None
-
-    def send(self, request: bytes, *, reused: bool) -> None:
-        assert self._transport is not None
+    def _send(self, *, reused: bool) -> None:
+        sock = self._sock
+        assert sock is not None
         self._expecting = True
         self._reused = reused
         self._filled = 0
@@ -230,44 +343,50 @@ class _Connection(asyncio.BufferedProtocol):
         self._keep_alive = True
         self._chunks = []
         self._chunked_size = 0
-        self._transport.write(request)
-
-    def abort(self) -> None:
-        self._expecting = False
-        self._closed = True
-        if self._transport is not None:
-            self._transport.abort()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if not self._expecting:
-            # Bytes nobody asked for (``buffer_updated`` closes the connection)
-            # must not land on the last body, which is still being read.
-            return memoryview(_DISCARD)
-        # The buffer may only be resized here: while ``buffer_updated`` runs,
-        # the transport still holds the view handed out for the read.
-        size = len(self._buffer)
-        if size - self._filled < _MIN_READ or size < self._wanted:
-            wanted = max(self._wanted, self._filled + _MIN_READ, 2 * size)
-            self._buffer.extend(bytes(wanted - size))
-        return memoryview(self._buffer)[self._filled :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._filled += nbytes
-        if not self._expecting:
-            # Bytes nobody asked for: the stream is out of step, never reuse it.
-            self._close()
+        request = self._request
+        try:
+            sent = sock.send(request)
+        except OSError as error:
+            self._lost(f"{_CLOSED_EARLY}: {error}")
             return
+        if sent != len(request):  # an empty send buffer takes a few hundred bytes
+            self._lost(f"{_CLOSED_EARLY}: the request could not be sent whole")
+
+    def _read(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        filled = self._filled
+        size = len(self._buffer)
+        if size - filled < _MIN_READ or size < self._wanted:
+            self._grow(max(self._wanted, filled + _MIN_READ, 2 * size))
+        try:
+            count = sock.recv_into(self._view[filled:])
+        except BlockingIOError:
+            return
+        except OSError as error:
+            self._lost(f"{_CLOSED_EARLY}: {error}")
+            return
+        if count == 0:
+            if self._body_start >= 0 and not self._chunked and self._length < 0:
+                self._keep_alive = False  # the body ends when the server closes
+                self._complete(Body(self._buffer, self._body_start, filled))
+            else:
+                self._lost(_CLOSED_EARLY)
+            return
+        self._filled = filled + count
         try:
             body = self._frame()
         except ValueError as error:
-            self._fail(str(error))
+            self._drop()
+            self._finish(None, str(error))
             return
         if body is not None:
             self._complete(body)
+
+    def _grow(self, size: int) -> None:
+        self._view.release()
+        self._buffer.extend(bytes(size - len(self._buffer)))
+        self._view = memoryview(self._buffer)
 
     def _frame(self) -> Body | None:
         """The body once the response is complete; ``ValueError`` if it is broken."""
@@ -287,24 +406,6 @@ class _Connection(asyncio.BufferedProtocol):
         if self._filled - self._body_start > self._max_body:
             raise ValueError(f"response body exceeds {self._max_body} bytes")
         return None  # the body ends when the server closes
-
-    def eof_received(self) -> bool:
-        if self._expecting and self._body_start >= 0 and not self._chunked and self._length < 0:
-            self._complete(Body(self._buffer, self._body_start, self._filled))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
-        if not self._expecting:
-            self._endpoint._detach(self)
-            return
-        self._expecting = False
-        # A kept-alive connection closed before answering was closed while idle.
-        retry = self._reused and self._filled == 0
-        reason = "connection closed before the response was complete"
-        if exc is not None:
-            reason = f"{reason}: {exc}"
-        self._endpoint._failure(self, reason, retry=retry)
 
     def _read_head(self, head_end: int) -> int:
         # Three header lookups in the lower-cased block instead of a loop over
@@ -384,28 +485,45 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _slice(self, start: int, end: int) -> bytes:
         """A copy of part of the buffer (one copy: no bytearray in between)."""
-        with memoryview(self._buffer) as view:
-            return view[start:end].tobytes()
+        return self._view[start:end].tobytes()
 
     def _complete(self, body: Body) -> None:
         self._expecting = False
-        self._filled = 0
         self._chunks = []
         if len(self._buffer) > _KEPT_BUFFER:  # one huge page: do not hold on to its memory
+            self._view.release()
             self._buffer = bytearray(_INITIAL_BUFFER)
+            self._view = memoryview(self._buffer)
         if not self._keep_alive:
-            self._close()
-        self._endpoint._response(self, body)
+            self._drop()
+        self._finish(body, None)
 
-    def _fail(self, reason: str) -> None:
+    def _lost(self, reason: str) -> None:
+        """The connection broke with a request in flight. One that was kept
+        alive and broke before a byte came back was closed while idle: the
+        request is sent once more, on a fresh connection."""
+        retry = self._reused and self._filled == 0 and not self._retried
+        self._drop()
+        if retry:
+            self._retried = True
+            self._connect()
+        else:
+            self._finish(None, reason)
+
+    def _drop(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        self._sock = None
+        self._connecting = False
         self._expecting = False
-        self._close()
-        self._endpoint._failure(self, reason, retry=False)
+        self._selector.unregister(sock)
+        sock.close()
 
-    def _close(self) -> None:
-        self._closed = True
-        if self._transport is not None:
-            self._transport.close()
+    def _finish(self, body: Body | None, error: str | None) -> None:
+        self.body = body
+        self.error = error
+        self.latency = time.monotonic() - self._started
 
 
 def _header(head: str, marker: str) -> str | None:

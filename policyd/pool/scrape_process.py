@@ -1,15 +1,16 @@
 """Scrape rounds run by a child process, so the serving event loop only lands results.
 
-Scraping 100 pods ten times a second costs about a tenth of a core of Python
-(socket work, HTTP framing, parsing: ``benchmarks/scrape.py``), and a round
-parses its answers back to back on whatever loop runs it. On the serving
-process's loop, that is CPU taken from Envoy's streams and a stall of several
-milliseconds every round. ``ProcessScraper`` has the in-process ``Scraper``'s
-interface (``scrape`` / ``retain`` / ``close``, ``ScrapeRounds``) but a
-``Scraper`` in a child process (``policyd.pool.scrape_child``) does the work
-on its own loop, keeping its kept-alive connections and per-pod parser hints
-across rounds. Each round the serving process sends the address list and gets
-the ``ScrapeResult`` list back: length-prefixed pickles over a Unix socket
+Scraping 100 pods ten times a second costs several hundredths of a core of
+Python (socket work, HTTP framing, parsing: ``benchmarks/scrape.py``), and a
+round parses its answers back to back, holding the GIL of whatever process
+runs it. In the serving process, that is CPU taken from Envoy's streams and
+stalls of the serving loop every round. ``ProcessScraper`` has the in-process
+``Scraper``'s interface (``scrape`` / ``retain`` / ``close``,
+``ScrapeRounds``) but a ``ScrapeLoop`` in a child process
+(``policyd.pool.scrape_child``) does the work on the child's only thread,
+keeping its kept-alive connections and per-pod parser hints across rounds.
+Each round the serving process sends the address list and gets the
+``ScrapeResult`` list back: length-prefixed pickles over a Unix socket
 pair, read by an asyncio protocol, so the serving loop never waits on the
 child. Everything else of the pool (datastore, snapshots, in-flight counters,
 staleness, statistics) stays in the serving process.
@@ -106,12 +107,34 @@ Message = Setup | ScrapeRequest | RetainRequest | Ready | RoundAnswer | LogLine
 _LENGTH: Final = struct.Struct("!I")
 
 
-class Link(asyncio.Protocol):
-    """Messages over a stream socket: a 4-byte length, then the message pickled.
+def pack(message: Message) -> bytes:
+    """A message as it goes over the socket: a 4-byte length, then the message pickled.
 
-    Both ends use it. Only the two ends of one socket pair, both policyd,
-    ever read what the other wrote; nothing from outside is unpickled.
+    Only the two ends of one socket pair, both policyd, ever read what the
+    other wrote; nothing from outside is unpickled.
     """
+    payload = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def unpack(buffer: bytearray) -> list[Message]:
+    """The whole messages at the start of ``buffer``, removed from it."""
+    messages: list[Message] = []
+    start = 0
+    while len(buffer) - start >= _LENGTH.size:
+        (size,) = _LENGTH.unpack_from(buffer, start)
+        end = start + _LENGTH.size + size
+        if len(buffer) < end:
+            break
+        messages.append(pickle.loads(buffer[start + _LENGTH.size : end]))
+        start = end
+    del buffer[:start]
+    return messages
+
+
+class Link(asyncio.Protocol):
+    """The serving process's end of the child's socket: messages (``pack``) read
+    and written without blocking the event loop."""
 
     def __init__(self, on_message: Callable[[Message], None]) -> None:
         self._on_message = on_message
@@ -124,8 +147,7 @@ class Link(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        payload = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        transport.write(_LENGTH.pack(len(payload)) + payload)
+        transport.write(pack(message))
 
     def close(self) -> None:
         if self._transport is not None:
@@ -136,18 +158,9 @@ class Link(asyncio.Protocol):
         self._transport = transport
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        start = 0
-        while len(buffer) - start >= _LENGTH.size:
-            (size,) = _LENGTH.unpack_from(buffer, start)
-            end = start + _LENGTH.size + size
-            if len(buffer) < end:
-                break
-            message: Message = pickle.loads(buffer[start + _LENGTH.size : end])
-            start = end
+        self._buffer += data
+        for message in unpack(self._buffer):
             self._on_message(message)
-        del buffer[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.lost.done():

@@ -1,7 +1,7 @@
 """Scrape rounds: every pod's metrics fetched at once, bounded by one timeout.
 
-A round starts a GET on every pod, waits until all have answered or the
-timeout passes, abandons the stragglers and parses what came back. The pool
+A round starts a GET on every pod, parses each answer as it completes and
+ends when all have answered or the timeout passes, abandoning the stragglers. The pool
 runs one round per interval; with the timeout shorter than the interval,
 rounds never overlap and a pod that stops answering is reported failed by the
 first round that starts after its last answer.
@@ -10,17 +10,18 @@ first round that starts after its last answer.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import threading
 import urllib.parse
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from policyd.pool.discovery import split_address
 from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
 from policyd.pool.metric_names import VLLM, MetricNames
-from policyd.pool.metrics_client import MetricsEndpoint
+from policyd.pool.metrics_client import MetricsClient, MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ class ScrapeConfig:
     answer lacks a needed family (prometheus_client before 0.25 in
     multiprocess mode returns nothing) is asked for its whole page instead.
 
-    ``in_process`` runs the rounds on the pool's own event loop instead of in
-    a scraper child process (``policyd.pool.scrape_process``): the serving
-    process then pays the scraping's CPU and its parsing stalls (the default
-    keeps both off the serving loop).
+    ``in_process`` runs the rounds in a thread of the serving process instead
+    of in a scraper child process (``policyd.pool.scrape_process``): the
+    serving process then pays the scraping's CPU, and the thread holds the
+    GIL while it frames and parses (the default keeps both away).
     """
 
     interval: float = 0.1
@@ -114,7 +115,7 @@ class ScrapeResult(NamedTuple):
 
 
 class ScrapeRounds(Protocol):
-    """What the pool needs of a scraper: ``Scraper`` here, ``ProcessScraper`` in a child."""
+    """What the pool needs of a scraper: ``Scraper`` in a thread, ``ProcessScraper`` in a child."""
 
     async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
         """One result per address, in order, within about one interval."""
@@ -126,48 +127,49 @@ class ScrapeRounds(Protocol):
         """Release every connection (and process) the scraper holds."""
 
 
-class Scraper:
-    """Runs scrape rounds on the running event loop; keeps one endpoint
-    (and connection) per pod address."""
+class ScrapeLoop:
+    """Runs scrape rounds on the calling thread; keeps one endpoint (and
+    connection) and the parser hints per pod address.
+
+    The scraper child process runs one on its only thread; ``Scraper`` runs
+    one in a thread of the serving process. ``scrape`` and ``close`` must be
+    called from one thread at a time; ``retain`` may come from any thread.
+    """
 
     def __init__(self, config: ScrapeConfig) -> None:
         self._config = config
         self._parser = MetricsParser(config.metrics)
         self._target = config.request_target
         self._whole_page = config.metrics.path
+        self._client = MetricsClient(config.max_body_bytes)
         self._endpoints: dict[str, MetricsEndpoint] = {}
         self._hints: dict[str, list[int]] = {}  # where each pod prints each family
+        self._lock = threading.Lock()  # guards the two fields below
+        self._running = False
+        self._keep: set[str] | None = None  # a retain that came while a round ran
 
-    async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
+    def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
         """Scrape every address once, concurrently, within the request timeout."""
         if not addresses:
             return []
         results: dict[str, ScrapeResult] = {}
-        all_answered = asyncio.get_running_loop().create_future()
-        remaining = len(addresses)
 
-        def answered(address: str, endpoint: MetricsEndpoint) -> None:
-            nonlocal remaining
-            result = self._result(address, endpoint)
+        def done(endpoint: MetricsEndpoint) -> bool:
+            result = self._result(endpoint)
             if result is None:  # to be asked again, for the whole page
-                endpoint.fetch(functools.partial(answered, address))
-                return
-            results[address] = result
-            remaining -= 1
-            if remaining == 0 and not all_answered.done():
-                all_answered.set_result(None)
+                return True
+            results[endpoint.key] = result
+            return False
 
-        endpoints = [self._endpoint(address) for address in addresses]
-        for address, endpoint in zip(addresses, endpoints, strict=True):
-            endpoint.fetch(functools.partial(answered, address))
-        timeout = self._config.request_timeout
+        with self._lock:
+            self._running = True
         try:
-            async with asyncio.timeout(timeout):
-                await all_answered
-        except TimeoutError:
-            reason = f"no answer within {timeout * 1000:.0f} ms"
-            for endpoint in endpoints:
-                endpoint.abandon(reason)
+            endpoints = [self._endpoint(address) for address in addresses]
+            self._client.fetch(endpoints, self._config.request_timeout, done, self._retain_now)
+        finally:
+            with self._lock:
+                self._running = False
+            self._retain_now()
         return [results[address] for address in addresses]
 
     def retain(self, addresses: Iterable[str]) -> None:
@@ -177,33 +179,47 @@ class Scraper:
         (the round gets its result at once) rather than left to the timeout.
         """
         keep = set(addresses)
+        with self._lock:
+            if not self._running:
+                self._forget_all_but(keep)
+                return
+            self._keep = keep
+        self._client.wake()  # the round's thread applies it
+
+    def close(self) -> None:
+        for endpoint in self._endpoints.values():
+            endpoint.close()
+        self._endpoints.clear()
+        self._hints.clear()
+        self._client.close()
+
+    def _retain_now(self) -> None:
+        with self._lock:
+            keep, self._keep = self._keep, None
+        if keep is not None:
+            self._forget_all_but(keep)
+
+    def _forget_all_but(self, keep: set[str]) -> None:
         for address in [a for a in self._endpoints if a not in keep]:
             endpoint = self._endpoints.pop(address)
             endpoint.abandon("the pod left the pool")
             endpoint.close()
             self._hints.pop(address, None)
 
-    async def close(self) -> None:
-        for endpoint in self._endpoints.values():
-            endpoint.close()
-        self._endpoints.clear()
-        self._hints.clear()
-
     def _endpoint(self, address: str) -> MetricsEndpoint:
         endpoint = self._endpoints.get(address)
         if endpoint is None:
             host, port = split_address(address)
-            config = self._config
-            endpoint = MetricsEndpoint(
-                host, config.metrics_port or port, self._target, config.max_body_bytes
-            )
+            port = self._config.metrics_port or port
+            endpoint = self._client.endpoint(address, host, port, self._target)
             self._endpoints[address] = endpoint
             self._hints[address] = self._parser.new_hints()
         return endpoint
 
-    def _result(self, address: str, endpoint: MetricsEndpoint) -> ScrapeResult | None:
+    def _result(self, endpoint: MetricsEndpoint) -> ScrapeResult | None:
         """The outcome of a finished request (parsed now, while the body is in
-        the connection's buffer), or ``None`` when it was asked again."""
+        the connection's buffer), or ``None`` when it is to be asked again."""
+        address = endpoint.key
         body = endpoint.body
         if body is None:
             return ScrapeResult(address, None, endpoint.error or "no answer", endpoint.latency)
@@ -221,3 +237,38 @@ class Scraper:
                 return None
             return ScrapeResult(address, None, f"bad metrics: {error}", endpoint.latency)
         return ScrapeResult(address, metrics, None, endpoint.latency)
+
+
+class Scraper:
+    """Scrape rounds for the serving process itself (``ScrapeConfig.in_process``).
+
+    A ``ScrapeLoop`` in a thread of its own: the event loop only awaits each
+    round's results, and the HTTP client is the same one the scraper child
+    process runs. Must be used on one event loop.
+    """
+
+    def __init__(self, config: ScrapeConfig) -> None:
+        self._rounds = ScrapeLoop(config)
+        self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix="policyd-scrape"
+        )
+
+    async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
+        """Scrape every address once, concurrently, within the request timeout."""
+        if not addresses or self._thread is None:
+            return []
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._rounds.scrape, list(addresses))
+
+    def retain(self, addresses: Iterable[str]) -> None:
+        """Close the connections of pods that are gone (a round still scraping one
+        ends its request at once)."""
+        self._rounds.retain(addresses)
+
+    async def close(self) -> None:
+        """Close every connection, after the round running (if any) ends."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        await asyncio.get_running_loop().run_in_executor(thread, self._rounds.close)
+        thread.shutdown()

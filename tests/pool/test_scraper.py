@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from policyd.pool.metric_names import VLLM
-from policyd.pool.scraper import ScrapeConfig, Scraper, ScrapeResult
+from policyd.pool.scraper import ScrapeConfig, ScrapeLoop, Scraper, ScrapeResult
 
 from .model_server import VLLM_SAMPLE, MetricsServer, vllm_text
 
@@ -302,7 +302,7 @@ async def test_prometheus_client_servers_send_only_the_families_asked_for(
     scraper = Scraper(ScrapeConfig(interval=1.0, filter_families=filtered))
     try:
         (result,) = await scraper.scrape([address])
-        body = scraper._endpoints[address].body
+        body = scraper._rounds._endpoints[address].body
     finally:
         await scraper.close()
         server.shutdown()
@@ -322,16 +322,29 @@ async def test_the_metrics_port_overrides_the_pod_port(servers: list[MetricsServ
     assert result.ok, result.error
 
 
-async def test_retain_closes_the_connections_of_pods_that_left(
-    servers: list[MetricsServer],
-) -> None:
-    pod = await serve(servers)
+async def test_retain_closes_the_connections_of_pods_that_left() -> None:
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                closed.set()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+            await writer.drain()
+
     scraper = Scraper(ScrapeConfig(interval=0.5))
     try:
-        await scraper.scrape([pod.address])
-        assert pod.address in scraper._endpoints
-        scraper.retain([])
-        assert scraper._endpoints == {}
+        async with RawServer(handler) as server:
+            (result,) = await scraper.scrape([server.address])
+            assert result.ok, result.error
+            scraper.retain([server.address])
+            await asyncio.sleep(0.05)
+            assert not closed.is_set()
+            scraper.retain([])
+            await asyncio.wait_for(closed.wait(), 5)
     finally:
         await scraper.close()
 
@@ -449,3 +462,106 @@ async def test_a_server_answering_the_family_filter_with_too_little_gets_asked_f
     assert errors(results) == [None] * 3
     assert targets[0].startswith("/metrics?name%5B%5D=")
     assert targets[1:] == ["/metrics"] * 3
+
+
+async def test_an_idle_connection_the_server_closed_is_replaced_before_the_next_request() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)  # one answer per connection, then an idle close
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+        await writer.drain()
+
+    async with RawServer(handler) as server:
+        scraper = Scraper(ScrapeConfig(interval=0.5))
+        try:
+            results = []
+            for _ in range(3):
+                results += await scraper.scrape([server.address])
+                await asyncio.sleep(0.05)  # the close arrives between rounds
+        finally:
+            await scraper.close()
+        assert server.connections == 3
+    assert errors(results) == [None] * 3
+
+
+async def test_a_response_arriving_in_pieces_is_framed_across_reads() -> None:
+    response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            for cut in (0, 10, 30, 60, 200):  # inside the status line, the head, the body
+                writer.write(response[cut : {0: 10, 10: 30, 30: 60, 60: 200}.get(cut)])
+                await writer.drain()
+                await asyncio.sleep(0.01)
+
+    async with RawServer(handler) as server:
+        results = await scrape(server.address, rounds=2)
+        assert server.connections == 1
+    assert errors(results) == [None, None]
+    assert [(r.metrics.waiting_queue, r.metrics.running) for r in results if r.metrics] == [
+        (2, 5),
+        (2, 5),
+    ]
+
+
+async def test_a_connection_reset_in_the_middle_of_the_body_fails_the_scrape() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY[:50]))
+        await writer.drain()
+        writer.transport.abort()  # a reset, not an orderly close
+
+    async with RawServer(handler) as server:
+        (result,) = await scrape(server.address)
+    assert result.error is not None
+    assert result.error.startswith("connection closed before the response was complete")
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked", "close"])
+async def test_a_body_over_the_size_cap_fails_the_scrape(framing: str) -> None:
+    page = b"# " + b"x" * 5000 + b"\n" + BODY
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if framing == "content-length":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
+        elif framing == "chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for start in range(0, len(page), 1000):
+                piece = page[start : start + 1000]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            writer.write(b"0\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.0 200 OK\r\n\r\n" + page)
+        await writer.drain()
+
+    async with RawServer(handler) as server:
+        config = ScrapeConfig(interval=0.5, max_body_bytes=4096)
+        (result,) = await scrape(server.address, config=config)
+    assert result.error is not None
+    assert "exceeds" in result.error
+    assert "4096" in result.error
+
+
+def test_the_scrape_loop_runs_rounds_on_the_calling_thread() -> None:
+    # What the scraper child process runs: no event loop at all.
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_waiting", "w", registry=registry).set(1)
+    Gauge("vllm:num_requests_running", "r", registry=registry).set(2)
+    Gauge("vllm:kv_cache_usage_perc", "k", registry=registry).set(0.25)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    rounds = ScrapeLoop(ScrapeConfig(interval=1.0))
+    try:
+        address = f"127.0.0.1:{server.server_port}"
+        results = [rounds.scrape([address, "127.0.0.1:1"]) for _ in range(2)]
+    finally:
+        rounds.close()
+        server.shutdown()
+        thread.join()
+    for ok, refused in results:
+        assert ok.metrics is not None, ok.error
+        assert (ok.metrics.waiting_queue, ok.metrics.running, ok.metrics.kv_cache) == (1, 2, 0.25)
+        assert refused.error == "cannot connect: Connection refused"

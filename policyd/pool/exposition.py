@@ -54,6 +54,10 @@ NO_METRICS = PodMetrics(waiting_queue=0, running=0, kv_cache=0.0)
 # One sample line: where it starts in the data, its raw label text, its value.
 _Sample = tuple[int, bytes | bytearray, float]
 
+# Active adapters, waiting adapters, max adapters: what a LoRA info series says.
+_LoraState = tuple[tuple[str, ...], tuple[str, ...], int]
+_LORA_STATES_KEPT = 256  # label sets remembered per parser (all pods of a scraper)
+
 # The rest of a well-formed sample line after the family name: optional labels
 # (up to the line's last '}'), the value, an optional timestamp. Lines it does
 # not match get the slow, explaining parse.
@@ -69,11 +73,14 @@ class _Family:
     slot: int
     needle: bytes  # newline + name: where one of its lines starts
     line: re.Pattern[bytes]
+    alone: re.Pattern[bytes]  # a line not followed by another line starting with the name
 
     @classmethod
     def of(cls, spec: MetricSpec, slot: int) -> _Family:
         name = spec.name.encode("ascii")
-        return cls(spec, name, slot, b"\n" + name, re.compile(re.escape(name) + _SAMPLE_REST))
+        line = re.escape(name) + _SAMPLE_REST
+        alone = re.compile(line + b"(?!" + re.escape(name) + b")")
+        return cls(spec, name, slot, b"\n" + name, re.compile(line), alone)
 
 
 class MetricsParser:
@@ -86,7 +93,15 @@ class MetricsParser:
     so a moved or vanished family is found or missed exactly as without hints).
     """
 
-    __slots__ = ("_families", "_kv_cache", "_lora", "_names", "_running", "_waiting")
+    __slots__ = (
+        "_families",
+        "_kv_cache",
+        "_lora",
+        "_lora_states",
+        "_names",
+        "_running",
+        "_waiting",
+    )
 
     def __init__(self, names: MetricNames) -> None:
         self._names = names
@@ -100,6 +115,7 @@ class MetricsParser:
         self._kv_cache = encode(names.kv_cache)
         self._lora = None if names.lora_info is None else encode((names.lora_info,))[0]
         self._families = next(counter)
+        self._lora_states: dict[bytes, _LoraState] = {}  # by the label text they were read from
 
     def new_hints(self) -> list[int]:
         """Per-pod memory of where each family was (see the class docstring)."""
@@ -125,9 +141,7 @@ class MetricsParser:
         active, queued, max_loras = self._lora_state(page, self._lora)
         return PodMetrics(waiting, running, kv_cache, active, queued, max_loras)
 
-    def _lora_state(
-        self, page: _Page, family: _Family
-    ) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    def _lora_state(self, page: _Page, family: _Family) -> _LoraState:
         """The adapters of the newest ``lora_requests_info`` series.
 
         Each series' value is the Unix time it was last set; old label sets
@@ -141,6 +155,17 @@ class MetricsParser:
         for sample in samples[1:]:
             if sample[2] > newest[2]:
                 newest = sample
+        # The label sets change only when adapters come or go: each is read once.
+        key = bytes(newest[1])
+        state = self._lora_states.get(key)
+        if state is None:
+            state = self._read_lora_labels(page, family, newest)
+            if len(self._lora_states) >= _LORA_STATES_KEPT:
+                self._lora_states.clear()
+            self._lora_states[key] = state
+        return state
+
+    def _read_lora_labels(self, page: _Page, family: _Family, newest: _Sample) -> _LoraState:
         spec = family.spec
         labels = page.labels(newest, spec.name)
         names = self._names
@@ -220,7 +245,9 @@ class _Page:
         spec, slot = family.spec, family.slot
         hints = self.hints
         hint = -1 if hints is None or hints[slot] < 0 else self.first + hints[slot]
-        samples = None if hint < 0 else self._where_it_was(family, hint)
+        samples = None if hint < 0 else self._alone_where_it_was(family, hint)
+        if samples is None and hint >= 0:
+            samples = self._where_it_was(family, hint)
         if samples is None:
             start = self._locate(family, hint)
             if hints is not None:
@@ -242,6 +269,27 @@ class _Page:
 
     def line_of(self, offset: int) -> int:
         return self.data.count(b"\n", self.first, offset) + 1
+
+    def _alone_where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
+        """The family's only line if it still starts exactly at ``at``, else ``None``.
+
+        The commonest case of all (one engine per server, one series per
+        family), in one pattern match: the pattern refuses a line followed by
+        another of the family, and the line above must not start with its name.
+        """
+        data, first = self.data, self.first
+        line = family.alone.match(data, at, self.last)
+        if line is None:
+            return None
+        if at > first:
+            newline = data.rfind(b"\n", first, at - 1)
+            above = first if newline < 0 else newline + 1
+            if data[at - 1] != _NEWLINE or data.startswith(family.name, above, at):
+                return None
+        try:
+            return [(at, line[1] or b"", float(line[2]))]
+        except ValueError:
+            return None
 
     def _where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
         """The group if it still starts exactly at ``at`` and is well formed, else

@@ -408,25 +408,24 @@ class MetricsEndpoint:
         return None  # the body ends when the server closes
 
     def _read_head(self, head_end: int) -> int:
-        # Three header lookups in the lower-cased block instead of a loop over
-        # its lines: this runs for every scrape.
-        head = self._slice(0, head_end).decode("latin-1").lower() + "\r\n"
-        status_end = head.find("\r\n")
-        version, _, rest = head[:status_end].partition(" ")
-        code = rest[:3]
-        if not version.startswith("http/1.") or not code.isdigit():
-            raise ValueError(f"not an HTTP/1.x response: {head[: min(status_end, 60)]!r}")
-        length = _header(head, "\r\ncontent-length:")
+        # Three header lookups in the lower-cased block, in bytes, instead of a
+        # loop over its lines: this runs for every scrape.
+        head = self._buffer[:head_end].lower() + b"\r\n"
+        code = head[9:12]
+        if not head.startswith(b"http/1.") or head[8:9] != b" " or not code.isdigit():
+            status_line = head[: min(head.find(b"\r\n"), 60)].decode("latin-1")
+            raise ValueError(f"not an HTTP/1.x response: {status_line!r}")
+        length = _header(head, b"\r\ncontent-length:")
         if length is not None:
             if not length.isdigit():
-                raise ValueError(f"bad Content-Length {length!r}")
+                raise ValueError(f"bad Content-Length {length.decode('latin-1')!r}")
             self._length = int(length)
-        self._chunked = "chunked" in (_header(head, "\r\ntransfer-encoding:") or "")
-        connection = _header(head, "\r\nconnection:") or ""
-        keep_alive = version == "http/1.1"
-        if "close" in connection:
+        self._chunked = b"chunked" in (_header(head, b"\r\ntransfer-encoding:") or b"")
+        connection = _header(head, b"\r\nconnection:") or b""
+        keep_alive = head[7] == ord("1")  # HTTP/1.1 keeps alive unless told not to
+        if b"close" in connection:
             keep_alive = False
-        elif "keep-alive" in connection:
+        elif b"keep-alive" in connection:
             keep_alive = True
         if self._length > self._max_body:
             raise ValueError(f"response body of {self._length} bytes exceeds {self._max_body}")
@@ -526,10 +525,10 @@ class MetricsEndpoint:
         self.latency = time.monotonic() - self._started
 
 
-def _header(head: str, marker: str) -> str | None:
-    """The value of the first header ``marker`` starts (``"\\r\\nname:"``) in a lower-cased head."""
+def _header(head: bytearray, marker: bytes) -> bytearray | None:
+    """The value of the first header ``marker`` starts (``b"\\r\\nname:"``) in a lowercase head."""
     at = head.find(marker)
     if at < 0:
         return None
     start = at + len(marker)
-    return head[start : head.find("\r\n", start)].strip()
+    return head[start : head.find(b"\r\n", start)].strip()

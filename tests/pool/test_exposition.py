@@ -326,6 +326,43 @@ def test_hints_find_families_that_moved_or_vanished() -> None:
         vllm.parse(b"vllm:num_requests_running 1\n", hints)
 
 
+def test_a_family_that_gains_series_around_its_hinted_line_counts_them_all() -> None:
+    hints = vllm.new_hints()
+    page = "# padding\n" * 5 + BASE
+    assert vllm.parse(page.encode(), hints).waiting_queue == 2  # one line each, hinted
+    below = page.replace(
+        "vllm:num_requests_waiting 2\n",
+        'vllm:num_requests_waiting 2\nvllm:num_requests_waiting{engine="1"} 3\n',
+    )
+    assert vllm.parse(below.encode(), hints).waiting_queue == 5
+    # A series printed above it, the page otherwise shorter: the hinted line is where it was.
+    added = 'vllm:num_requests_waiting{engine="12"} 4\n'
+    above = ("# padding\n" * 5 + BASE)[len(added) :].replace(
+        "vllm:num_requests_waiting 2\n", added + "vllm:num_requests_waiting 2\n"
+    )
+    assert vllm.parse(page.encode(), hints).waiting_queue == 2  # the hint is the single line again
+    assert above.index("vllm:num_requests_waiting 2") == page.index("vllm:num_requests_waiting 2")
+    assert vllm.parse(above.encode(), hints).waiting_queue == 6
+
+
+def test_lora_label_sets_read_before_give_the_same_state_and_bad_ones_always_fail() -> None:
+    parser = MetricsParser(VLLM)
+
+    def page(labels: str) -> bytes:
+        return (BASE + f"vllm:lora_requests_info{{{labels}}} 1\n").encode()
+
+    first = 'max_lora="2",running_lora_adapters="a",waiting_lora_adapters=""'
+    second = 'max_lora="3",running_lora_adapters="b, c",waiting_lora_adapters="a"'
+    bad = 'max_lora="two",running_lora_adapters="a",waiting_lora_adapters=""'
+    for _ in range(2):
+        one = parser.parse(page(first))
+        assert (one.active_loras, one.waiting_loras, one.max_loras) == (("a",), (), 2)
+        two = parser.parse(page(second))
+        assert (two.active_loras, two.waiting_loras, two.max_loras) == (("b", "c"), ("a",), 3)
+        with pytest.raises(ExpositionError, match="max_lora='two' is not a whole number"):
+            parser.parse(page(bad))
+
+
 family_line = st.sampled_from(
     [
         'vllm:num_requests_waiting{{engine="{0}"}} {0}',

@@ -12,7 +12,7 @@ Measurements in one run, each next to its baselines:
    against N loopback endpoints: CPU seconds used per wall second. The
    endpoints run in a child process (raw asyncio servers standing in for
    vLLM pods, answering with the page), so only the measuring process counts.
-   The pool is measured with its rounds on the measuring process's loop
+   The pool is measured with its rounds in a thread of the measuring process
    (``in_process``), with and without the family filter, and as ``policyd
    serve`` runs it by default, with the rounds in its scraper child process
    (whole page): the serving process's share (the rounds' results received,

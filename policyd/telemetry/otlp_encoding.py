@@ -8,7 +8,8 @@ batch thread of the serving process. Writing the protobuf wire format
 directly, with the encoded attribute keys, recurring pairs, resources, scopes
 and shared node events (``FrozenAttributes``) cached, costs a fifth of that
 when nothing is shared and about a tenth when walks are reused
-(``benchmarks/telemetry.py``).
+(``benchmarks/telemetry.py``). A ``DecisionSpan`` is written from its parts:
+its shared attribute groups and node events come from their caches whole.
 
 The output is the same message the SDK's ``encode_spans`` builds, field for
 field (``tests/telemetry/test_otlp_encoding.py`` parses both and compares);
@@ -19,13 +20,14 @@ field numbers are those of ``opentelemetry/proto/trace/v1/trace.proto`` and
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanContext, SpanKind, TraceState
+from opentelemetry.trace import SpanContext, SpanKind, Status, TraceState
 
-from policyd.telemetry.tracing import FrozenAttributes, FrozenEvent
+from policyd.telemetry.attributes import NODE_EVENT
+from policyd.telemetry.tracing import DecisionSpan, FrozenAttributes
 
 _FIXED64: Final = struct.Struct("<Q").pack
 _FIXED32: Final = struct.Struct("<I").pack
@@ -64,6 +66,9 @@ def _field(tag: int, payload: bytes) -> bytes:
     return _BYTES[tag] + (_BYTES[size] if size < 0x80 else _varint(size)) + payload
 
 
+_NODE_EVENT_NAME: Final = _field(0x12, NODE_EVENT.encode())  # Span.Event.name
+
+
 def _int64(value: int) -> int:
     """An int64 as protobuf writes it in a varint: negatives as 64-bit two's complement."""
     if not -(2**63) <= value < 2**63:
@@ -74,13 +79,14 @@ def _int64(value: int) -> int:
 class SpanEncoder:
     """Encodes batches of finished spans; one per exporter (its caches are not shared).
 
-    Not thread-safe by design: the batch processor calls its exporter from one
-    thread at a time.
+    Not thread-safe by design: one thread at a time encodes spans (``span``)
+    and one at a time wraps them in requests (``request``, ``encode``).
     """
 
     def __init__(self) -> None:
         self._keys: dict[int, dict[str, _Key]] = {}  # by field tag, then key
         self._names: dict[str, bytes] = {}  # event names, encoded
+        self._span_names: dict[str, bytes] = {}  # decision span names, as field 5
         # Resources and scopes by identity (a Resource hashes through JSON), each
         # with the object itself so that its id is not reused while it is here.
         self._resources: dict[int, tuple[Any, bytes]] = {}
@@ -102,23 +108,40 @@ class SpanEncoder:
             in_scope = by_scope[1].get(id(scope))
             if in_scope is None:
                 in_scope = by_scope[1][id(scope)] = (scope, [])
-            in_scope[1].append(_field(0x12, self._span(span)))
+            in_scope[1].append(self.span(span))
         out = bytearray()
         for resource, scopes in grouped.values():
-            body = bytearray(self._resource(resource))
-            for scope, encoded in scopes.values():
-                scope_spans = bytearray(self._scope(scope))
-                for span_bytes in encoded:
-                    scope_spans += span_bytes
-                if scope is not None and scope.schema_url:
-                    scope_spans += _field(0x1A, scope.schema_url.encode())
-                body += _field(0x12, bytes(scope_spans))
-            if resource.schema_url:
-                body += _field(0x1A, resource.schema_url.encode())
-            out += _field(0x0A, bytes(body))
+            out += self._resource_spans(resource, scopes.values())
         return bytes(out)
 
+    def span(self, span: ReadableSpan) -> bytes:
+        """One entry of ``ScopeSpans.spans``: what ``request`` takes a list of."""
+        if type(span) is DecisionSpan:
+            return _field(0x12, self._decision_span(span))
+        return _field(0x12, self._span(span))
+
+    def request(self, resource: Any, scope: Any, spans: Iterable[bytes]) -> bytes:
+        """The ``ExportTraceServiceRequest`` of spans encoded by ``span``, all of
+        ``resource`` and ``scope`` (None for none)."""
+        return self._resource_spans(resource, [(scope or None, spans)])
+
     # -- the parts -------------------------------------------------------------------------
+
+    def _resource_spans(
+        self, resource: Any, scopes: Iterable[tuple[Any, Iterable[bytes]]]
+    ) -> bytes:
+        """``ExportTraceServiceRequest.resource_spans`` (field 1) for one resource."""
+        body = bytearray(self._resource(resource))
+        for scope, encoded in scopes:
+            scope_spans = bytearray(self._scope(scope))
+            for span_bytes in encoded:
+                scope_spans += span_bytes
+            if scope is not None and scope.schema_url:
+                scope_spans += _field(0x1A, scope.schema_url.encode())
+            body += _field(0x12, bytes(scope_spans))
+        if resource.schema_url:
+            body += _field(0x1A, resource.schema_url.encode())
+        return _field(0x0A, bytes(body))
 
     def _resource(self, resource: Any) -> bytes:
         """ResourceSpans.resource (field 1), cached: a tracer has one resource."""
@@ -184,27 +207,65 @@ class SpanEncoder:
             out += _field(0x6A, self._link(link))
         if span.dropped_links:
             out += b"\x70" + _varint(span.dropped_links)
-        status = span.status
-        if status is not None:
-            body = b""
-            if status.description:
-                body += _field(0x12, status.description.encode())
-            if status.status_code.value:
-                body += b"\x18" + _varint(status.status_code.value)
-            out += _field(0x7A, body)
+        if span.status is not None:
+            out += _status(span.status)
+        out += b"\x85\x01"  # flags (field 16), fixed32
+        out += _FIXED32(_flags(parent))
+        return bytes(out)
+
+    def _decision_span(self, span: DecisionSpan) -> bytes:
+        """``_span``'s bytes for a decision span, written from its parts.
+
+        What ``_span`` would read of it and find empty or fixed (links, dropped
+        counts, kind) is not asked for; the shared attribute groups and node
+        events come encoded from their caches.
+        """
+        context = span.context
+        parent = span.parent
+        out = bytearray(b"\x0a\x10")  # trace_id
+        out += context.trace_id.to_bytes(16, "big")
+        out += b"\x12\x08"  # span_id
+        out += context.span_id.to_bytes(8, "big")
+        if context.trace_state:
+            out += _field(0x1A, _trace_state(context.trace_state).encode())
+        if parent is not None:
+            out += b"\x22\x08"  # parent_span_id
+            out += parent.span_id.to_bytes(8, "big")
+        name = self._span_names.get(span.name)
+        if name is None:
+            name = _field(0x2A, span.name.encode()) if span.name else b""
+            if len(self._span_names) >= _CACHE_LIMIT:
+                self._span_names.clear()
+            self._span_names[span.name] = name
+        out += name
+        out += b"\x30\x01"  # kind: internal
+        if span.start_time:
+            out += b"\x39"
+            out += _FIXED64(span.start_time)
+        if span.end_time:
+            out += b"\x41"
+            out += _FIXED64(span.end_time)
+        for group in span.attribute_groups:
+            out += self._attributes(0x4A, group)
+        if span.node_events:
+            at = span.event_time
+            timestamp = b"\x09" + _FIXED64(at) if at else b""
+            for attributes in span.node_events:
+                rest = attributes.encoded.get(NODE_EVENT)
+                if rest is None:
+                    rest = attributes.encoded[NODE_EVENT] = _NODE_EVENT_NAME + self._attributes(
+                        0x1A, attributes
+                    )
+                out += _field(0x5A, timestamp + rest)
+        for event in span.other_events:
+            out += _field(0x5A, self._event(event))
+        out += _status(span.status)
         out += b"\x85\x01"  # flags (field 16), fixed32
         out += _FIXED32(_flags(parent))
         return bytes(out)
 
     def _event(self, event: Any) -> bytes:
         timestamp = event.timestamp
-        if type(event) is FrozenEvent and timestamp:  # name and attributes made once
-            shared = event.attributes.encoded
-            rest = shared.get(event.name)
-            if rest is None:
-                head = _field(0x12, event.name.encode()) if event.name else b""
-                rest = shared[event.name] = head + self._attributes(0x1A, event.attributes)
-            return b"\x09" + _FIXED64(timestamp) + rest
         name = self._names.get(event.name)
         if name is None:
             name = _field(0x12, event.name.encode()) if event.name else b""
@@ -320,6 +381,16 @@ def _any_value(value: Any) -> bytes:
         )
         return _field(0x32, pairs)
     raise TypeError(f"cannot encode a {type(value).__name__} attribute")
+
+
+def _status(status: Status) -> bytes:
+    """``Span.status`` (field 15): description, then code (absent when unset)."""
+    body = b""
+    if status.description:
+        body += _field(0x12, status.description.encode())
+    if status.status_code.value:
+        body += b"\x18" + _varint(status.status_code.value)
+    return _field(0x7A, body)
 
 
 def _trace_state(state: TraceState | None) -> str:

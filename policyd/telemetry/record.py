@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import Event, EventBase
+from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
@@ -49,7 +49,7 @@ from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
 from policyd.telemetry.decision_log import DecisionLog
 from policyd.telemetry.metrics import DecisionMetrics
-from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, FrozenEvent, StartedSpan
+from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, StartedSpan
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ _NO_PARENT: Final = Context()
 _UNSET: Final = Status()
 _FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last field
 _NODE_EVENTS_KEPT: Final = 4096  # filter-tree steps whose event attributes are kept for reuse
+_GROUPS_KEPT: Final = 4096  # shared span attribute groups kept, per kind
 
 
 class DecisionTelemetry:
@@ -77,6 +78,53 @@ class DecisionTelemetry:
         # event attributes are made (and OTLP-encoded) once. Keyed by identity,
         # holding the step so that its id cannot be reused while it is here.
         self._node_events: dict[int, tuple[NodeTrace, FrozenAttributes]] = {}
+        # Span attributes that many requests share, made (and OTLP-encoded) once.
+        self._request_groups: dict[tuple[Any, ...], FrozenAttributes] = {}
+        self._pod_groups: dict[tuple[str, str], FrozenAttributes] = {}
+
+    def request_attributes(self, request: Request, decision: Decision) -> FrozenAttributes:
+        """The attributes a decision span shares with the same kind of request under
+        the same policy: operation, models, policy, criticality, outcome."""
+        criticality = decision.criticality or request.criticality
+        key = (
+            request.path,
+            request.model,
+            request.stream,
+            decision.policy,
+            decision.policy_version,
+            decision.target_model,
+            criticality,
+            decision.outcome,
+        )
+        known = self._request_groups.get(key)
+        if known is None:
+            group: dict[str, Any] = {
+                a.GEN_AI_OPERATION: a.operation_name(request.path),
+                a.GEN_AI_REQUEST_MODEL: request.model,
+                a.POLICY: decision.policy,
+                a.POLICY_VERSION: decision.policy_version,
+                a.TARGET_MODEL: decision.target_model,
+                a.CRITICALITY: criticality,
+                a.STREAM: request.stream,
+                a.OUTCOME: decision.outcome.value,
+            }
+            if decision.outcome is not Outcome.ROUTED:
+                group[a.ERROR_TYPE] = decision.outcome.value
+            known = _kept(self._request_groups, key, FrozenAttributes(group))
+        return known
+
+    def pod_attributes(self, pod: str, endpoint: str) -> FrozenAttributes:
+        """The attributes naming the pod a request was routed to."""
+        known = self._pod_groups.get((pod, endpoint))
+        if known is None:
+            host, port = a.split_endpoint(endpoint)
+            group: dict[str, Any] = {a.SERVER_ADDRESS: host}
+            if port is not None:
+                group[a.SERVER_PORT] = port
+            group[a.POD] = pod
+            group[a.ENDPOINT] = endpoint
+            known = _kept(self._pod_groups, (pod, endpoint), FrozenAttributes(group))
+        return known
 
     def node_event_attributes(self, step: NodeTrace) -> FrozenAttributes:
         """The attributes of ``step``'s span event, made once per step object."""
@@ -107,20 +155,21 @@ class RequestRecord:
     """The ``RequestSpan`` of one request (see the module docstring for the phases)."""
 
     __slots__ = (
+        "_attributes",
         "_carrier",
-        "_decided_wall",
+        "_decided_ns",
         "_decision",
         "_deferred_done",
         "_end_ns",
         "_entry",
-        "_events",
         "_finished",
         "_owner",
         "_pending_end",
         "_request",
         "_seconds",
+        "_shadow_events",
+        "_shared_attributes",
         "_span",
-        "_span_attributes",
         "_span_status",
         "_status",
         "_to_headers",
@@ -141,7 +190,7 @@ class RequestRecord:
         self._carrier = carrier
         self._seconds = decision_seconds
         now_ns = time.time_ns()
-        self._decided_wall = now_ns / 1e9
+        self._decided_ns = now_ns
         self._status = 0
         self._to_headers: float | None = None
         self._deferred_done = False
@@ -149,8 +198,11 @@ class RequestRecord:
         self._pending_end: dict[str, Any] | None = None
         self._end_ns = 0
         self._span: StartedSpan | None = None
-        self._span_attributes: dict[str, Any] | None = None  # made by _annotate
-        self._events: list[EventBase] | None = None
+        # The span's parts, made by _annotate: its shared attribute groups, its
+        # own attributes (the response's added at the end), its shadow events.
+        self._shared_attributes: tuple[FrozenAttributes, ...] = ()
+        self._attributes: dict[str, Any] = {}
+        self._shadow_events: list[Event] = []
         self._span_status = _UNSET
         self.upstream_headers: Mapping[str, str] = _EMPTY
         tracer = owner.tracer
@@ -198,18 +250,11 @@ class RequestRecord:
     def _annotate(self, shadows: tuple[ShadowResult, ...]) -> None:
         decision = self._decision
         request = self._request
+        owner = self._owner
         attributes: dict[str, Any] = {
-            a.GEN_AI_OPERATION: a.operation_name(request.path),
-            a.GEN_AI_REQUEST_MODEL: request.model,
-            a.POLICY: decision.policy,
-            a.POLICY_VERSION: decision.policy_version,
-            a.TARGET_MODEL: decision.target_model,
-            a.CRITICALITY: decision.criticality or request.criticality,
             a.PROMPT_TOKENS: request.prompt_tokens,
-            a.STREAM: request.stream,
             a.CANDIDATES: decision.candidate_count,
             a.SURVIVORS: len(decision.survivors),
-            a.OUTCOME: decision.outcome.value,
             a.DECISION_DURATION: self._seconds,
         }
         if request.id:
@@ -219,18 +264,16 @@ class RequestRecord:
         if decision.reason:
             attributes[a.REASON] = a.clip(decision.reason)
         if decision.outcome is Outcome.ROUTED:
-            host, port = a.split_endpoint(decision.endpoint)
-            attributes[a.SERVER_ADDRESS] = host
-            if port is not None:
-                attributes[a.SERVER_PORT] = port
-            attributes[a.POD] = decision.pod
-            attributes[a.ENDPOINT] = decision.endpoint
+            self._shared_attributes = (
+                owner.request_attributes(request, decision),
+                owner.pod_attributes(decision.pod, decision.endpoint),
+            )
             if decision.fallbacks:
                 attributes[a.FALLBACKS] = decision.fallbacks[: a.MAX_LISTED_PODS]
             if decision.score is not None:
                 attributes[a.SCORE] = decision.score
         else:
-            attributes[a.ERROR_TYPE] = decision.outcome.value
+            self._shared_attributes = (owner.request_attributes(request, decision),)
         if decision.scores:
             top = decision.scores[: a.MAX_LISTED_PODS]
             attributes[a.SCORED_PODS] = tuple([name for name, _ in top])
@@ -240,15 +283,10 @@ class RequestRecord:
             attributes[a.SHADOWS_AGREED] = sum(1 for s in shadows if s.agreement.agrees)
         if len(decision.trace) > a.MAX_NODE_EVENTS:
             attributes[a.NODE_EVENTS_DROPPED] = len(decision.trace) - a.MAX_NODE_EVENTS
-        self._span_attributes = attributes
+        self._attributes = attributes
         if decision.outcome is Outcome.ERROR:
             self._span_status = Status(StatusCode.ERROR, a.clip(decision.reason))
-        at = int(self._decided_wall * 1e9)
-        events: list[EventBase] = []
-        self._events = events
-        node_event = self._owner.node_event_attributes
-        for step in decision.trace[: a.MAX_NODE_EVENTS]:
-            events.append(FrozenEvent(a.NODE_EVENT, node_event(step), at))
+        at = self._decided_ns
         for shadow in shadows:
             would = shadow.decision
             event = {
@@ -263,7 +301,7 @@ class RequestRecord:
                 event[a.SHADOW_ENDPOINT] = would.endpoint
             if would.reason:
                 event[a.SHADOW_REASON] = a.clip(would.reason)
-            events.append(Event(a.SHADOW_EVENT, event, at))
+            self._shadow_events.append(Event(a.SHADOW_EVENT, event, at))
 
     def _log_decision(self, shadows: tuple[ShadowResult, ...]) -> dict[str, Any]:
         decision = self._decision
@@ -272,7 +310,7 @@ class RequestRecord:
         trace_id, span_id = self._trace_ids()
         pods = decision.candidates
         return {
-            "time": datetime.fromtimestamp(self._decided_wall, UTC).isoformat(),
+            "time": datetime.fromtimestamp(self._decided_ns / 1e9, UTC).isoformat(),
             "request_id": request.id,
             "trace_id": trace_id,
             "span_id": span_id,
@@ -391,7 +429,7 @@ class RequestRecord:
         span = self._span
         tracer = self._owner.tracer
         if span is not None and span.recording and tracer is not None:
-            attributes = self._span_attributes if self._span_attributes is not None else {}
+            attributes = self._attributes
             attributes[a.RESPONSE_COMPLETED] = completed
             attributes[a.RESPONSE_DURATION] = duration_seconds
             if self._status:
@@ -407,8 +445,16 @@ class RequestRecord:
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
-            events = self._events if self._events is not None else ()
-            tracer.finish(span, self._end_ns, attributes, events, self._span_status)
+            node_event = self._owner.node_event_attributes
+            tracer.finish(
+                span,
+                self._end_ns,
+                attribute_groups=(*self._shared_attributes, attributes),
+                event_time=self._decided_ns,
+                node_events=[node_event(step) for step in decision.trace[: a.MAX_NODE_EVENTS]],
+                other_events=self._shadow_events,
+                status=self._span_status,
+            )
         entry = self._entry
         decision_log = self._owner.decision_log
         if entry is not None and decision_log is not None:
@@ -422,6 +468,17 @@ class RequestRecord:
                 "completion_tokens": completion_tokens,
             }
             decision_log.write(entry)
+
+
+def _kept(
+    cache: dict[Any, FrozenAttributes], key: Any, attributes: FrozenAttributes
+) -> FrozenAttributes:
+    """Keep ``attributes`` under ``key``; a full cache starts again (its keys may
+    come from clients: model names)."""
+    if len(cache) >= _GROUPS_KEPT:
+        cache.clear()
+    cache[key] = attributes
+    return attributes
 
 
 def _node_event(step: NodeTrace) -> dict[str, Any]:

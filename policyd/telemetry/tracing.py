@@ -14,7 +14,12 @@ What is kept of the SDK is what users configure: the sampler
 ``OTEL_SERVICE_NAME``), the id generator and the span processors with their
 exporters (``OTEL_BSP_*``, ``OTEL_EXPORTER_OTLP_*``). A finished span is an
 SDK ``ReadableSpan`` handed to each processor's ``on_end``, so every SDK
-exporter works with it. Not applied: the SDK's span limits
+exporter works with it. That span is a ``DecisionSpan``: its attributes come
+in groups, the groups shared by many requests (policy, model, pod) made once
+and kept, and its node events are the shared attributes of the filter-tree
+steps; policyd's OTLP/gRPC encoder writes it straight from those parts, and
+the dict of attributes and the list of events the SDK's exporters read are
+made only when one reads them. Not applied: the SDK's span limits
 (``OTEL_SPAN_*_LIMIT``, ``OTEL_ATTRIBUTE_*``); the decision span bounds its
 own lists and texts (``policyd.telemetry.attributes``).
 """
@@ -28,11 +33,13 @@ from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import EventBase, ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import DEFAULT_ON, Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, TraceFlags, get_current_span
+
+from policyd.telemetry.attributes import NODE_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +70,67 @@ class FrozenAttributes(Mapping[str, Any]):
         return len(self._items)
 
 
-class FrozenEvent(EventBase):
-    """A span event whose attributes are shared, frozen, between spans."""
+class DecisionSpan(ReadableSpan):
+    """A finished decision span: a ``ReadableSpan`` made of shareable parts.
 
-    def __init__(self, name: str, attributes: FrozenAttributes, timestamp: int) -> None:
-        super().__init__(name, timestamp)
-        self._attributes = attributes
+    - ``attribute_groups``: the span's attributes, group after group, no key
+      in two groups; a ``FrozenAttributes`` group is shared by many spans and
+      encoded once.
+    - ``node_events``: one event per filter-tree step, all named
+      ``NODE_EVENT`` and timed ``event_time``, each the step's shared
+      attributes; then ``other_events``.
+
+    ``ReadableSpan.__init__`` is not called because ``_attributes`` and
+    ``_events``, which its properties and ``to_json`` read, are made here from
+    those parts on first use; the other fields are set as it sets them.
+    """
+
+    def __init__(
+        self,
+        span: StartedSpan,
+        *,
+        end_time: int,
+        resource: Resource,
+        scope: InstrumentationScope | None,
+        status: Status,
+        attribute_groups: Sequence[Mapping[str, Any]],
+        event_time: int,
+        node_events: Sequence[FrozenAttributes],
+        other_events: Sequence[Event],
+    ) -> None:
+        self._name = span.name
+        self._context = span.context
+        self._kind = SpanKind.INTERNAL
+        self._instrumentation_info = None
+        self._instrumentation_scope = scope
+        self._parent = span.parent
+        self._start_time = span.start_ns
+        self._end_time = end_time
+        self._links = ()
+        self._resource = resource
+        self._status = status
+        self.attribute_groups = attribute_groups
+        self.event_time = event_time
+        self.node_events = node_events
+        self.other_events = other_events
+        self._merged: dict[str, Any] | None = None
 
     @property
-    def attributes(self) -> FrozenAttributes:
-        return self._attributes
+    def _attributes(self) -> dict[str, Any]:  # type: ignore[override]  # made from the groups
+        merged = self._merged
+        if merged is None:
+            merged = {}
+            for group in self.attribute_groups:
+                merged.update(group)
+            self._merged = merged
+        return merged
 
     @property
-    def dropped_attributes(self) -> int:  # read by the SDK's encoders
-        return 0
+    def _events(self) -> Sequence[Event]:  # type: ignore[override]  # made from the parts
+        at = self.event_time
+        events = [Event(NODE_EVENT, node, at) for node in self.node_events]
+        events.extend(self.other_events)
+        return events
 
 
 @dataclass(slots=True)
@@ -138,27 +192,34 @@ class DecisionTracer:
         self,
         span: StartedSpan,
         end_ns: int,
-        attributes: dict[str, Any],
-        events: Sequence[EventBase],
+        *,
+        attribute_groups: Sequence[Mapping[str, Any]],
+        event_time: int,
+        node_events: Sequence[FrozenAttributes],
+        other_events: Sequence[Event],
         status: Status,
     ) -> None:
-        """Hand the finished span to every processor; a failing processor is logged."""
+        """Hand the finished span to every processor; a failing processor is logged.
+
+        ``attribute_groups`` must not share keys (the sampler's attributes,
+        put first, give way to policyd's own).
+        """
         if not span.recording:
             return
         if span.initial:
-            attributes = {**span.initial, **attributes}
-        finished = ReadableSpan(
-            span.name,
-            span.context,
-            parent=span.parent,
-            resource=self.resource,
-            attributes=attributes,
-            events=events,  # type: ignore[arg-type]  # any EventBase: the SDK reads only that
-            kind=SpanKind.INTERNAL,
-            status=status,
-            start_time=span.start_ns,
+            ours = {key for group in attribute_groups for key in group}
+            initial = {key: value for key, value in span.initial.items() if key not in ours}
+            attribute_groups = (initial, *attribute_groups)
+        finished = DecisionSpan(
+            span,
             end_time=end_ns,
-            instrumentation_scope=self.scope,
+            resource=self.resource,
+            scope=self.scope,
+            status=status,
+            attribute_groups=attribute_groups,
+            event_time=event_time,
+            node_events=node_events,
+            other_events=other_events,
         )
         for processor in self.processors:
             try:

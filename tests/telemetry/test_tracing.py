@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
@@ -21,7 +22,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.span import TraceState
 
-from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, FrozenEvent
+from policyd.telemetry.tracing import DecisionSpan, DecisionTracer, FrozenAttributes
 
 
 class RecordOnly(Sampler):
@@ -56,16 +57,26 @@ def remote_parent(flags: int = 1) -> Context:
     return set_span_in_context(NonRecordingSpan(parent), Context())
 
 
-def finish(tracer: DecisionTracer, parent: Context, events: Sequence[Any] = ()) -> None:
+def finish(
+    tracer: DecisionTracer, parent: Context, node_events: Sequence[FrozenAttributes] = ()
+) -> None:
     span = tracer.start("chat m", parent, 100)
-    tracer.finish(span, 200, {"policyd.pod": "vllm-0"}, events, Status(StatusCode.OK))
+    tracer.finish(
+        span,
+        200,
+        attribute_groups=[{"policyd.pod": "vllm-0"}],
+        event_time=150,
+        node_events=node_events,
+        other_events=[],
+        status=Status(StatusCode.OK),
+    )
 
 
 def test_a_span_joins_its_remote_parent_and_reaches_the_exporter() -> None:
     exporter = InMemorySpanExporter()
     tracer = DecisionTracer(processors=[SimpleSpanProcessor(exporter)])
     node = FrozenAttributes({"policyd.node.name": "has capacity", "policyd.node.kept": 3})
-    finish(tracer, remote_parent(), [FrozenEvent("policyd.node", node, 150)])
+    finish(tracer, remote_parent(), [node])
     (span,) = exporter.get_finished_spans()
     assert span.context is not None and span.context.trace_id == 0xABC
     assert span.parent is not None and span.parent.span_id == 0xDEF and span.parent.is_remote
@@ -87,7 +98,15 @@ def test_parent_based_sampling_follows_an_unsampled_parent() -> None:
     span = tracer.start("chat m", remote_parent(flags=0), 100)
     assert not span.recording and not span.context.trace_flags.sampled
     assert span.context.trace_id == 0xABC  # the context still goes upstream
-    tracer.finish(span, 200, {}, (), Status())
+    tracer.finish(
+        span,
+        200,
+        attribute_groups=[],
+        event_time=150,
+        node_events=[],
+        other_events=[],
+        status=Status(),
+    )
     assert collecting.spans == []
 
 
@@ -117,3 +136,49 @@ def test_frozen_attributes_read_like_a_mapping_and_cannot_be_changed() -> None:
     assert dict(attributes) == {"a": 1, "b": ("x", "y")} and len(attributes) == 2
     with pytest.raises(TypeError):
         attributes["a"] = 2  # type: ignore[index]
+
+
+def test_a_decision_span_reads_as_the_readable_span_of_its_parts() -> None:
+    """What SDK exporters read (properties, ``to_json``) is made from the parts."""
+    shared = FrozenAttributes({"policyd.policy.name": "default", "policyd.outcome": "routed"})
+    node = FrozenAttributes({"policyd.node.name": "has capacity"})
+    shadow = Event("policyd.shadow", {"policyd.shadow.policy": "random"}, 150)
+    collecting = Collecting()
+    tracer = DecisionTracer(processors=[collecting], sampler=RecordOnly())
+    tracer.finish(
+        tracer.start("chat m", remote_parent(), 100),
+        200,
+        attribute_groups=[shared, {"policyd.pod": "vllm-0", "sampler.rule": "ours"}],
+        event_time=150,
+        node_events=[node, node],
+        other_events=[shadow],
+        status=Status(StatusCode.OK),
+    )
+    (span,) = collecting.spans
+    assert isinstance(span, DecisionSpan)
+    expected = ReadableSpan(
+        "chat m",
+        span.context,
+        parent=span.parent,
+        resource=tracer.resource,
+        attributes={  # the sampler's first, giving way to policyd's own
+            "policyd.policy.name": "default",
+            "policyd.outcome": "routed",
+            "policyd.pod": "vllm-0",
+            "sampler.rule": "ours",
+        },
+        events=[
+            Event("policyd.node", node, 150),
+            Event("policyd.node", node, 150),
+            shadow,
+        ],
+        status=Status(StatusCode.OK),
+        start_time=100,
+        end_time=200,
+    )
+    assert dict(span.attributes or {}) == dict(expected.attributes or {})
+    assert [(e.name, e.timestamp, dict(e.attributes or {})) for e in span.events] == [
+        (e.name, e.timestamp, dict(e.attributes or {})) for e in expected.events
+    ]
+    assert (span.dropped_attributes, span.dropped_events, span.links) == (0, 0, ())
+    assert json.loads(span.to_json()) == json.loads(expected.to_json())

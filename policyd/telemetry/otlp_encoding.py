@@ -79,8 +79,8 @@ def _int64(value: int) -> int:
 class SpanEncoder:
     """Encodes batches of finished spans; one per exporter (its caches are not shared).
 
-    Not thread-safe by design: one thread at a time encodes spans (``span``)
-    and one at a time wraps them in requests (``request``, ``encode``).
+    Not thread-safe by design: the batch processor calls its exporter from one
+    thread at a time.
     """
 
     def __init__(self) -> None:
@@ -108,22 +108,17 @@ class SpanEncoder:
             in_scope = by_scope[1].get(id(scope))
             if in_scope is None:
                 in_scope = by_scope[1][id(scope)] = (scope, [])
-            in_scope[1].append(self.span(span))
+            in_scope[1].append(self._entry(span))
         out = bytearray()
         for resource, scopes in grouped.values():
             out += self._resource_spans(resource, scopes.values())
         return bytes(out)
 
-    def span(self, span: ReadableSpan) -> bytes:
-        """One entry of ``ScopeSpans.spans``: what ``request`` takes a list of."""
+    def _entry(self, span: ReadableSpan) -> bytes:
+        """One entry of ``ScopeSpans.spans``."""
         if type(span) is DecisionSpan:
             return _field(0x12, self._decision_span(span))
         return _field(0x12, self._span(span))
-
-    def request(self, resource: Any, scope: Any, spans: Iterable[bytes]) -> bytes:
-        """The ``ExportTraceServiceRequest`` of spans encoded by ``span``, all of
-        ``resource`` and ``scope`` (None for none)."""
-        return self._resource_spans(resource, [(scope or None, spans)])
 
     # -- the parts -------------------------------------------------------------------------
 

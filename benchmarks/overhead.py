@@ -187,24 +187,27 @@ def run_pods(count: int, ports: Any) -> None:
 
 
 class FixedDestination(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """The no-op ext_proc: no parsing, no policy; every request goes to one pod."""
+    """The no-op ext_proc: no parsing, no policy; every request goes to one pod.
+
+    A plain servicer: it answers with policyd's replies as messages, which gRPC
+    serializes per reply (policyd sends them pre-encoded).
+    """
 
     def __init__(self, destination: str) -> None:
-        self.routed = replies.RouteReplies().route(destination)
+        parse = pb.ProcessingResponse.FromString
+        self.answers = {
+            "request_headers": parse(replies.REQUEST_HEADERS_CONTINUE),
+            "request_body": parse(replies.RouteReplies().route(destination)),
+            "response_headers": parse(replies.RESPONSE_HEADERS_CONTINUE),
+            "response_body": parse(replies.RESPONSE_BODY_CONTINUE),
+        }
 
     async def Process(  # noqa: N802
         self, requests: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        answers = self.answers
         async for message in requests:
-            phase = message.WhichOneof("request")
-            if phase == "request_headers":
-                yield replies.REQUEST_HEADERS_CONTINUE
-            elif phase == "request_body":
-                yield self.routed
-            elif phase == "response_headers":
-                yield replies.RESPONSE_HEADERS_CONTINUE
-            else:
-                yield replies.RESPONSE_BODY_CONTINUE
+            yield answers[message.WhichOneof("request")]
 
 
 def run_noop_extproc(port: int, destination: str) -> None:

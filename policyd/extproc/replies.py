@@ -12,8 +12,13 @@
   matching on the new header are re-evaluated.
 - Errors are ImmediateResponses with an OpenAI-style JSON body.
 
-Replies that never change are built once and reused, and routing replies
-are cached per destination (:class:`RouteReplies`).
+Replies are protobuf wire bytes, which the gRPC server sends as they are:
+those that never change are encoded once, routing replies once per
+destination (:class:`RouteReplies`). What a request adds to its routing
+reply (trace headers, a rewritten body) is encoded alone and appended: a
+protobuf parser merges a message field that occurs twice and concatenates
+repeated ones, so the bytes read as one reply holding both, without copying
+the cached reply's ``envoy.lb`` metadata into a new message per request.
 """
 
 from __future__ import annotations
@@ -34,19 +39,29 @@ LB_METADATA_NAMESPACE: Final = "envoy.lb"
 _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 # Request headers: continue, but drop any destination the client tried to pick.
-REQUEST_HEADERS_CONTINUE: Final = pb.ProcessingResponse(
+REQUEST_HEADERS_CONTINUE: Final[bytes] = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
         )
     )
-)
+).SerializeToString()
 # A request body chunk that is not the last one (STREAMED mode): nothing to do yet.
-REQUEST_BODY_CONTINUE: Final = pb.ProcessingResponse(request_body=pb.BodyResponse())
-REQUEST_TRAILERS_CONTINUE: Final = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-RESPONSE_HEADERS_CONTINUE: Final = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-RESPONSE_BODY_CONTINUE: Final = pb.ProcessingResponse(response_body=pb.BodyResponse())
-RESPONSE_TRAILERS_CONTINUE: Final = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+REQUEST_BODY_CONTINUE: Final[bytes] = pb.ProcessingResponse(
+    request_body=pb.BodyResponse()
+).SerializeToString()
+REQUEST_TRAILERS_CONTINUE: Final[bytes] = pb.ProcessingResponse(
+    request_trailers=pb.TrailersResponse()
+).SerializeToString()
+RESPONSE_HEADERS_CONTINUE: Final[bytes] = pb.ProcessingResponse(
+    response_headers=pb.HeadersResponse()
+).SerializeToString()
+RESPONSE_BODY_CONTINUE: Final[bytes] = pb.ProcessingResponse(
+    response_body=pb.BodyResponse()
+).SerializeToString()
+RESPONSE_TRAILERS_CONTINUE: Final[bytes] = pb.ProcessingResponse(
+    response_trailers=pb.TrailersResponse()
+).SerializeToString()
 
 _JSON_CONTENT_TYPE: Final = pb.HeaderMutation(
     set_headers=[
@@ -71,27 +86,26 @@ def destination_value(endpoint: str, fallbacks: Iterable[str] = ()) -> str:
 
 
 class RouteReplies:
-    """Builds routing replies, reusing the part that depends only on the destination.
+    """Routing replies, the part that depends only on the destination encoded once.
 
     Building the ``envoy.lb`` metadata Struct costs about as much as the rest
     of a request's handling, and a pool has few destinations; so the reply for
-    each destination is built once and handed out as is (replies are never
-    mutated after they are built) or copied when a request adds headers or a
-    new body. Used from the event loop only, so the cache needs no lock; it is
-    emptied when it holds ``limit`` destinations, which bounds it when pods
-    come and go.
+    each destination is encoded once and handed out as is, with what a
+    request adds appended (see the module docstring). Used from the event
+    loop only, so the cache needs no lock; it is emptied when it holds
+    ``limit`` destinations, which bounds it when pods come and go.
     """
 
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
-        self._by_destination: dict[str, pb.ProcessingResponse] = {}
+        self._by_destination: dict[str, bytes] = {}
 
     def route(
         self,
         destination: str,
         extra_headers: Iterable[tuple[str, str]] = (),
         new_body: bytes | None = None,
-    ) -> pb.ProcessingResponse:
+    ) -> bytes:
         """The request-body reply that sends the request to ``destination``.
 
         ``extra_headers`` are added to the upstream request (trace context).
@@ -106,33 +120,36 @@ class RouteReplies:
         extra = [_header(name, value) for name, value in extra_headers]
         if not extra and new_body is None:
             return base
-        reply = pb.ProcessingResponse()
-        reply.CopyFrom(base)
-        common = reply.request_body.response
+        common = pb.CommonResponse()
         if new_body is not None:
             extra.append(_header("content-length", str(len(new_body))))
             common.body_mutation.body = new_body
         common.header_mutation.set_headers.extend(extra)
-        return reply
+        added: bytes = pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=common)
+        ).SerializeToString()
+        return base + added
 
 
-def _route(destination: str) -> pb.ProcessingResponse:
+def _route(destination: str) -> bytes:
     common = pb.CommonResponse(clear_route_cache=True)
     common.header_mutation.set_headers.append(_header(DESTINATION_HEADER, destination))
     metadata = struct_pb2.Struct()
     metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
-    return pb.ProcessingResponse(
+    reply: bytes = pb.ProcessingResponse(
         request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
-    )
+    ).SerializeToString()
+    return reply
 
 
-def immediate(error: RequestError) -> pb.ProcessingResponse:
+def immediate(error: RequestError) -> bytes:
     """An error answered by Envoy directly; the request never reaches a pod."""
-    return pb.ProcessingResponse(
+    reply: bytes = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.status),
             headers=_JSON_CONTENT_TYPE,
             body=error.json_body(),
             details=f"policyd_{error.code}",
         )
-    )
+    ).SerializeToString()
+    return reply

@@ -23,9 +23,10 @@ import logging
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2_grpc
 
 from policyd.extproc.health import HealthReporter
@@ -101,7 +102,7 @@ class ExtProcServer:
                 ("grpc.max_send_message_length", message_limit),
             ]
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
+        server.add_generic_rpc_handlers((_process_handler(self.processor),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         address = f"{options.host}:{options.port}"
         if options.tls is None:
@@ -143,3 +144,16 @@ class ExtProcServer:
             await self.stop()  # a second signal during the drain changes nothing
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
+
+
+def _process_handler(processor: ExternalProcessor) -> grpc.GenericRpcHandler:
+    """``ExternalProcessor/Process``, its replies sent as the wire bytes they are."""
+    process = grpc.stream_stream_rpc_method_handler(
+        processor.Process,
+        request_deserializer=pb.ProcessingRequest.FromString,
+        response_serializer=None,
+    )
+    return grpc.method_handlers_generic_handler(_SERVICE, {"Process": process})
+
+
+_SERVICE: Final = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name

@@ -23,7 +23,6 @@ from typing import Any, Final
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from policyd.extproc import replies
 from policyd.extproc.errors import RequestError
@@ -61,8 +60,12 @@ class ServingSettings:
     max_body_bytes: int = 16 * 1024 * 1024
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """The gRPC servicer; reads the current router and pool snapshot per request."""
+class ExternalProcessor:
+    """The gRPC servicer; reads the current router and pool snapshot per request.
+
+    Its replies are wire bytes (``replies``): ``server`` registers ``Process``
+    with no response serializer.
+    """
 
     def __init__(
         self,
@@ -79,7 +82,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> AsyncIterator[bytes]:
         exchange = Exchange(self, _trace_metadata(context.invocation_metadata()))
         try:
             async for message in request_iterator:
@@ -139,7 +142,7 @@ class Exchange:
 
     # -- dispatch -------------------------------------------------------------------
 
-    def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    def handle(self, message: pb.ProcessingRequest) -> bytes:
         """The reply to one message; never raises."""
         phase = message.WhichOneof("request")
         try:
@@ -191,7 +194,7 @@ class Exchange:
     def _request_id(self) -> str:
         return self._headers.get("x-request-id", "-")
 
-    def _on_request_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def _on_request_headers(self, message: pb.HttpHeaders) -> bytes:
         # Pseudo-headers (:path, :method, ...) are not part of what policies see,
         # nor is a client's destination header.
         headers = self._headers
@@ -213,7 +216,7 @@ class Exchange:
             )
         return replies.REQUEST_HEADERS_CONTINUE
 
-    def _on_request_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+    def _on_request_body(self, message: pb.HttpBody) -> bytes:
         if self._span is not None:
             return replies.REQUEST_BODY_CONTINUE  # already routed; nothing left to decide
         self._body += message.body
@@ -229,7 +232,7 @@ class Exchange:
             )
         return replies.REQUEST_BODY_CONTINUE  # STREAMED: wait for the rest
 
-    def _on_request_trailers(self) -> pb.ProcessingResponse:
+    def _on_request_trailers(self) -> bytes:
         if self._span is None:
             # A STREAMED body ended by trailers: a trailers reply cannot set the
             # destination, so the request cannot be routed.
@@ -239,7 +242,7 @@ class Exchange:
             )
         return replies.REQUEST_TRAILERS_CONTINUE
 
-    def _route(self) -> pb.ProcessingResponse:
+    def _route(self) -> bytes:
         body = parse_body(bytes(self._body), self._path)
         self._body = bytearray()
         request = self._build_request(body)
@@ -310,7 +313,7 @@ class Exchange:
             log.exception("request %s: telemetry failed to give trace headers", self._request_id)
             return ()
 
-    def _reject(self, error: RequestError) -> pb.ProcessingResponse:
+    def _reject(self, error: RequestError) -> bytes:
         if self._span is not None:
             self._safely(self._span.response_headers, error.status, self._elapsed())
         self._end(completed=True)
@@ -320,7 +323,7 @@ class Exchange:
 
     # -- response path --------------------------------------------------------------
 
-    def _on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def _on_response_headers(self, message: pb.HttpHeaders) -> bytes:
         status = 0
         content_type = ""
         for header in message.headers.headers:
@@ -340,7 +343,7 @@ class Exchange:
             self._end(completed=True)
         return replies.RESPONSE_HEADERS_CONTINUE
 
-    def _on_response_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+    def _on_response_body(self, message: pb.HttpBody) -> bytes:
         if self._first_body_at is None and message.body:
             self._first_body_at = time.perf_counter()
         if self._usage is not None:
@@ -410,7 +413,7 @@ def _value(header: Any) -> str:
     return header.raw_value.decode("utf-8", "replace") if header.raw_value else str(header.value)
 
 
-_CONTINUE: Final[dict[str, pb.ProcessingResponse]] = {
+_CONTINUE: Final[dict[str, bytes]] = {
     "response_headers": replies.RESPONSE_HEADERS_CONTINUE,
     "response_body": replies.RESPONSE_BODY_CONTINUE,
     "response_trailers": replies.RESPONSE_TRAILERS_CONTINUE,

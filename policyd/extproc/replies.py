@@ -24,7 +24,7 @@ the cached reply's ``envoy.lb`` metadata into a new message per request.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -80,6 +80,15 @@ def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def destination_value(endpoint: str, fallbacks: Iterable[str] = ()) -> str:
     """``ip:port`` of the pick, then the fallbacks in order: ``a:1,b:2,...``."""
     return ",".join((endpoint, *fallbacks))
@@ -117,18 +126,12 @@ class RouteReplies:
             if len(self._by_destination) >= self._limit:
                 self._by_destination.clear()
             base = self._by_destination[destination] = _route(destination)
-        extra = [_header(name, value) for name, value in extra_headers]
-        if not extra and new_body is None:
-            return base
-        common = pb.CommonResponse()
-        if new_body is not None:
-            extra.append(_header("content-length", str(len(new_body))))
-            common.body_mutation.body = new_body
-        common.header_mutation.set_headers.extend(extra)
-        added: bytes = pb.ProcessingResponse(
-            request_body=pb.BodyResponse(response=common)
-        ).SerializeToString()
-        return base + added
+        headers = b"".join([_set_header(name, value) for name, value in extra_headers])
+        if new_body is None:
+            return base + _body_reply(headers) if headers else base
+        headers += _set_header("content-length", str(len(new_body)))
+        body = _BODY + _length(len(new_body)) + new_body
+        return base + _body_reply(headers, _BODY_MUTATION + _length(len(body)) + body)
 
 
 def _route(destination: str) -> bytes:
@@ -140,6 +143,48 @@ def _route(destination: str) -> bytes:
         request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
     ).SerializeToString()
     return reply
+
+
+# The tags (field number, length-delimited) of the fields an addition to a
+# routing reply is made of; every number is under 16, so each tag is one byte.
+def _tag(message: Any, field: str) -> bytes:
+    return bytes((message.DESCRIPTOR.fields_by_name[field].number << 3 | 2,))
+
+
+_REQUEST_BODY: Final = _tag(pb.ProcessingResponse, "request_body")
+_BODY_RESPONSE: Final = _tag(pb.BodyResponse, "response")
+_HEADER_MUTATION: Final = _tag(pb.CommonResponse, "header_mutation")
+_BODY_MUTATION: Final = _tag(pb.CommonResponse, "body_mutation")
+_SET_HEADERS: Final = _tag(pb.HeaderMutation, "set_headers")
+_BODY: Final = _tag(pb.BodyMutation, "body")
+_OPTION_HEADER: Final = _tag(base_pb2.HeaderValueOption, "header")
+_KEY: Final = _tag(base_pb2.HeaderValue, "key")
+_RAW_VALUE: Final = _tag(base_pb2.HeaderValue, "raw_value")
+_OVERWRITE_ACTION: Final = bytes(  # append_action, a varint field
+    (base_pb2.HeaderValueOption.DESCRIPTOR.fields_by_name["append_action"].number << 3, _OVERWRITE)
+)
+_SMALL: Final = [bytes((n,)) for n in range(0x80)]  # lengths under 128: one byte
+
+
+def _length(size: int) -> bytes:
+    return _SMALL[size] if size < 0x80 else _varint(size)
+
+
+def _body_reply(headers: bytes, body_mutation: bytes = b"") -> bytes:
+    """``ProcessingResponse.request_body.response`` holding these set_headers entries
+    (from ``_set_header``) and body mutation, encoded."""
+    common = _HEADER_MUTATION + _length(len(headers)) + headers + body_mutation
+    response = _BODY_RESPONSE + _length(len(common)) + common
+    return _REQUEST_BODY + _length(len(response)) + response
+
+
+def _set_header(name: str, value: str) -> bytes:
+    """One ``HeaderMutation.set_headers`` entry: ``_header(name, value)``, encoded."""
+    key = name.encode()
+    raw = value.encode()
+    header = _KEY + _length(len(key)) + key + _RAW_VALUE + _length(len(raw)) + raw
+    option = _OPTION_HEADER + _length(len(header)) + header + _OVERWRITE_ACTION
+    return _SET_HEADERS + _length(len(option)) + option
 
 
 def immediate(error: RequestError) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import replies
@@ -28,16 +29,23 @@ def test_a_plain_route_names_the_destination_in_a_header_and_in_lb_metadata() ->
     assert lb.fields[replies.DESTINATION_HEADER].string_value == "10.0.0.7:8000"
 
 
-def test_added_headers_and_body_merge_into_the_cached_reply() -> None:
+@pytest.mark.parametrize("prompt", [None, "hi", "long " * 3000])  # lengths of 1 and 2+ bytes
+@pytest.mark.parametrize("extra", [[], [TRACE], [TRACE, ("x-long", "v" * 300)]])
+def test_added_headers_and_body_merge_into_the_cached_reply(
+    prompt: str | None, extra: list[tuple[str, str]]
+) -> None:
     routes = replies.RouteReplies()
     plain = parsed(routes.route("10.0.0.7:8000"))
-    body = b'{"model":"base","prompt":"hi"}'
-    reply = parsed(routes.route("10.0.0.7:8000", [TRACE], body))
+    body = None if prompt is None else f'{{"model":"base","prompt":"{prompt}"}}'.encode()
+    reply = parsed(routes.route("10.0.0.7:8000", extra, body))
     expected = pb.ProcessingResponse()
     expected.CopyFrom(plain)
     common = expected.request_body.response
-    common.body_mutation.body = body
-    for name, value in (TRACE, ("content-length", str(len(body)))):
+    added = list(extra)
+    if body is not None:
+        common.body_mutation.body = body
+        added.append(("content-length", str(len(body))))
+    for name, value in added:
         added = common.header_mutation.set_headers.add()
         added.header.key = name
         added.header.raw_value = value.encode()

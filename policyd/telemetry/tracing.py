@@ -173,8 +173,19 @@ class DecisionTracer:
             parent_context = None
             trace_id = self.ids.generate_trace_id()
             random_trace_id = self.ids.is_trace_id_random()
-        result = self.sampler.should_sample(parent, trace_id, name, SpanKind.INTERNAL)
-        sampled = result.decision.is_sampled()  # type: ignore[no-untyped-call]
+        initial: Mapping[str, Any] | None = None
+        if self.sampler is DEFAULT_ON:
+            # The SDK's default sampler (parent-based, always on), decided as it
+            # decides but without making its result objects per span.
+            sampled = parent_context is None or parent_context.trace_flags.sampled
+            recording = sampled
+            trace_state = None if parent_context is None else parent_context.trace_state
+        else:
+            result = self.sampler.should_sample(parent, trace_id, name, SpanKind.INTERNAL)
+            sampled = result.decision.is_sampled()  # type: ignore[no-untyped-call]
+            recording = result.decision.is_recording()  # type: ignore[no-untyped-call]
+            trace_state = result.trace_state
+            initial = result.attributes
         flags = TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT
         if random_trace_id:
             flags |= TraceFlags.RANDOM_TRACE_ID
@@ -183,10 +194,9 @@ class DecisionTracer:
             self.ids.generate_span_id(),
             is_remote=False,
             trace_flags=TraceFlags(flags),
-            trace_state=result.trace_state,
+            trace_state=trace_state,
         )
-        recording = result.decision.is_recording()  # type: ignore[no-untyped-call]
-        return StartedSpan(name, context, parent_context, start_ns, recording, result.attributes)
+        return StartedSpan(name, context, parent_context, start_ns, recording, initial)
 
     def finish(
         self,

@@ -11,7 +11,13 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+)
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
@@ -182,3 +188,36 @@ def test_a_decision_span_reads_as_the_readable_span_of_its_parts() -> None:
     ]
     assert (span.dropped_attributes, span.dropped_events, span.links) == (0, 0, ())
     assert json.loads(span.to_json()) == json.loads(expected.to_json())
+
+
+@pytest.mark.parametrize(
+    "parent",
+    [
+        Context(),
+        remote_parent(flags=1),
+        remote_parent(flags=0),
+        set_span_in_context(
+            NonRecordingSpan(
+                SpanContext(0xABC, 0xDEF, False, TraceFlags(1), TraceState([("vendor", "v")]))
+            ),
+            Context(),
+        ),
+        set_span_in_context(
+            NonRecordingSpan(
+                SpanContext(0xABC, 0xDEF, True, TraceFlags(0), TraceState([("a", "b")]))
+            ),
+            Context(),
+        ),
+    ],
+)
+def test_the_default_sampler_decides_as_the_sdks_own(parent: Context) -> None:
+    """DEFAULT_ON is decided without calling it; any other instance is called."""
+    fast = DecisionTracer(processors=[]).start("chat m", parent, 100)
+    called = DecisionTracer(processors=[], sampler=ParentBased(ALWAYS_ON)).start(
+        "chat m", parent, 100
+    )
+    assert fast.recording == called.recording
+    assert dict(fast.initial or {}) == dict(called.initial or {}) == {}
+    assert fast.context.trace_flags == called.context.trace_flags
+    assert fast.context.trace_state == called.context.trace_state
+    assert fast.parent == called.parent

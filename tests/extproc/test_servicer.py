@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -331,25 +331,22 @@ async def test_a_stream_that_ends_early_releases_the_pod_and_says_so(rig: Rig) -
     assert rig.pods[0].in_flight == 0
 
 
-async def test_a_pick_handed_over_as_the_pod_is_counted_on_that_pod(rig: Rig) -> None:
-    pod = rig.pods[1]
-    rig.router.decision = Decision(
-        Outcome.ROUTED, "p", "1", "m", endpoint=pod.address, pod="renamed", chosen=pod
-    )
-    call = rig.envoy.open()
-    for message in (request_headers(), request_body(BODY)):
-        await call.write(message)
-        await call.read()
-    assert [p.in_flight for p in rig.pods] == [0, 1]
-    await call.write(response_headers(end_of_stream=True))
-    await call.read()
-    assert [p.in_flight for p in rig.pods] == [0, 0]
-    await call.done_writing()
-
-
-async def test_a_pick_is_matched_to_its_pod_by_address_when_unnamed(rig: Rig) -> None:
-    pod = rig.pods[1]
-    rig.router.decision = Decision(Outcome.ROUTED, "p", "1", "m", endpoint=pod.address)
+@pytest.mark.parametrize(
+    "pick",
+    [
+        # the router hands over the pod object (under a name the pool does not know)
+        lambda pod: Decision(
+            Outcome.ROUTED, "p", "1", "m", endpoint=pod.address, pod="renamed", chosen=pod
+        ),
+        # a router that names only the endpoint: matched by address
+        lambda pod: Decision(Outcome.ROUTED, "p", "1", "m", endpoint=pod.address),
+    ],
+    ids=["handed-over", "by-address"],
+)
+async def test_the_picked_pod_counts_the_request_until_it_ends(
+    rig: Rig, pick: Callable[[Pod], Decision]
+) -> None:
+    rig.router.decision = pick(rig.pods[1])
     call = rig.envoy.open()
     for message in (request_headers(), request_body(BODY)):
         await call.write(message)

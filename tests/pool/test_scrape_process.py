@@ -24,7 +24,13 @@ from policyd.pool.scrape_process import ProcessScraper, answer_timeout
 from policyd.pool.scraper import Scraper, ScrapeResult
 
 from .model_server import VLLM_SAMPLE, MetricsServer, vllm_text
-from .test_scraper import BODY, RawServer, peer_recording_server, read_request
+from .test_scraper import (
+    BODY,
+    RawServer,
+    answering_until_closed,
+    peer_recording_server,
+    read_request,
+)
 
 # Answers are due 0.4 s (the stale threshold) after a round starts.
 CONFIG = ScrapeConfig(interval=0.2, timeout=0.1, stale_after=0.4)
@@ -229,16 +235,7 @@ async def test_a_late_answer_is_not_taken_for_the_next_round(
 
 async def test_retain_closes_the_connections_of_pods_that_left(scraper: ProcessScraper) -> None:
     closed = asyncio.Event()
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                closed.set()
-                return
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
-            await writer.drain()
+    handler = answering_until_closed(closed)
 
     async with RawServer(handler) as server:
         assert all_ok(await scraper.scrape([server.address]))

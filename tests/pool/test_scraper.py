@@ -83,6 +83,39 @@ def errors(results: list[ScrapeResult]) -> list[str | None]:
 BODY = vllm_text(waiting=2, running=5, kv_cache=0.5).encode()
 
 
+def assert_two_answers_of_body(results: list[ScrapeResult]) -> None:
+    """Two rounds, each read BODY's numbers."""
+    assert errors(results) == [None, None]
+    assert [(r.metrics.waiting_queue, r.metrics.running) for r in results if r.metrics] == [
+        (2, 5),
+        (2, 5),
+    ]
+
+
+async def two_answers_on_one_connection(handler: Handler) -> None:
+    """Two rounds against ``handler`` read BODY twice over one kept-alive connection."""
+    async with RawServer(handler) as server:
+        results = await scrape(server.address, rounds=2)
+        assert server.connections == 1
+    assert_two_answers_of_body(results)
+
+
+def answering_until_closed(closed: asyncio.Event) -> Handler:
+    """A keep-alive server answering BODY; sets ``closed`` when the client hangs up."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                closed.set()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+            await writer.drain()
+
+    return handler
+
+
 async def test_a_round_scrapes_every_pod_concurrently(servers: list[MetricsServer]) -> None:
     texts = [vllm_text(waiting=i, running=10 + i, kv_cache=i / 10) for i in range(3)]
     pods = [await serve(servers, text) for text in texts]
@@ -203,14 +236,7 @@ async def test_a_chunked_response_is_reassembled() -> None:
             writer.write(b"0\r\nX-Trailer: yes\r\n\r\n")
             await writer.drain()
 
-    async with RawServer(handler) as server:
-        results = await scrape(server.address, rounds=2)
-        assert server.connections == 1
-    assert errors(results) == [None, None]
-    assert [(r.metrics.waiting_queue, r.metrics.running) for r in results if r.metrics] == [
-        (2, 5),
-        (2, 5),
-    ]
+    await two_answers_on_one_connection(handler)
 
 
 async def test_a_body_ended_by_closing_the_connection_is_read() -> None:
@@ -324,16 +350,7 @@ async def test_the_metrics_port_overrides_the_pod_port(servers: list[MetricsServ
 
 async def test_retain_closes_the_connections_of_pods_that_left() -> None:
     closed = asyncio.Event()
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                closed.set()
-                return
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
-            await writer.drain()
+    handler = answering_until_closed(closed)
 
     scraper = Scraper(ScrapeConfig(interval=0.5))
     try:
@@ -497,14 +514,7 @@ async def test_a_response_arriving_in_pieces_is_framed_across_reads() -> None:
                 await writer.drain()
                 await asyncio.sleep(0.01)
 
-    async with RawServer(handler) as server:
-        results = await scrape(server.address, rounds=2)
-        assert server.connections == 1
-    assert errors(results) == [None, None]
-    assert [(r.metrics.waiting_queue, r.metrics.running) for r in results if r.metrics] == [
-        (2, 5),
-        (2, 5),
-    ]
+    await two_answers_on_one_connection(handler)
 
 
 async def test_a_connection_reset_in_the_middle_of_the_body_fails_the_scrape() -> None:

@@ -92,6 +92,21 @@ def assert_two_answers_of_body(results: list[ScrapeResult]) -> None:
     ]
 
 
+def write_framed(writer: asyncio.StreamWriter, page: bytes, framing: str, chunk: int) -> None:
+    """A 200 answer framed by ``content-length``, ``chunked`` (``chunk`` bytes a
+    chunk) or anything else: ended by closing the connection."""
+    if framing == "content-length":
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
+    elif framing == "chunked":
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for start in range(0, len(page), chunk):
+            piece = page[start : start + chunk]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        writer.write(b"0\r\n\r\n")
+    else:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + page)
+
+
 async def two_answers_on_one_connection(handler: Handler) -> None:
     """Two rounds against ``handler`` read BODY twice over one kept-alive connection."""
     async with RawServer(handler) as server:
@@ -434,20 +449,10 @@ async def test_pages_larger_than_the_receive_buffer_are_read_whole(framing: str)
                 await read_request(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
-            if framing == "content-length":
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page))
-                writer.write(page)
-            elif framing == "chunked":
-                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-                for start in range(0, len(page), 50_000):
-                    piece = page[start : start + 50_000]
-                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                writer.write(b"0\r\n\r\n")
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + page)
-                await writer.drain()
-                return
+            write_framed(writer, page, framing, 50_000)
             await writer.drain()
+            if framing == "close":
+                return
 
     async with RawServer(handler) as server:
         results = await scrape(server.address, rounds=2, config=ScrapeConfig(interval=1.0))
@@ -536,16 +541,7 @@ async def test_a_body_over_the_size_cap_fails_the_scrape(framing: str) -> None:
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        if framing == "content-length":
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
-        elif framing == "chunked":
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-            for start in range(0, len(page), 1000):
-                piece = page[start : start + 1000]
-                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            writer.write(b"0\r\n\r\n")
-        else:
-            writer.write(b"HTTP/1.0 200 OK\r\n\r\n" + page)
+        write_framed(writer, page, framing, 1000)
         await writer.drain()
 
     async with RawServer(handler) as server:

@@ -80,15 +80,6 @@ def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def destination_value(endpoint: str, fallbacks: Iterable[str] = ()) -> str:
     """``ip:port`` of the pick, then the fallbacks in order: ``a:1,b:2,...``."""
     return ",".join((endpoint, *fallbacks))
@@ -168,6 +159,16 @@ _SMALL: Final = [bytes((n,)) for n in range(0x80)]  # lengths under 128: one byt
 
 def _length(size: int) -> bytes:
     return _SMALL[size] if size < 0x80 else _varint(size)
+
+
+def _varint(value: int) -> bytes:
+    """A protobuf varint (lengths of 128 bytes and more)."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def _body_reply(headers: bytes, body_mutation: bytes = b"") -> bytes:

@@ -221,3 +221,14 @@ def test_the_default_sampler_decides_as_the_sdks_own(parent: Context) -> None:
     assert fast.context.trace_flags == called.context.trace_flags
     assert fast.context.trace_state == called.context.trace_state
     assert fast.parent == called.parent
+
+
+def test_a_decision_span_sets_every_field_a_readable_span_has() -> None:
+    """DecisionSpan does not call ReadableSpan.__init__; an SDK whose spans gain a
+    field its exporters read must fail here, not in the export thread."""
+    collecting = Collecting()
+    tracer = DecisionTracer(processors=[collecting])
+    finish(tracer, Context())
+    (span,) = collecting.spans
+    plain = ReadableSpan("chat m", span.context)
+    assert set(vars(plain)) <= set(vars(span)) | {"_attributes", "_events"}

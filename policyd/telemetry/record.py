@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event
@@ -195,7 +195,7 @@ class RequestRecord:
         self._to_headers: float | None = None
         self._deferred_done = False
         self._finished = False
-        self._pending_end: dict[str, Any] | None = None
+        self._pending_end: _Response | None = None
         self._end_ns = 0
         self._span: StartedSpan | None = None
         # The span's parts, made by _annotate: its shared attribute groups, its
@@ -226,7 +226,7 @@ class RequestRecord:
         self._record_decision()
         if self._pending_end is not None:
             pending, self._pending_end = self._pending_end, None
-            self._finish(**pending)
+            self._finish(pending)
 
     def _record_decision(self) -> None:
         decision = self._decision
@@ -387,31 +387,19 @@ class RequestRecord:
         prompt_tokens: int | None,
         completion_tokens: int | None,
     ) -> None:
-        figures: dict[str, Any] = {
-            "completed": completed,
-            "duration_seconds": duration_seconds,
-            "first_body_seconds": first_body_seconds,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-        }
+        response = _Response(
+            completed, duration_seconds, first_body_seconds, prompt_tokens, completion_tokens
+        )
         self._end_ns = time.time_ns()
         if not self._deferred_done:
             if completed:  # an error reply not sent yet: finish once it is (after_reply)
-                self._pending_end = figures
+                self._pending_end = response
                 return
             self._deferred_done = True  # the stream is gone: nothing left to delay
             self._record_decision()
-        self._finish(**figures)
+        self._finish(response)
 
-    def _finish(
-        self,
-        *,
-        completed: bool,
-        duration_seconds: float,
-        first_body_seconds: float | None,
-        prompt_tokens: int | None,
-        completion_tokens: int | None,
-    ) -> None:
+    def _finish(self, response: _Response) -> None:
         if self._finished:
             return
         self._finished = True
@@ -422,26 +410,26 @@ class RequestRecord:
             metrics.response(
                 decision.policy,
                 self._status,
-                completed=completed,
-                first_body_seconds=first_body_seconds,
-                duration_seconds=duration_seconds,
+                completed=response.completed,
+                first_body_seconds=response.first_body_seconds,
+                duration_seconds=response.duration_seconds,
             )
         span = self._span
         tracer = self._owner.tracer
         if span is not None and span.recording and tracer is not None:
             attributes = self._attributes
-            attributes[a.RESPONSE_COMPLETED] = completed
-            attributes[a.RESPONSE_DURATION] = duration_seconds
+            attributes[a.RESPONSE_COMPLETED] = response.completed
+            attributes[a.RESPONSE_DURATION] = response.duration_seconds
             if self._status:
                 attributes[a.HTTP_STATUS] = self._status
             if self._to_headers is not None:
                 attributes[a.TIME_TO_HEADERS] = self._to_headers
-            if first_body_seconds is not None:
-                attributes[a.TIME_TO_FIRST_TOKEN] = first_body_seconds
-            if prompt_tokens is not None:
-                attributes[a.GEN_AI_INPUT_TOKENS] = prompt_tokens
-            if completion_tokens is not None:
-                attributes[a.GEN_AI_OUTPUT_TOKENS] = completion_tokens
+            if response.first_body_seconds is not None:
+                attributes[a.TIME_TO_FIRST_TOKEN] = response.first_body_seconds
+            if response.prompt_tokens is not None:
+                attributes[a.GEN_AI_INPUT_TOKENS] = response.prompt_tokens
+            if response.completion_tokens is not None:
+                attributes[a.GEN_AI_OUTPUT_TOKENS] = response.completion_tokens
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
@@ -460,14 +448,24 @@ class RequestRecord:
         if entry is not None and decision_log is not None:
             entry["response"] = {
                 "status": self._status,
-                "completed": completed,
+                "completed": response.completed,
                 "time_to_headers_seconds": self._to_headers,
-                "time_to_first_token_seconds": first_body_seconds,
-                "duration_seconds": duration_seconds,
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
+                "time_to_first_token_seconds": response.first_body_seconds,
+                "duration_seconds": response.duration_seconds,
+                "prompt_tokens": response.prompt_tokens,
+                "completion_tokens": response.completion_tokens,
             }
             decision_log.write(entry)
+
+
+class _Response(NamedTuple):
+    """How the response ended, as ``RequestSpan.end`` reports it."""
+
+    completed: bool
+    duration_seconds: float
+    first_body_seconds: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
 
 
 def _kept(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -81,6 +82,13 @@ def error_of(reply: pb.ProcessingResponse) -> tuple[int, dict[str, Any]]:
     assert reply.WhichOneof("response") == "immediate_response", reply
     immediate = reply.immediate_response
     return immediate.status.code, json.loads(immediate.body)["error"]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A fixed pool snapshot: what the server reads ``candidates`` from."""
+
+    candidates: tuple[Pod, ...]
 
 
 class EnvoySide:

@@ -15,6 +15,7 @@ from extproc_support import (
     Mode,
     PickFirst,
     RecordingTelemetry,
+    Snapshot,
     error_of,
     request_body,
     request_headers,
@@ -30,11 +31,6 @@ from policyd.policy.decision import Decision, Outcome
 from policyd.pool.pod import Pod
 
 BODY = {"model": "m", "prompt": "hello"}
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    candidates: tuple[Pod, ...]
 
 
 @dataclass

@@ -49,14 +49,6 @@ def scraping(request: pytest.FixtureRequest) -> Scraping:
     return config
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[MetricsServer]]:
-    started: list[MetricsServer] = []
-    yield started
-    for server in started:
-        await server.stop()
-
-
 async def serve(servers: list[MetricsServer], **gauges: float) -> MetricsServer:
     server = MetricsServer(vllm_text(**gauges))  # type: ignore[arg-type]
     await server.start()

@@ -30,6 +30,7 @@ from .test_scraper import (
     answering_until_closed,
     peer_recording_server,
     read_request,
+    serve,
 )
 
 # Answers are due 0.4 s (the stale threshold) after a round starts.
@@ -37,25 +38,10 @@ CONFIG = ScrapeConfig(interval=0.2, timeout=0.1, stale_after=0.4)
 
 
 @pytest.fixture
-async def servers() -> AsyncIterator[list[MetricsServer]]:
-    started: list[MetricsServer] = []
-    yield started
-    for server in started:
-        await server.stop()
-
-
-@pytest.fixture
 async def scraper() -> AsyncIterator[ProcessScraper]:
     started = ProcessScraper(CONFIG)
     yield started
     await started.close()
-
-
-async def serve(servers: list[MetricsServer], text: str = VLLM_SAMPLE) -> MetricsServer:
-    server = MetricsServer(text)
-    await server.start()
-    servers.append(server)
-    return server
 
 
 def outcome(results: Sequence[ScrapeResult]) -> list[tuple[str, object, str | None]]:

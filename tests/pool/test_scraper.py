@@ -19,14 +19,6 @@ from .model_server import VLLM_SAMPLE, MetricsServer, vllm_text
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[MetricsServer]]:
-    started: list[MetricsServer] = []
-    yield started
-    for server in started:
-        await server.stop()
-
-
 async def serve(servers: list[MetricsServer], text: str = VLLM_SAMPLE) -> MetricsServer:
     server = MetricsServer(text)
     await server.start()

@@ -16,6 +16,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_support import (
     EnvoySide,
+    Snapshot,
     error_of,
     request_body,
     request_headers,
@@ -28,17 +29,11 @@ from telemetry_support import Spans, pods, router_for
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.policy import Router
 from policyd.policy.decision import Decision
-from policyd.pool.pod import Pod
 from policyd.telemetry import DecisionMetrics, DecisionTelemetry
 from policyd.telemetry import attributes as a
 
 CARRIER = ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 BODY = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    candidates: tuple[Pod, ...]
 
 
 @dataclass

@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 import yaml
 from e2e_support import SSE_USAGE, TestUpstream, free_port
+from extproc_support import Snapshot
 from otlp_collector import OtlpCollector, ReceivedSpan
 from telemetry_support import write_policies
 
@@ -35,11 +36,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
 ENVOY_SERVICE = "envoy-inference-gateway"
 SPAN_KIND_SERVER = 2
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    candidates: tuple[Pod, ...]
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import Final, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from policyd.policy.decision import Decision, ShadowResult
-from policyd.telemetry.tally import CounterTally, HistogramTally, TallyCollector
+from policyd.policy.decision import Decision, NodeTrace, ShadowResult
+from policyd.telemetry.tally import CounterTally, HistogramTally, Labels, TallyCollector
 
 DECISION_BUCKETS: Final = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
@@ -25,6 +25,10 @@ RESPONSE_BUCKETS: Final = (
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 _COUNTED_KINDS: Final = frozenset({"filter", "band", "top-k"})  # nodes that keep pods
+_STEPS_KEPT: Final = 4096  # steps whose tally increments are remembered (a few per walk)
+
+# A step's increments: the tally's values, the label set, the amount.
+_StepCounts = tuple[tuple[dict[Labels, float], Labels, int], ...]
 
 
 class PolicyLike(Protocol):
@@ -164,6 +168,8 @@ class DecisionMetrics:
             registry=r,
         )
         self._last_reload_ok.set(1)
+        # By the step's id, with the step itself so that the id is not reused meanwhile.
+        self._step_counts: dict[int, tuple[NodeTrace, _StepCounts]] = {}
 
     # -- per request ------------------------------------------------------------------
 
@@ -171,19 +177,41 @@ class DecisionMetrics:
         policy = decision.policy
         self._decision_seconds.observe((policy,), seconds)
         self._decisions.inc((policy, decision.outcome.value, decision.pod))
+        known = self._step_counts
         for step in decision.trace:
-            node = step.node
-            kind = step.kind
-            if kind != "score":
-                self._node_visits.inc((policy, node, kind, step.branch or "end"))
-            if kind in _COUNTED_KINDS:
-                kept = len(step.kept)
-                if kept:
-                    self._node_pods.inc((policy, node, "kept"), kept)
-                if step.candidates_in > kept:
-                    self._node_pods.inc((policy, node, "dropped"), step.candidates_in - kept)
-            if step.errors:
-                self._node_errors.inc((policy, node), len(step.errors))
+            entry = known.get(id(step))
+            counts = (
+                entry[1] if entry is not None and entry[0] is step else self._counts(policy, step)
+            )
+            for values, labels, amount in counts:
+                values[labels] = values.get(labels, 0) + amount
+
+    def _counts(self, policy: str, step: NodeTrace) -> _StepCounts:
+        """What one step adds to the node tallies, kept for the step's next decisions.
+
+        Requests whose filter-tree walk is reused share its step objects, so a
+        step's increments are worked out once, not per request. Scoring steps
+        are made per request and are not kept.
+        """
+        node, kind = step.node, step.kind
+        counts: list[tuple[dict[Labels, float], Labels, int]] = []
+        if kind != "score":
+            counts.append((self._node_visits.values, (policy, node, kind, step.branch or "end"), 1))
+        if kind in _COUNTED_KINDS:
+            kept = len(step.kept)
+            if kept:
+                counts.append((self._node_pods.values, (policy, node, "kept"), kept))
+            if step.candidates_in > kept:
+                dropped = step.candidates_in - kept
+                counts.append((self._node_pods.values, (policy, node, "dropped"), dropped))
+        if step.errors:
+            counts.append((self._node_errors.values, (policy, node), len(step.errors)))
+        result = tuple(counts)
+        if kind != "score":
+            if len(self._step_counts) >= _STEPS_KEPT:
+                self._step_counts.clear()
+            self._step_counts[id(step)] = (step, result)
+        return result
 
     def shadows(self, policy: str, results: Iterable[ShadowResult], seconds: float) -> None:
         self._shadow_seconds.observe((policy,), seconds)

@@ -64,6 +64,27 @@ def test_decisions_nodes_and_latency_are_counted(tmp_path: Path) -> None:
     assert value(r, "policyd_response_duration_seconds_sum", policy="live") == pytest.approx(2.4)
 
 
+def test_decisions_that_share_a_walk_are_each_counted(tmp_path: Path) -> None:
+    """A reused walk hands every decision the same step objects, whose tally
+    increments are worked out once: each decision must still count in full."""
+    router = router_for(tmp_path)
+    metrics = DecisionMetrics()
+    telemetry = DecisionTelemetry(metrics=metrics)
+    candidates = tuple(pods())  # a tuple: the router may reuse the walk
+    decisions = [router.decide(request(), candidates) for _ in range(4)]
+    assert decisions[0].trace[0] is decisions[3].trace[0]  # the walk was reused
+    fresh = router.decide(request(), list(candidates))  # a list: walked anew
+    assert fresh.trace[0] is not decisions[0].trace[0]
+    for decision in [*decisions, fresh]:
+        telemetry.start(request(), decision, {}, 0.0001).after_reply()
+    r = metrics.registry
+    visits = {"policy": "live", "node": "short queue", "kind": "filter", "branch": "on_success"}
+    assert value(r, "policyd_filter_node_visits_total", **visits) == 5
+    node = {"policy": "live", "node": "short queue"}
+    assert value(r, "policyd_filter_node_pods_total", **node, result="kept") == 10
+    assert value(r, "policyd_filter_node_pods_total", **node, result="dropped") == 5
+
+
 def test_shed_decisions_and_their_walk(tmp_path: Path) -> None:
     metrics = DecisionMetrics()
     served(metrics, tmp_path, count=2, busy=True)

@@ -11,9 +11,10 @@ can: a stream is scanned event by event and only events that mention
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Final
+
+from policyd.extproc import json_scan
 
 MAX_JSON_BODY: Final = 8 * 1024 * 1024  # a JSON answer larger than this is not kept for usage
 MAX_SSE_LINE: Final = 1024 * 1024  # an unterminated event line larger than this is dropped
@@ -83,15 +84,12 @@ class UsageReader:
 
     def _take(self, payload: bytes) -> None:
         try:
-            document = json.loads(payload)
+            document = json_scan.loads(payload)
         except (ValueError, RecursionError):
             return
         usage = _usage_of(document)
         if usage is not None:
             self.usage = usage
-
-
-_DECODER: Final = json.JSONDecoder()
 
 
 def _usage_member(body: bytearray) -> Usage | None:
@@ -112,8 +110,8 @@ def _usage_member(body: bytearray) -> Usage | None:
     while start < len(tail) and tail[start] in " \t\r\n":
         start += 1
     try:
-        value, _ = _DECODER.raw_decode(tail, start)
-    except ValueError:
+        value = json_scan.value_at(tail, start)
+    except (ValueError, RecursionError):
         return None
     return _usage_of({"usage": value})
 

@@ -156,6 +156,8 @@ async def _demo(arguments: argparse.Namespace, store: PolicyStore) -> int:
     sending = asyncio.create_task(traffic.run(stopping))
     try:
         while True:
+            if sending.done():
+                stack.settle()  # the last requests' records, before the last update
             snapshot = pool.snapshot()
             view.update(
                 feed,

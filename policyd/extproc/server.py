@@ -129,6 +129,7 @@ class ExtProcServer:
         await self.health.shutdown()
         grace = self.options.grace_seconds if grace_seconds is None else grace_seconds
         await server.stop(grace)
+        self.processor.settlement.flush()  # the last requests' spans and metrics
 
     async def run_until_signalled(self) -> None:
         """Serve until SIGTERM or SIGINT, then shut down gracefully."""

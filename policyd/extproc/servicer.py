@@ -34,6 +34,7 @@ from policyd.extproc.interfaces import (
     Telemetry,
 )
 from policyd.extproc.openai import InferenceBody, parse_body, rewrite_model
+from policyd.extproc.settlement import Settlement
 from policyd.extproc.usage import UsageReader
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
@@ -79,6 +80,7 @@ class ExternalProcessor:
         self.telemetry = telemetry
         self.settings = settings
         self.route_replies = replies.RouteReplies()
+        self.settlement = Settlement()
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -111,15 +113,22 @@ class Exchange:
         "_body",
         "_body_mode",
         "_carrier",
+        "_completed",
         "_decided_at",
+        "_duration",
+        "_end_due",
         "_ended",
         "_first_body_at",
         "_headers",  # regular request headers: what policies see as request.headers
         "_load",
         "_path",
+        "_queued",
+        "_record_due",
         "_replied",
         "_server",
         "_span",
+        "_status",
+        "_to_headers",
         "_usage",
         "answered",
     )
@@ -139,6 +148,14 @@ class Exchange:
         self._usage: UsageReader | None = None
         self._ended = False
         self.answered = False  # True once policyd answered the request itself (an error)
+        # The bookkeeping left to settle (see settlement.py) and what it needs.
+        self._queued = False
+        self._record_due = False
+        self._end_due = False
+        self._status: int | None = None  # the response's, once its headers came
+        self._to_headers = 0.0
+        self._completed = False
+        self._duration = 0.0
 
     # -- dispatch -------------------------------------------------------------------
 
@@ -174,11 +191,12 @@ class Exchange:
             return self._reject(RequestError.internal())
 
     def after_reply(self) -> None:
-        """The last reply went out: let telemetry do what it deferred past the decision."""
+        """The last reply went out: what telemetry deferred past the decision is now due."""
         if not self._replied:
             self._replied = True
             if self._span is not None:
-                self._safely(self._span.after_reply)
+                self._record_due = True
+                self._settle_later()
 
     def close(self) -> None:
         """The stream is gone; settle what a normal end would have settled."""
@@ -315,7 +333,7 @@ class Exchange:
 
     def _reject(self, error: RequestError) -> bytes:
         if self._span is not None:
-            self._safely(self._span.response_headers, error.status, self._elapsed())
+            self._status, self._to_headers = error.status, self._elapsed()
         self._end(completed=True)
         log.debug("request %s: %d %s", self._request_id, error.status, error.message)
         self.answered = True
@@ -338,7 +356,7 @@ class Exchange:
                 break
         self._usage = UsageReader(content_type)
         if self._span is not None:
-            self._safely(self._span.response_headers, status, self._elapsed())
+            self._status, self._to_headers = status, self._elapsed()
         if message.end_of_stream:
             self._end(completed=True)
         return replies.RESPONSE_HEADERS_CONTINUE
@@ -353,7 +371,7 @@ class Exchange:
         return replies.RESPONSE_BODY_CONTINUE
 
     def _end(self, *, completed: bool) -> None:
-        """Settle the exchange once: release the pod, close the span."""
+        """End the exchange once: release the pod now, settle the span later."""
         if self._ended:
             return
         self._ended = True
@@ -362,17 +380,43 @@ class Exchange:
         if self._load is not None:
             self._load.count -= 1
             self._load = None
+        if self._span is not None:
+            self._completed = completed
+            self._duration = self._elapsed()
+            self._end_due = True
+            self._settle_later()
+
+    def _settle_later(self) -> None:
+        if not self._queued:
+            self._queued = True
+            self._server.settlement.add(self)
+
+    def settle(self) -> None:
+        """The telemetry due since the last call: the decision's record, then the response's.
+
+        Called by the settlement, a few milliseconds after the replies (see
+        ``settlement.py``); never raises.
+        """
+        self._queued = False
         span = self._span
         if span is None:
             return
-        usage = self._usage.finish() if self._usage is not None else None
-        first_body = (
-            self._first_body_at - self._decided_at if self._first_body_at is not None else None
-        )
+        if self._record_due:
+            self._record_due = False
+            self._safely(span.after_reply)
+        if not self._end_due:
+            return
+        self._end_due = False
+        if self._status is not None:
+            self._safely(span.response_headers, self._status, self._to_headers)
         try:
+            usage = self._usage.finish() if self._usage is not None else None
+            first_body = (
+                self._first_body_at - self._decided_at if self._first_body_at is not None else None
+            )
             span.end(
-                completed=completed,
-                duration_seconds=self._elapsed(),
+                completed=self._completed,
+                duration_seconds=self._duration,
                 first_body_seconds=first_body,
                 prompt_tokens=usage.prompt_tokens if usage else None,
                 completion_tokens=usage.completion_tokens if usage else None,

@@ -213,6 +213,12 @@ def service_candidates(service: Policyd) -> tuple[Pod, ...]:
     return service.pool.snapshot().candidates
 
 
+async def settled(server: ExtProcServer) -> None:
+    """Wait for policyd's bookkeeping of the requests that finished (spans, usage):
+    it is settled a few milliseconds after their replies (``settlement.py``)."""
+    await until(lambda: server.processor.settlement.idle, "policyd to settle its bookkeeping")
+
+
 async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
     """Poll ``condition`` every 10 ms; fail the test with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import pytest
-from e2e_rig import Gateway
+from e2e_rig import Gateway, settled
 from e2e_support import JSON_USAGE, SSE_USAGE, ScriptedRouter, Snapshot, sse_events
 from multidict import CIMultiDict
 
@@ -106,6 +106,7 @@ async def test_a_client_supplied_destination_is_ignored(gateway: Gateway) -> Non
 async def test_json_usage_and_timings_are_recorded_against_the_decision(gateway: Gateway) -> None:
     status, _, _ = await post(gateway, {"model": "m", "prompt": "hi"}, {"x-test-pick": "pod-a"})
     assert status == 200
+    await settled(gateway.server)
     span = gateway.telemetry.spans[gateway.router.seen[-1].id]
     assert span.decision.pod == "pod-a"
     assert span.status == 200
@@ -141,6 +142,8 @@ async def test_a_stream_passes_through_byte_identical_and_live_with_usage_record
         upstream.release_stream.set()
         rest = await response.content.read()
     assert first + rest == b"".join(expected)
+    assert gateway.pods["pod-b"].in_flight == 0  # at once; the span is settled just after
+    await settled(gateway.server)
     span = gateway.telemetry.spans[gateway.router.seen[-1].id]
     assert span.ended["completed"] is True
     assert span.ended["prompt_tokens"] == SSE_USAGE["prompt_tokens"]

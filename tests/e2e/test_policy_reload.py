@@ -16,7 +16,13 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from e2e_rig import PolicydGateway, start_policyd_gateway, stop_policyd_gateway, until
+from e2e_rig import (
+    PolicydGateway,
+    settled,
+    start_policyd_gateway,
+    stop_policyd_gateway,
+    until,
+)
 from e2e_support import RecordedSpan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -124,6 +130,7 @@ async def test_a_new_policy_routes_the_next_requests_and_open_streams_finish(
             assert events[-2:] == [b"data: [DONE]", b""]
             usage = json.loads(events[-3].removeprefix(b"data: "))["usage"]
             assert usage["completion_tokens"] >= 50
+        await settled(gateway.service.server)
         for recorded in old.values():
             assert recorded.ended["completed"] is True
             assert recorded.ended["completion_tokens"] >= 50

@@ -23,6 +23,7 @@ import pytest_asyncio
 from e2e_rig import (
     PolicydGateway,
     service_candidates,
+    settled,
     start_policyd_gateway,
     stop_policyd_gateway,
     until,
@@ -124,6 +125,7 @@ async def test_each_request_reaches_the_pod_the_policy_picked(gateway: PolicydGa
         status, body = await post(gateway, completion(model), {TEST_ID: f"pick-{index}"})
         assert status == 200, body
         assert body["model"] == model
+        await settled(gateway.service.server)
         recorded = span(gateway, f"pick-{index}")
         assert recorded.decision.policy == "default"
         after = gateway.served()
@@ -223,6 +225,7 @@ async def test_a_stream_passes_through_intact_with_its_usage_recorded(
     assert chunks[-1]["choices"] == []
     assert len(tokens) == usage["completion_tokens"] > 0
     assert tokens[-1]["choices"][0]["finish_reason"] in {"stop", "length"}
+    await settled(gateway.service.server)
     recorded = span(gateway, "stream")
     assert recorded.status == 200
     assert recorded.ended["completed"] is True

@@ -7,6 +7,7 @@ on the first message); the builders below make those messages.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from policyd.extproc.server import ExtProcServer
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
@@ -82,6 +84,17 @@ def error_of(reply: pb.ProcessingResponse) -> tuple[int, dict[str, Any]]:
     assert reply.WhichOneof("response") == "immediate_response", reply
     immediate = reply.immediate_response
     return immediate.status.code, json.loads(immediate.body)["error"]
+
+
+async def settled(server: ExtProcServer) -> None:
+    """Wait for the requests' bookkeeping (spans, metrics) to run: the server
+    settles it a few milliseconds after the replies (``settlement.py``)."""
+    settlement = server.processor.settlement
+    for _ in range(400):
+        await asyncio.sleep(0.005)
+        if settlement.idle:
+            return
+    raise AssertionError("the server's settlement did not run within 2 s")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from extproc_support import (
     response_body,
     response_headers,
     set_headers,
+    settled,
 )
 
 from policyd.extproc.replies import DESTINATION_HEADER
@@ -214,6 +215,7 @@ async def test_an_unrouted_decision_is_an_immediate_json_error(
     assert (got_status, error["message"]) == (status, f"because {outcome.value}")
     content_type = reply.immediate_response.headers.set_headers[0].header
     assert (content_type.key, content_type.raw_value) == ("content-type", b"application/json")
+    await settled(rig.server)
     assert rig.telemetry.spans[0].statuses == [status]
     assert rig.telemetry.spans[0].ends[0]["completed"] is True
 
@@ -290,9 +292,12 @@ async def test_the_response_is_recorded_and_the_pod_released_at_its_end(rig: Rig
     assert (await call.read()).WhichOneof("response") == "response_headers"
     await call.write(response_body(chunks[0]))
     await call.read()
+    await settled(rig.server)
     assert rig.telemetry.spans[0].ends == []
     await call.write(response_body(chunks[1], end_of_stream=True))
     await call.read()
+    assert [p.in_flight for p in rig.pods] == [0, 0]  # at once, not when settled
+    await settled(rig.server)
     span = rig.telemetry.spans[0]
     assert span.statuses == [200]
     assert len(span.ends) == 1
@@ -307,6 +312,8 @@ async def test_a_response_without_a_body_ends_at_its_headers(rig: Rig) -> None:
     await rig.envoy.exchange(
         request_headers(), request_body(BODY), response_headers(204, "", end_of_stream=True)
     )
+    assert rig.pods[0].in_flight == 0
+    await settled(rig.server)
     assert rig.telemetry.spans[0].ends[0]["completed"] is True
     assert rig.telemetry.spans[0].ends[0]["first_body_seconds"] is None
     assert rig.pods[0].in_flight == 0

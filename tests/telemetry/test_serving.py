@@ -23,6 +23,7 @@ from extproc_support import (
     response_body,
     response_headers,
     set_headers,
+    settled,
 )
 from telemetry_support import Spans, pods, router_for
 
@@ -80,6 +81,7 @@ async def test_one_exchange_makes_one_complete_span(rig: Rig, spans: Spans) -> N
         await call.write(message)
         replies.append(await call.read())
     await call.done_writing()
+    await settled(rig.server)
     traceparent = set_headers(replies[1])["traceparent"].header.raw_value.decode()
     span = spans.only()
     assert span.context is not None
@@ -164,6 +166,7 @@ async def test_shadows_run_after_the_live_reply_has_gone_out(rig: Rig, spans: Sp
     rig.server.processor.routers = lambda: slow
     done = threading.Event()
     replied = await asyncio.to_thread(exchange_in_a_thread, rig.server.port, done)
+    await settled(rig.server)
     assert slow.shadow_ended > 0, "the shadows were evaluated"
     # The client had the routing reply while the shadows were still running:
     # they did not delay it (were they evaluated before the reply, the reply

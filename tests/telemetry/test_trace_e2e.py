@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 import yaml
 from e2e_support import SSE_USAGE, TestUpstream, free_port
-from extproc_support import Snapshot
+from extproc_support import Snapshot, settled
 from otlp_collector import OtlpCollector, ReceivedSpan
 from telemetry_support import write_policies
 
@@ -45,6 +45,7 @@ class TracedGateway:
     upstreams: dict[str, TestUpstream]
     telemetry: PolicydTelemetry
     client: aiohttp.ClientSession
+    server: ExtProcServer
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -88,7 +89,9 @@ async def gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Tra
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     try:
         await envoy.wait_ready()
-        yield TracedGateway(f"http://127.0.0.1:{listen}", collector, upstreams, telemetry, client)
+        yield TracedGateway(
+            f"http://127.0.0.1:{listen}", collector, upstreams, telemetry, client, server
+        )
     finally:
         envoy.stop()
         await client.close()
@@ -103,6 +106,7 @@ async def flush(gateway: TracedGateway) -> None:
     """Export policyd's finished spans now (off the loop: the collector runs on it)."""
     tracer = gateway.telemetry.tracer
     assert tracer is not None
+    await settled(gateway.server)  # spans end a few milliseconds after the response
     await asyncio.to_thread(tracer.force_flush)
 
 

@@ -49,17 +49,10 @@ from policyd.telemetry import DecisionTracer, build_telemetry
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decision import make_pool  # the decision benchmark's pool of 100 pods
+from overhead import ANSWER, BODY  # the request and answer overhead.py sends through Envoy
 
 REPO = Path(__file__).resolve().parents[1]
-BODY = (
-    b'{"model": "adapter-3", "prompt": "Summarise the following text in one sentence: '
-    + b"lorem ipsum " * 16
-    + b'", "max_tokens": 16}'
-)
-ANSWER = (
-    b'{"id":"cmpl-1","object":"text_completion","choices":[{"text":"ok"}],'
-    b'"usage":{"prompt_tokens":60,"completion_tokens":1}}'
-)
+
 PHASES = ("request headers", "request body", "response headers", "response body", "settling")
 
 

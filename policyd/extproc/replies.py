@@ -23,7 +23,7 @@ the cached reply's ``envoy.lb`` metadata into a new message per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from envoy.config.core.v3 import base_pb2
@@ -103,7 +103,7 @@ class RouteReplies:
     def route(
         self,
         destination: str,
-        extra_headers: Iterable[tuple[str, str]] = (),
+        extra_headers: Sequence[tuple[str, str]] = (),
         new_body: bytes | None = None,
     ) -> bytes:
         """The request-body reply that sends the request to ``destination``.
@@ -117,9 +117,11 @@ class RouteReplies:
             if len(self._by_destination) >= self._limit:
                 self._by_destination.clear()
             base = self._by_destination[destination] = _route(destination)
+        if not extra_headers and new_body is None:
+            return base  # the common reply: nothing of the request's own to add
         headers = b"".join([_set_header(name, value) for name, value in extra_headers])
         if new_body is None:
-            return base + _body_reply(headers) if headers else base
+            return base + _body_reply(headers)
         headers += _set_header("content-length", str(len(new_body)))
         body = _BODY + _length(len(new_body)) + new_body
         return base + _body_reply(headers, _BODY_MUTATION + _length(len(body)) + body)

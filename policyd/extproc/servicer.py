@@ -317,7 +317,9 @@ class Exchange:
         return decision
 
     def _start_span(self, request: Request, decision: Decision, seconds: float) -> RequestSpan:
-        carrier = self._carrier or {k: v for k in TRACE_KEYS if (v := self._headers.get(k))}
+        carrier = self._carrier
+        if not carrier and "traceparent" in self._headers:  # else Envoy's, or none
+            carrier = {k: v for k in TRACE_KEYS if (v := self._headers.get(k))}
         try:
             return self._server.telemetry.start(request, decision, carrier, seconds)
         except Exception:

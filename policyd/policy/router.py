@@ -161,8 +161,7 @@ class Router:
         rng: random.Random,
     ) -> tuple[Decision, Any]:
         resolved = self._resolve(policy, request, rng)
-        ev = Evaluation(resolved)
-        walk = self._walk(policy, resolved, candidates, ev)
+        walk, ev = self._walk(policy, resolved, candidates)
         if walk.outcome is not None:
             return self._answer(
                 policy,
@@ -178,7 +177,7 @@ class Router:
         totals: list[float] | None = None
         if policy.picker.uses_scores:
             if policy.scorers:
-                totals, errors = score(policy.scorers, survivors, ev)
+                totals, errors = score(policy.scorers, survivors, ev or Evaluation(resolved))
                 trace += (NodeTrace("score", "score", count, (), tuple(errors)),)
             else:
                 totals = [0.0] * count
@@ -207,21 +206,28 @@ class Router:
         return decision, pod
 
     def _walk(
-        self, policy: CompiledPolicy, request: Request, candidates: Sequence[Any], ev: Evaluation
-    ) -> _Walk:
-        """The walk for this request: reused from an earlier request when it may be."""
+        self, policy: CompiledPolicy, request: Request, candidates: Sequence[Any]
+    ) -> tuple[_Walk, Evaluation | None]:
+        """The walk for this request: reused from an earlier request when it may be.
+
+        With it, the evaluation a new walk was made with (its pods' variables
+        are the scorers' too), or None for a reused walk: none is made then.
+        """
         key_of = policy.walk_key
         if key_of is None or type(candidates) is not tuple:  # a list may change in place
-            return _walk_tree(policy, candidates, ev)
+            ev = Evaluation(request)
+            return _walk_tree(policy, candidates, ev), ev
         walks = self._walks
         if walks[0] is not candidates or len(walks[1]) >= MAX_WALKS:
             walks = (candidates, {})
             self._walks = walks
         key = (policy, key_of(request))
         walk = walks[1].get(key)
-        if walk is None:
-            walk = walks[1][key] = _walk_tree(policy, candidates, ev)
-        return walk
+        if walk is not None:
+            return walk, None
+        ev = Evaluation(request)
+        walk = walks[1][key] = _walk_tree(policy, candidates, ev)
+        return walk, ev
 
     @staticmethod
     def _resolve(policy: CompiledPolicy, request: Request, rng: random.Random) -> Request:

@@ -536,9 +536,8 @@ def _trace_headers(context: SpanContext) -> Mapping[str, str]:
     """W3C trace context naming the decision span as the parent of what follows."""
     if not context.is_valid:
         return _EMPTY
-    trace_id = context.trace_id.to_bytes(16, "big").hex()
-    span_id = context.span_id.to_bytes(8, "big").hex()
-    headers = {"traceparent": f"00-{trace_id}-{span_id}-{_FLAGS[context.trace_flags & 0xFF]}"}
+    flags = _FLAGS[context.trace_flags & 0xFF]
+    headers = {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags}"}
     if context.trace_state:
         headers["tracestate"] = context.trace_state.to_header()
     return headers

@@ -57,6 +57,15 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return await reader.readuntil(b"\r\n\r\n")
 
 
+async def requests_on(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The request heads a connection sends, until the client closes it."""
+    while True:
+        try:
+            yield await read_request(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+
 async def scrape(
     address: str, *, rounds: int = 1, config: ScrapeConfig | None = None
 ) -> list[ScrapeResult]:
@@ -111,14 +120,10 @@ def answering_until_closed(closed: asyncio.Event) -> Handler:
     """A keep-alive server answering BODY; sets ``closed`` when the client hangs up."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                closed.set()
-                return
+        async for _ in requests_on(reader):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
             await writer.drain()
+        closed.set()
 
     return handler
 
@@ -230,11 +235,7 @@ async def test_bad_exposition_text_fails_the_scrape_with_the_line(
 
 async def test_a_chunked_response_is_reassembled() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for _ in requests_on(reader):
             writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
             for start in range(0, len(BODY), 40):
                 piece = BODY[start : start + 40]
@@ -415,11 +416,7 @@ def test_scrape_defaults_follow_the_interval() -> None:
 
 async def test_bytes_beyond_the_response_retire_the_connection() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for _ in requests_on(reader):
             response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
             writer.write(response + b"HTTP/1.1 200 OK\r\n")  # out of step
             await writer.drain()
@@ -436,11 +433,7 @@ async def test_pages_larger_than_the_receive_buffer_are_read_whole(framing: str)
     page = (padding + vllm_text(waiting=3, running=4)).encode()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for _ in requests_on(reader):
             write_framed(writer, page, framing, 50_000)
             await writer.drain()
             if framing == "close":
@@ -460,11 +453,7 @@ async def test_a_server_answering_the_family_filter_with_too_little_gets_asked_f
     targets: list[str] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                request = await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for request in requests_on(reader):
             target = request.split(b" ")[1].decode()
             targets.append(target)
             body = b"" if "?" in target else BODY
@@ -501,11 +490,7 @@ async def test_a_response_arriving_in_pieces_is_framed_across_reads() -> None:
     response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for _ in requests_on(reader):
             for cut in (0, 10, 30, 60, 200):  # inside the status line, the head, the body
                 writer.write(response[cut : {0: 10, 10: 30, 30: 60, 60: 200}.get(cut)])
                 await writer.drain()

@@ -156,7 +156,8 @@ async def _demo(arguments: argparse.Namespace, store: PolicyStore) -> int:
     sending = asyncio.create_task(traffic.run(stopping))
     try:
         while True:
-            if sending.done():
+            finished = sending.done()
+            if finished:
                 stack.settle()  # the last requests' records, before the last update
             snapshot = pool.snapshot()
             view.update(
@@ -166,7 +167,7 @@ async def _demo(arguments: argparse.Namespace, store: PolicyStore) -> int:
                 traffic.results,
                 plan.requests,
             )
-            if sending.done():
+            if finished:
                 break
             await asyncio.wait({sending}, timeout=0.25 if view.live else 0.5)
         await sending

@@ -113,13 +113,16 @@ def _usage_member(body: bytearray) -> Usage | None:
         value = json_scan.value_at(tail, start)
     except (ValueError, RecursionError):
         return None
-    return _usage_of({"usage": value})
+    return _usage_in(value)
 
 
 def _usage_of(document: Any) -> Usage | None:
-    if not isinstance(document, dict):
-        return None
-    usage = document.get("usage")
+    """The usage an event's document reports, if it reports one."""
+    return _usage_in(document.get("usage")) if isinstance(document, dict) else None
+
+
+def _usage_in(usage: Any) -> Usage | None:
+    """A ``usage`` member's token counts, when it is well formed."""
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens")

@@ -6,7 +6,7 @@ outcome) cannot change where that request goes, so it need not run the
 moment the reply leaves. Run right then, one request at a time, it pays a
 cold-cache price: between two ext_proc messages Envoy, the client and gRPC
 run on the same cores and evict policyd's code and data, and the same
-bookkeeping costs ~3x its hot-loop time (``benchmarks/cold_cache.py``).
+bookkeeping costs 3-5x its hot-loop time (``benchmarks/cold_cache.py``).
 Queued and run a few milliseconds later, one request after another, only
 the first of a batch finds the caches cold.
 

@@ -23,7 +23,7 @@ the cached reply's ``envoy.lb`` metadata into a new message per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from envoy.config.core.v3 import base_pb2
@@ -73,6 +73,9 @@ _JSON_CONTENT_TYPE: Final = pb.HeaderMutation(
 )
 
 
+_NO_HEADERS: Final[Mapping[str, str]] = {}
+
+
 def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
@@ -99,11 +102,16 @@ class RouteReplies:
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
         self._by_destination: dict[str, bytes] = {}
+        # What precedes a request's own bytes in an addition depends only on
+        # lengths (a header's name and its value's length; the headers' total
+        # length), so it too is encoded once per distinct value.
+        self._header_heads: dict[tuple[str, int], bytes] = {}
+        self._reply_heads: dict[int, bytes] = {}
 
     def route(
         self,
         destination: str,
-        extra_headers: Sequence[tuple[str, str]] = (),
+        extra_headers: Mapping[str, str] = _NO_HEADERS,
         new_body: bytes | None = None,
     ) -> bytes:
         """The request-body reply that sends the request to ``destination``.
@@ -119,12 +127,35 @@ class RouteReplies:
             base = self._by_destination[destination] = _route(destination)
         if not extra_headers and new_body is None:
             return base  # the common reply: nothing of the request's own to add
-        headers = b"".join([_set_header(name, value) for name, value in extra_headers])
+        headers = b"".join([self._set_header(name, value) for name, value in extra_headers.items()])
         if new_body is None:
-            return base + _body_reply(headers)
-        headers += _set_header("content-length", str(len(new_body)))
+            head = self._reply_heads.get(len(headers))
+            if head is None:
+                head = _kept(self._reply_heads, len(headers), _body_reply_head(len(headers)))
+            return base + head + headers
+        headers += self._set_header("content-length", str(len(new_body)))
         body = _BODY + _length(len(new_body)) + new_body
-        return base + _body_reply(headers, _BODY_MUTATION + _length(len(body)) + body)
+        mutation = _BODY_MUTATION + _length(len(body)) + body
+        return base + _body_reply_head(len(headers), len(mutation)) + headers + mutation
+
+    def _set_header(self, name: str, value: str) -> bytes:
+        """One ``HeaderMutation.set_headers`` entry: ``_header(name, value)``, encoded."""
+        raw = value.encode()
+        key = (name, len(raw))
+        head = self._header_heads.get(key)
+        if head is None:
+            head = _kept(self._header_heads, key, _set_header_head(name, len(raw)))
+        return head + raw + _OVERWRITE_ACTION
+
+
+_HEADS_KEPT: Final = 256  # encoded heads kept per kind; the lengths that recur are few
+
+
+def _kept(cache: dict[Any, bytes], key: Any, value: bytes) -> bytes:
+    if len(cache) >= _HEADS_KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _route(destination: str) -> bytes:
@@ -173,21 +204,39 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _body_reply(headers: bytes, body_mutation: bytes = b"") -> bytes:
-    """``ProcessingResponse.request_body.response`` holding these set_headers entries
-    (from ``_set_header``) and body mutation, encoded."""
-    common = _HEADER_MUTATION + _length(len(headers)) + headers + body_mutation
-    response = _BODY_RESPONSE + _length(len(common)) + common
-    return _REQUEST_BODY + _length(len(response)) + response
+def _body_reply_head(headers_size: int, mutation_size: int = 0) -> bytes:
+    """What precedes ``set_headers`` entries of ``headers_size`` bytes (then a body
+    mutation field of ``mutation_size``) in ``ProcessingResponse.request_body.response``."""
+    common = len(_HEADER_MUTATION) + len(_length(headers_size)) + headers_size + mutation_size
+    response = len(_BODY_RESPONSE) + len(_length(common)) + common
+    return (
+        _REQUEST_BODY
+        + _length(response)
+        + _BODY_RESPONSE
+        + _length(common)
+        + _HEADER_MUTATION
+        + _length(headers_size)
+    )
 
 
-def _set_header(name: str, value: str) -> bytes:
-    """One ``HeaderMutation.set_headers`` entry: ``_header(name, value)``, encoded."""
+def _set_header_head(name: str, value_size: int) -> bytes:
+    """What precedes a value of ``value_size`` bytes in a ``set_headers`` entry for ``name``
+    (the entry ends with ``_OVERWRITE_ACTION``)."""
     key = name.encode()
-    raw = value.encode()
-    header = _KEY + _length(len(key)) + key + _RAW_VALUE + _length(len(raw)) + raw
-    option = _OPTION_HEADER + _length(len(header)) + header + _OVERWRITE_ACTION
-    return _SET_HEADERS + _length(len(option)) + option
+    header = len(_KEY) + len(_length(len(key))) + len(key)
+    header += len(_RAW_VALUE) + len(_length(value_size)) + value_size
+    option = len(_OPTION_HEADER) + len(_length(header)) + header + len(_OVERWRITE_ACTION)
+    return (
+        _SET_HEADERS
+        + _length(option)
+        + _OPTION_HEADER
+        + _length(header)
+        + _KEY
+        + _length(len(key))
+        + key
+        + _RAW_VALUE
+        + _length(value_size)
+    )
 
 
 def immediate(error: RequestError) -> bytes:

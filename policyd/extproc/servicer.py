@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -326,12 +326,12 @@ class Exchange:
             log.exception("request %s: telemetry failed to start a span", request.id or "-")
             return NULL_SPAN
 
-    def _upstream_headers(self, span: RequestSpan) -> tuple[tuple[str, str], ...]:
+    def _upstream_headers(self, span: RequestSpan) -> Mapping[str, str]:
         try:
-            return tuple(span.upstream_headers.items())
+            return span.upstream_headers
         except Exception:
             log.exception("request %s: telemetry failed to give trace headers", self._request_id)
-            return ()
+            return {}
 
     def _reject(self, error: RequestError) -> bytes:
         if self._span is not None:

@@ -32,16 +32,13 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final, NamedTuple
 
-from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import (
-    NonRecordingSpan,
     SpanContext,
     Status,
     StatusCode,
     TraceFlags,
     TraceState,
-    set_span_in_context,
 )
 
 from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
@@ -54,7 +51,6 @@ from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, StartedS
 log = logging.getLogger(__name__)
 
 _EMPTY: Final[Mapping[str, str]] = {}
-_NO_PARENT: Final = Context()
 _UNSET: Final = Status()
 _FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last field
 _NODE_EVENTS_KEPT: Final = 4096  # filter-tree steps whose event attributes are kept for reuse
@@ -213,7 +209,7 @@ class RequestRecord:
                 now_ns - int(decision_seconds * 1e9),
             )
             self._span = span
-            self.upstream_headers = _trace_headers(span.context)
+            self.upstream_headers = _trace_headers(span)
         log_ = owner.decision_log
         self._entry: dict[str, Any] | None = {} if log_ is not None and log_.sampled() else None
 
@@ -365,10 +361,9 @@ class RequestRecord:
 
     def _trace_ids(self) -> tuple[str, str]:
         """The decision span's ids, else the trace the request came with, else empty."""
-        if self._span is not None:
-            context = self._span.context
-            if context.is_valid:
-                return f"{context.trace_id:032x}", f"{context.span_id:016x}"
+        span = self._span
+        if span is not None and span.trace_id and span.span_id:
+            return f"{span.trace_id:032x}", f"{span.span_id:016x}"
         parts = self._carrier.get("traceparent", "").split("-")
         return (parts[1], "") if len(parts) == 4 else ("", "")
 
@@ -502,44 +497,44 @@ def _node_event(step: NodeTrace) -> dict[str, Any]:
     return event
 
 
-def _parent(carrier: Mapping[str, str]) -> Context:
+def _parent(carrier: Mapping[str, str]) -> SpanContext | None:
     """The context of a W3C ``traceparent``, parsed directly (the hot path's share).
 
-    An absent or malformed header gives an empty context: the span is a root.
+    An absent or malformed header gives ``None``: the span is a root.
     """
     header = carrier.get("traceparent")
     if not header:
-        return _NO_PARENT
+        return None
     parts = header.split("-")
     if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
-        return _NO_PARENT
+        return None
     if parts[0] == "ff" or len(parts[0]) != 2 or (parts[0] == "00" and len(parts) != 4):
-        return _NO_PARENT
+        return None
     try:
         trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
     except ValueError:
-        return _NO_PARENT
+        return None
     if not trace_id or not span_id:
-        return _NO_PARENT
+        return None
     state = carrier.get("tracestate")
-    parent = SpanContext(
+    return SpanContext(
         trace_id,
         span_id,
         is_remote=True,
         trace_flags=TraceFlags(flags & 0xFF),
         trace_state=TraceState.from_header([state]) if state else None,
     )
-    return set_span_in_context(NonRecordingSpan(parent), _NO_PARENT)
 
 
-def _trace_headers(context: SpanContext) -> Mapping[str, str]:
+def _trace_headers(span: StartedSpan) -> Mapping[str, str]:
     """W3C trace context naming the decision span as the parent of what follows."""
-    if not context.is_valid:
-        return _EMPTY
-    flags = _FLAGS[context.trace_flags & 0xFF]
-    headers = {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags}"}
-    if context.trace_state:
-        headers["tracestate"] = context.trace_state.to_header()
+    if not (span.trace_id and span.span_id):
+        return _EMPTY  # an id generator's invalid id: nothing to pass on
+    headers = {
+        "traceparent": f"00-{span.trace_id:032x}-{span.span_id:016x}-{_FLAGS[span.flags & 0xFF]}"
+    }
+    if span.trace_state:
+        headers["tracestate"] = span.trace_state.to_header()
     return headers
 
 

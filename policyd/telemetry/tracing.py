@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -37,11 +37,21 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import DEFAULT_ON, Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, TraceFlags, get_current_span
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    TraceFlags,
+    TraceState,
+    set_span_in_context,
+)
 
 from policyd.telemetry.attributes import NODE_EVENT
 
 log = logging.getLogger(__name__)
+
+_NO_PARENT: Final = Context()  # what a sampler is given for a new root
 
 
 class FrozenAttributes(Mapping[str, Any]):
@@ -135,14 +145,32 @@ class DecisionSpan(ReadableSpan):
 
 @dataclass(slots=True)
 class StartedSpan:
-    """A span between start and finish: its context, and whether anything records it."""
+    """A span between start and finish: its ids, and whether anything records it.
+
+    Only what the request's path needs (the ids and flags for its
+    ``traceparent``) is made at the start; the SDK's ``SpanContext`` is made
+    from them when the span is finished, after the reply.
+    """
 
     name: str
-    context: SpanContext
+    trace_id: int
+    span_id: int
+    flags: int  # the W3C trace flags as one int
+    trace_state: TraceState | None
     parent: SpanContext | None
     start_ns: int
     recording: bool
     initial: Mapping[str, Any] | None  # the sampler's attributes, if it gave any
+
+    @property
+    def context(self) -> SpanContext:
+        return SpanContext(
+            self.trace_id,
+            self.span_id,
+            is_remote=False,
+            trace_flags=TraceFlags(self.flags),
+            trace_state=self.trace_state,
+        )
 
 
 class DecisionTracer:
@@ -163,40 +191,41 @@ class DecisionTracer:
         self.scope = scope
         self.ids = id_generator if id_generator is not None else RandomIdGenerator()
 
-    def start(self, name: str, parent: Context, start_ns: int) -> StartedSpan:
-        """Sample and identify a new span, as the SDK's ``Tracer.start_span`` does."""
-        parent_context: SpanContext | None = get_current_span(parent).get_span_context()
-        if parent_context is not None and parent_context.is_valid:
-            trace_id = parent_context.trace_id
-            random_trace_id = parent_context.trace_flags.random_trace_id
+    def start(self, name: str, parent: SpanContext | None, start_ns: int) -> StartedSpan:
+        """Sample and identify a new span, as the SDK's ``Tracer.start_span`` does.
+
+        ``parent`` is the remote parent's context, or ``None`` for a new root.
+        """
+        if parent is not None and parent.is_valid:
+            trace_id = parent.trace_id
+            random_trace_id = parent.trace_flags & TraceFlags.RANDOM_TRACE_ID
         else:
-            parent_context = None
+            parent = None
             trace_id = self.ids.generate_trace_id()
             random_trace_id = self.ids.is_trace_id_random()
         initial: Mapping[str, Any] | None = None
         if self.sampler is DEFAULT_ON:
             # The SDK's default sampler (parent-based, always on), decided as it
             # decides but without making its result objects per span.
-            sampled = parent_context is None or parent_context.trace_flags.sampled
-            recording = sampled
-            trace_state = None if parent_context is None else parent_context.trace_state
+            recording = parent is None or parent.trace_flags.sampled
+            flags = TraceFlags.SAMPLED if recording else TraceFlags.DEFAULT
+            trace_state = None if parent is None else parent.trace_state
         else:
-            result = self.sampler.should_sample(parent, trace_id, name, SpanKind.INTERNAL)
-            sampled = result.decision.is_sampled()  # type: ignore[no-untyped-call]
+            context = _NO_PARENT
+            if parent is not None:
+                context = set_span_in_context(NonRecordingSpan(parent), _NO_PARENT)
+            result = self.sampler.should_sample(context, trace_id, name, SpanKind.INTERNAL)
             recording = result.decision.is_recording()  # type: ignore[no-untyped-call]
+            sampled = result.decision.is_sampled()  # type: ignore[no-untyped-call]
+            flags = TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT
             trace_state = result.trace_state
             initial = result.attributes
-        flags = TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT
         if random_trace_id:
             flags |= TraceFlags.RANDOM_TRACE_ID
-        context = SpanContext(
-            trace_id,
-            self.ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=TraceFlags(flags),
-            trace_state=trace_state,
+        span_id = self.ids.generate_span_id()
+        return StartedSpan(
+            name, trace_id, span_id, flags, trace_state, parent, start_ns, recording, initial
         )
-        return StartedSpan(name, context, parent_context, start_ns, recording, initial)
 
     def finish(
         self,

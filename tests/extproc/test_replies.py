@@ -37,7 +37,7 @@ def test_added_headers_and_body_merge_into_the_cached_reply(
     routes = replies.RouteReplies()
     plain = parsed(routes.route("10.0.0.7:8000"))
     body = None if prompt is None else f'{{"model":"base","prompt":"{prompt}"}}'.encode()
-    reply = parsed(routes.route("10.0.0.7:8000", extra, body))
+    reply = parsed(routes.route("10.0.0.7:8000", dict(extra), body))
     expected = pb.ProcessingResponse()
     expected.CopyFrom(plain)
     common = expected.request_body.response

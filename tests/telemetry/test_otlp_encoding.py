@@ -114,7 +114,10 @@ def decision_spans(draw: Any) -> DecisionSpan:
     context = draw(contexts(remote=False))
     started = StartedSpan(
         name=draw(st.sampled_from(["text_completion adapter-3", "chat m", ""])),
-        context=context,
+        trace_id=context.trace_id,
+        span_id=context.span_id,
+        flags=context.trace_flags,
+        trace_state=context.trace_state,
         parent=draw(st.one_of(st.none(), contexts())),
         start_ns=start,
         recording=True,

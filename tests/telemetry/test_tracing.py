@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -19,12 +18,10 @@ from opentelemetry.sdk.trace.sampling import (
     SamplingResult,
 )
 from opentelemetry.trace import (
-    NonRecordingSpan,
     SpanContext,
     Status,
     StatusCode,
     TraceFlags,
-    set_span_in_context,
 )
 from opentelemetry.trace.span import TraceState
 
@@ -58,13 +55,12 @@ class Collecting(SpanProcessor):
         self.spans.append(span)
 
 
-def remote_parent(flags: int = 1) -> Context:
-    parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(flags))
-    return set_span_in_context(NonRecordingSpan(parent), Context())
+def remote_parent(flags: int = 1) -> SpanContext:
+    return SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(flags))
 
 
 def finish(
-    tracer: DecisionTracer, parent: Context, node_events: Sequence[FrozenAttributes] = ()
+    tracer: DecisionTracer, parent: SpanContext | None, node_events: Sequence[FrozenAttributes] = ()
 ) -> None:
     span = tracer.start("chat m", parent, 100)
     tracer.finish(
@@ -119,7 +115,7 @@ def test_parent_based_sampling_follows_an_unsampled_parent() -> None:
 def test_the_samplers_attributes_and_tracestate_are_kept() -> None:
     collecting = Collecting()
     tracer = DecisionTracer(processors=[collecting], sampler=RecordOnly())
-    finish(tracer, Context())
+    finish(tracer, None)
     (span,) = collecting.spans
     assert span.context is not None and not span.context.trace_flags.sampled
     assert span.context.trace_state.get("policyd") == "r1"
@@ -132,7 +128,7 @@ def test_a_failing_processor_is_logged_and_the_next_still_gets_the_span(
 ) -> None:
     exporter = InMemorySpanExporter()
     tracer = DecisionTracer(processors=[Exploding(), SimpleSpanProcessor(exporter)])
-    finish(tracer, Context())
+    finish(tracer, None)
     assert len(exporter.get_finished_spans()) == 1
     assert "span processor Exploding failed" in caplog.text
 
@@ -193,24 +189,14 @@ def test_a_decision_span_reads_as_the_readable_span_of_its_parts() -> None:
 @pytest.mark.parametrize(
     "parent",
     [
-        Context(),
+        None,
         remote_parent(flags=1),
         remote_parent(flags=0),
-        set_span_in_context(
-            NonRecordingSpan(
-                SpanContext(0xABC, 0xDEF, False, TraceFlags(1), TraceState([("vendor", "v")]))
-            ),
-            Context(),
-        ),
-        set_span_in_context(
-            NonRecordingSpan(
-                SpanContext(0xABC, 0xDEF, True, TraceFlags(0), TraceState([("a", "b")]))
-            ),
-            Context(),
-        ),
+        SpanContext(0xABC, 0xDEF, False, TraceFlags(1), TraceState([("vendor", "v")])),
+        SpanContext(0xABC, 0xDEF, True, TraceFlags(0), TraceState([("a", "b")])),
     ],
 )
-def test_the_default_sampler_decides_as_the_sdks_own(parent: Context) -> None:
+def test_the_default_sampler_decides_as_the_sdks_own(parent: SpanContext | None) -> None:
     """DEFAULT_ON is decided without calling it; any other instance is called."""
     fast = DecisionTracer(processors=[]).start("chat m", parent, 100)
     called = DecisionTracer(processors=[], sampler=ParentBased(ALWAYS_ON)).start(
@@ -228,7 +214,7 @@ def test_a_decision_span_sets_every_field_a_readable_span_has() -> None:
     field its exporters read must fail here, not in the export thread."""
     collecting = Collecting()
     tracer = DecisionTracer(processors=[collecting])
-    finish(tracer, Context())
+    finish(tracer, None)
     (span,) = collecting.spans
     plain = ReadableSpan("chat m", span.context)
     assert set(vars(plain)) <= set(vars(span)) | {"_attributes", "_events"}

@@ -52,6 +52,8 @@ _BYTES: Final = [bytes((i,)) for i in range(0x100)]  # tags, and varints under 0
 def _varint(value: int) -> bytes:
     if value < 0x80:
         return _BYTES[value]
+    if value < 0x4000:  # most lengths here: two bytes, without the loop
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -109,34 +111,35 @@ class SpanEncoder:
             if in_scope is None:
                 in_scope = by_scope[1][id(scope)] = (scope, [])
             in_scope[1].append(self._entry(span))
-        out = bytearray()
+        parts: list[bytes] = []
         for resource, scopes in grouped.values():
-            out += self._resource_spans(resource, scopes.values())
-        return bytes(out)
+            self._resource_spans(resource, scopes.values(), parts)
+        return b"".join(parts)  # the spans' bytes are copied once, here
 
     def _entry(self, span: ReadableSpan) -> bytes:
         """One entry of ``ScopeSpans.spans``."""
-        if type(span) is DecisionSpan:
-            return _field(0x12, self._decision_span(span))
-        return _field(0x12, self._span(span))
+        body = self._decision_span(span) if type(span) is DecisionSpan else self._span(span)
+        return _BYTES[0x12] + _varint(len(body)) + body
 
     # -- the parts -------------------------------------------------------------------------
 
     def _resource_spans(
-        self, resource: Any, scopes: Iterable[tuple[Any, Iterable[bytes]]]
-    ) -> bytes:
-        """``ExportTraceServiceRequest.resource_spans`` (field 1) for one resource."""
-        body = bytearray(self._resource(resource))
+        self, resource: Any, scopes: Iterable[tuple[Any, list[bytes]]], parts: list[bytes]
+    ) -> None:
+        """Appends ``ExportTraceServiceRequest.resource_spans`` (field 1) for one
+        resource to ``parts``: each message's head, then what it holds."""
+        body = [self._resource(resource)]
         for scope, encoded in scopes:
-            scope_spans = bytearray(self._scope(scope))
-            for span_bytes in encoded:
-                scope_spans += span_bytes
+            head = self._scope(scope)
+            tail = b""
             if scope is not None and scope.schema_url:
-                scope_spans += _field(0x1A, scope.schema_url.encode())
-            body += _field(0x12, bytes(scope_spans))
+                tail = _field(0x1A, scope.schema_url.encode())
+            size = len(head) + sum(map(len, encoded)) + len(tail)
+            body += (_BYTES[0x12] + _varint(size), head, *encoded, tail)
         if resource.schema_url:
-            body += _field(0x1A, resource.schema_url.encode())
-        return _field(0x0A, bytes(body))
+            body.append(_field(0x1A, resource.schema_url.encode()))
+        parts.append(_BYTES[0x0A] + _varint(sum(map(len, body))))
+        parts += body
 
     def _resource(self, resource: Any) -> bytes:
         """ResourceSpans.resource (field 1), cached: a tracer has one resource."""
@@ -167,7 +170,7 @@ class SpanEncoder:
         self._scopes[id(scope)] = (scope, encoded)
         return encoded
 
-    def _span(self, span: ReadableSpan) -> bytes:
+    def _span(self, span: ReadableSpan) -> bytearray:
         context = span.get_span_context()
         assert context is not None  # a finished SDK span always has one
         parent = span.parent
@@ -206,9 +209,9 @@ class SpanEncoder:
             out += _status(span.status)
         out += b"\x85\x01"  # flags (field 16), fixed32
         out += _FIXED32(_flags(parent))
-        return bytes(out)
+        return out
 
-    def _decision_span(self, span: DecisionSpan) -> bytes:
+    def _decision_span(self, span: DecisionSpan) -> bytearray:
         """``_span``'s bytes for a decision span, written from its parts.
 
         What ``_span`` would read of it and find empty or fixed (links, dropped
@@ -244,20 +247,30 @@ class SpanEncoder:
             out += self._attributes(0x4A, group)
         if span.node_events:
             at = span.event_time
-            timestamp = b"\x09" + _FIXED64(at) if at else b""
-            for attributes in span.node_events:
-                rest = attributes.encoded.get(NODE_EVENT)
-                if rest is None:
-                    rest = attributes.encoded[NODE_EVENT] = _NODE_EVENT_NAME + self._attributes(
-                        0x1A, attributes
-                    )
-                out += _field(0x5A, timestamp + rest)
+            if at:
+                timestamp = _FIXED64(at)
+                for attributes in span.node_events:
+                    parts = attributes.encoded_event or self._node_event(attributes)
+                    out += parts[0]
+                    out += timestamp
+                    out += parts[1]
+            else:  # untimed events have no time field at all
+                for attributes in span.node_events:
+                    out += _field(0x5A, _NODE_EVENT_NAME + self._attributes(0x1A, attributes))
         for event in span.other_events:
             out += _field(0x5A, self._event(event))
         out += _status(span.status)
         out += b"\x85\x01"  # flags (field 16), fixed32
         out += _FIXED32(_flags(parent))
-        return bytes(out)
+        return out
+
+    def _node_event(self, attributes: FrozenAttributes) -> tuple[bytes, bytes]:
+        """A timed node event's encoding as the bytes before its time and after it,
+        made once and kept on the shared attributes."""
+        rest = _NODE_EVENT_NAME + self._attributes(0x1A, attributes)
+        head = _BYTES[0x5A] + _varint(len(rest) + 9) + b"\x09"  # then time_unix_nano
+        attributes.encoded_event = (head, rest)
+        return head, rest
 
     def _event(self, event: Any) -> bytes:
         timestamp = event.timestamp
@@ -380,6 +393,19 @@ def _any_value(value: Any) -> bytes:
 
 def _status(status: Status) -> bytes:
     """``Span.status`` (field 15): description, then code (absent when unset)."""
+    key = (status.status_code, status.description)
+    known = _STATUSES.get(key)
+    if known is None:
+        known = _STATUSES[key] = _encode_status(status)
+        if len(_STATUSES) >= _CACHE_LIMIT:
+            _STATUSES.clear()
+    return known
+
+
+_STATUSES: dict[tuple[Any, str | None], bytes] = {}  # by code and description: few recur
+
+
+def _encode_status(status: Status) -> bytes:
     body = b""
     if status.description:
         body += _field(0x12, status.description.encode())

@@ -59,16 +59,17 @@ class FrozenAttributes(Mapping[str, Any]):
 
     The node events of a reused filter-tree walk are the same for every
     request that shares it: ``policyd.telemetry.otlp_encoding`` stores its
-    encoding of these on the object (``encoded``).
+    encodings of these on the object (``encoded``, ``encoded_event``).
     """
 
-    __slots__ = ("_items", "encoded")
+    __slots__ = ("_items", "encoded", "encoded_event")
 
     def __init__(self, items: Mapping[str, Any]) -> None:
         self._items = dict(items)
         # Encodings made of these by the OTLP encoder: the pairs under a field
-        # tag (int), and a whole event but its time under the event's name (str).
-        self.encoded: dict[int | str, bytes] = {}
+        # tag, and a timed node event as the bytes before its time and after it.
+        self.encoded: dict[int, bytes] = {}
+        self.encoded_event: tuple[bytes, bytes] | None = None
 
     def __getitem__(self, key: str) -> Any:
         return self._items[key]

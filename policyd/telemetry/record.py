@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 _EMPTY: Final[Mapping[str, str]] = {}
 _UNSET: Final = Status()
 _FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last field
+_Trace = tuple[NodeTrace, ...]
 _NODE_EVENTS_KEPT: Final = 4096  # filter-tree steps whose event attributes are kept for reuse
 _GROUPS_KEPT: Final = 4096  # shared span attribute groups kept, per kind
 
@@ -74,6 +75,9 @@ class DecisionTelemetry:
         # event attributes are made (and OTLP-encoded) once. Keyed by identity,
         # holding the step so that its id cannot be reused while it is here.
         self._node_events: dict[int, tuple[NodeTrace, FrozenAttributes]] = {}
+        # The same for a whole walk: its trace tuple is shared too, unless a
+        # scoring step was added to it for the request.
+        self._walk_events: dict[int, tuple[_Trace, tuple[FrozenAttributes, ...]]] = {}
         # Span attributes that many requests share, made (and OTLP-encoded) once.
         self._request_groups: dict[tuple[Any, ...], FrozenAttributes] = {}
         self._pod_groups: dict[tuple[str, str], FrozenAttributes] = {}
@@ -122,7 +126,18 @@ class DecisionTelemetry:
             known = _kept(self._pod_groups, (pod, endpoint), FrozenAttributes(group))
         return known
 
-    def node_event_attributes(self, step: NodeTrace) -> FrozenAttributes:
+    def node_events(self, trace: _Trace) -> tuple[FrozenAttributes, ...]:
+        """The span events' attributes of a decision's trace (up to the limit)."""
+        known = self._walk_events.get(id(trace))
+        if known is not None and known[0] is trace:
+            return known[1]
+        events = tuple([self._node_event_attributes(s) for s in trace[: a.MAX_NODE_EVENTS]])
+        if len(self._walk_events) >= _NODE_EVENTS_KEPT:
+            self._walk_events.clear()
+        self._walk_events[id(trace)] = (trace, events)
+        return events
+
+    def _node_event_attributes(self, step: NodeTrace) -> FrozenAttributes:
         """The attributes of ``step``'s span event, made once per step object."""
         known = self._node_events.get(id(step))
         if known is not None and known[0] is step:
@@ -428,13 +443,12 @@ class RequestRecord:
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
-            node_event = self._owner.node_event_attributes
             tracer.finish(
                 span,
                 self._end_ns,
                 attribute_groups=(*self._shared_attributes, attributes),
                 event_time=self._decided_ns,
-                node_events=[node_event(step) for step in decision.trace[: a.MAX_NODE_EVENTS]],
+                node_events=self._owner.node_events(decision.trace),
                 other_events=self._shadow_events,
                 status=self._span_status,
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,25 @@ def test_each_filter_node_is_an_event(tmp_path: Path, spans: Spans) -> None:
             a.NODE_ERRORS: 0,
         },
     ]
+
+
+def test_requests_sharing_a_walk_share_their_node_events(tmp_path: Path, spans: Spans) -> None:
+    """A reused walk's events are made once; a trace with a scoring step added per
+    request still shares the walk's steps, and a changed step gets its own."""
+    owner = telemetry(spans)
+    first = router_for(tmp_path).decide(request(), pods())
+    walk = first.trace[:-1]  # the filter steps; the router adds "score" per request
+    same_walk = replace(first, trace=walk)
+    rescored = replace(first, trace=(*walk, replace(first.trace[-1], candidates_in=9)))
+    for decision in (same_walk, same_walk, rescored):
+        record = owner.start(request(), decision, CARRIER, 0.001)
+        record.after_reply()
+        routed_end(record)
+    events = [[e for e in span.events if e.name == a.NODE_EVENT] for span in spans.finished()]
+    assert events[0][0].attributes is events[1][0].attributes
+    assert events[0][0].attributes is events[2][0].attributes
+    assert dict(events[2][1].attributes or {})[a.NODE_IN] == 9
+    assert owner.node_events(walk) is owner.node_events(walk)
 
 
 def test_the_response_closes_the_loop_when_it_ends(tmp_path: Path, spans: Spans) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from policyd.cel.values import Duration
+from policyd.cel.values import NANOS_PER_SECOND, Duration
 from policyd.pool.discovery import PodIdentity
 from policyd.pool.exposition import NO_METRICS, PodMetrics
 from policyd.pool.pod import InFlight, Pod
@@ -72,7 +72,7 @@ class ScrapeStats:
 class _Member:
     """What the datastore keeps per pod address between snapshots."""
 
-    __slots__ = ("discovered_at", "identity", "last_ok", "load", "metrics", "stats")
+    __slots__ = ("discovered_at", "identity", "last_ok", "load", "metrics", "pod", "stats")
 
     def __init__(self, identity: PodIdentity, now: float) -> None:
         self.identity = identity
@@ -81,6 +81,7 @@ class _Member:
         self.last_ok = False
         self.discovered_at = now
         self.stats = ScrapeStats()
+        self.pod: Pod | None = None  # as last published
 
 
 class Datastore:
@@ -172,6 +173,15 @@ class Datastore:
         self._publish(now)
 
     def _publish(self, now: float) -> None:
+        """Publish the pool as of ``now``.
+
+        A pod that answered with the same metrics as last round (most pods,
+        most rounds: their age is zero each time) keeps its ``Pod`` object,
+        and when every candidate is unchanged the candidates tuple is the
+        same object as before, so that what policies worked out over it
+        (the router's reused walks) stays valid until something changes.
+        """
+        previous = self.snapshot
         pods: list[Pod] = []
         candidates: list[Pod] = []
         all_tried = True
@@ -179,20 +189,22 @@ class Datastore:
             identity = member.identity
             metrics = member.metrics or NO_METRICS
             scraped_at = member.stats.last_success_at
-            age = now - (member.discovered_at if scraped_at is None else scraped_at)
-            pod = Pod(
-                name=identity.name,
-                address=address,
-                labels=identity.labels,
-                waiting_queue=metrics.waiting_queue,
-                running=metrics.running,
-                kv_cache=metrics.kv_cache,
-                active_loras=metrics.active_loras,
-                waiting_loras=metrics.waiting_loras,
-                max_loras=metrics.max_loras,
-                metrics_age=Duration.from_seconds(max(age, 0.0)),
-                load=member.load,
-            )
+            age = max(now - (member.discovered_at if scraped_at is None else scraped_at), 0.0)
+            pod = member.pod
+            if pod is None or not _unchanged(pod, identity, metrics, age):
+                pod = member.pod = Pod(
+                    name=identity.name,
+                    address=address,
+                    labels=identity.labels,
+                    waiting_queue=metrics.waiting_queue,
+                    running=metrics.running,
+                    kv_cache=metrics.kv_cache,
+                    active_loras=metrics.active_loras,
+                    waiting_loras=metrics.waiting_loras,
+                    max_loras=metrics.max_loras,
+                    metrics_age=Duration.from_seconds(age),
+                    load=member.load,
+                )
             pods.append(pod)
             if member.metrics is not None and (
                 self._include_stale or (member.last_ok and age <= self._stale_after)
@@ -203,11 +215,36 @@ class Datastore:
         self._version += 1
         self.snapshot = PoolSnapshot(
             version=self._version,
-            pods=tuple(pods),
-            candidates=tuple(candidates),
+            pods=_same_or_new(previous.pods, pods),
+            candidates=_same_or_new(previous.candidates, candidates),
             ready=self._ready,
             taken_at=now,
             scrape_round=self._round,
         )
         if self._on_publish is not None:
             self._on_publish(self.snapshot)
+
+
+def _unchanged(pod: Pod, identity: PodIdentity, metrics: PodMetrics, age: float) -> bool:
+    """Whether ``pod`` already shows this identity, these metrics and this age."""
+    return (
+        pod.name == identity.name
+        and pod.labels is identity.labels
+        and pod.metrics_age.nanos == round(age * NANOS_PER_SECOND)
+        and (
+            pod.waiting_queue,
+            pod.running,
+            pod.kv_cache,
+            pod.active_loras,
+            pod.waiting_loras,
+            pod.max_loras,
+        )
+        == metrics
+    )
+
+
+def _same_or_new(old: tuple[Pod, ...], pods: list[Pod]) -> tuple[Pod, ...]:
+    """``old`` itself when it holds exactly these pod objects, else a new tuple."""
+    if len(old) == len(pods) and all(a is b for a, b in zip(old, pods, strict=True)):
+        return old
+    return tuple(pods)

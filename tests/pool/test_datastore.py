@@ -211,3 +211,35 @@ def test_snapshots_are_immutable_and_old_ones_never_change() -> None:
         data.snapshot.pods[0].running = 9  # type: ignore[misc]
     with pytest.raises(TypeError):
         data.snapshot.pods[0].labels["zone"] = "z"  # type: ignore[index]
+
+
+def test_unchanged_pods_keep_their_objects_and_the_candidates_tuple() -> None:
+    """Rounds that change nothing keep what policies worked out over the candidates
+    valid; a changed metric, a failure or a relabel gives new objects."""
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A, B])
+    data.record([ok(A), ok(B)])
+    first = data.snapshot
+    clock.now += 0.1
+    data.record([ok(A), ok(B, PodMetrics(*METRICS))])  # equal values, new objects
+    second = data.snapshot
+    assert second.version == first.version + 1 and second.scrape_round == 2
+    assert second.candidates is first.candidates and second.pods is first.pods
+
+    clock.now += 0.1
+    data.record([ok(A), ok(B, METRICS._replace(waiting_queue=7))])
+    third = data.snapshot
+    assert third.candidates is not second.candidates
+    assert third.candidates[0] is second.candidates[0]  # a: unchanged
+    assert third.candidates[1].waiting_queue == 7
+
+    clock.now += 0.1
+    data.record([ok(A), failed(B)])  # b is still a pod, no longer a candidate, and ages
+    fourth = data.snapshot
+    assert names(fourth.candidates) == ["a"] and fourth.pods[1] is not third.pods[1]
+    assert fourth.pods[1].metrics_age == Duration.from_seconds(0.1)
+
+    data.set_pods([PodIdentity.of("a", A.address, {"zone": "y"}), B])
+    assert dict(data.snapshot.pods[0].labels) == {"zone": "y"}
+    assert data.snapshot.candidates[0] is not fourth.candidates[0]

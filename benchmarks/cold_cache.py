@@ -137,7 +137,7 @@ def run(
     parse = pb.ProcessingRequest.FromString
     totals = [0.0] * (len(wire) + 1)
     for done in range(1, count + 1):
-        exchange = Exchange(server, {})
+        exchange = Exchange(server, tuple)
         for index, raw in enumerate(wire):
             if flush is not None:
                 flush[:] = zero

@@ -102,8 +102,9 @@ class Telemetry(Protocol):
         ``trace_carrier`` holds the W3C ``traceparent`` / ``tracestate`` to
         parent the span on: Envoy's own (from the ext_proc stream's gRPC
         metadata) when present, else the client's HTTP headers; empty when
-        neither has one. ``decision_seconds`` is how long ``decide`` took, so
-        the span can start when the decision did.
+        neither has one. It is worked out when first read, so a sink that
+        does not trace should leave it unread. ``decision_seconds`` is how
+        long ``decide`` took, so the span can start when the decision did.
         """
         ...
 

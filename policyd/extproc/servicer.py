@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -85,7 +85,7 @@ class ExternalProcessor:
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[bytes]:
-        exchange = Exchange(self, _trace_metadata(context.invocation_metadata()))
+        exchange = Exchange(self, context.invocation_metadata)
         try:
             async for message in request_iterator:
                 yield exchange.handle(message)  # resumes once gRPC has taken the reply
@@ -96,14 +96,44 @@ class ExternalProcessor:
             exchange.close()
 
 
-def _trace_metadata(metadata: Any) -> dict[str, str]:
-    """Envoy's own trace context, sent as gRPC metadata of the ext_proc stream."""
-    carrier: dict[str, str] = {}
-    for key, value in metadata or ():
-        text = value if isinstance(value, str) else value.decode()
-        if key in TRACE_KEYS and text:
-            carrier[key] = text
-    return carrier
+class _TraceCarrier(Mapping[str, str]):
+    """The trace context a decision span is parented on, worked out when first read.
+
+    Envoy's own (``traceparent`` / ``tracestate`` in the ext_proc stream's
+    gRPC metadata) when it sent one, else the client's HTTP headers. grpc
+    builds the stream's metadata anew on every ``invocation_metadata()``
+    call (a few microseconds), and only tracing and the decision log read
+    the carrier: without them it is never read.
+    """
+
+    __slots__ = ("_headers", "_items", "_metadata")
+
+    def __init__(self, metadata: Callable[[], Any], headers: Mapping[str, str]) -> None:
+        self._metadata = metadata
+        self._headers = headers
+        self._items: dict[str, str] | None = None
+
+    def _read(self) -> dict[str, str]:
+        items = self._items
+        if items is None:
+            items = {}
+            for key, value in self._metadata() or ():
+                text = value if isinstance(value, str) else value.decode()
+                if key in TRACE_KEYS and text:
+                    items[key] = text
+            if not items and "traceparent" in self._headers:
+                items = {k: v for k in TRACE_KEYS if (v := self._headers.get(k))}
+            self._items = items
+        return items
+
+    def __getitem__(self, key: str) -> str:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
 class Exchange:
@@ -112,7 +142,6 @@ class Exchange:
     __slots__ = (
         "_body",
         "_body_mode",
-        "_carrier",
         "_completed",
         "_decided_at",
         "_duration",
@@ -121,6 +150,7 @@ class Exchange:
         "_first_body_at",
         "_headers",  # regular request headers: what policies see as request.headers
         "_load",
+        "_metadata",
         "_path",
         "_queued",
         "_record_due",
@@ -133,9 +163,11 @@ class Exchange:
         "answered",
     )
 
-    def __init__(self, server: ExternalProcessor, trace_metadata: dict[str, str]) -> None:
+    def __init__(self, server: ExternalProcessor, metadata: Callable[[], Any]) -> None:
+        """``metadata`` gives the ext_proc stream's gRPC metadata (read only for
+        the trace context, and only when telemetry asks for it)."""
         self._server = server
-        self._carrier = trace_metadata
+        self._metadata = metadata
         self._headers: dict[str, str] = {}
         self._path = ""
         self._body = bytearray()
@@ -317,9 +349,7 @@ class Exchange:
         return decision
 
     def _start_span(self, request: Request, decision: Decision, seconds: float) -> RequestSpan:
-        carrier = self._carrier
-        if not carrier and "traceparent" in self._headers:  # else Envoy's, or none
-            carrier = {k: v for k in TRACE_KEYS if (v := self._headers.get(k))}
+        carrier = _TraceCarrier(self._metadata, self._headers)
         try:
             return self._server.telemetry.start(request, decision, carrier, seconds)
         except Exception:

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -25,9 +26,10 @@ from extproc_support import (
     settled,
 )
 
+from policyd.extproc.interfaces import NULL_SPAN
 from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.extproc.server import ExtProcServer, ServerOptions
-from policyd.extproc.servicer import ServingSettings
+from policyd.extproc.servicer import Exchange, ExternalProcessor, ServingSettings
 from policyd.policy.decision import Decision, Outcome
 from policyd.pool.pod import Pod
 
@@ -374,3 +376,40 @@ async def test_many_concurrent_streams_keep_their_own_state(rig: Rig) -> None:
     for index, kind in results:
         assert kind == ("request_body" if index % 4 else "immediate_response")
     assert sorted(r.model for r in rig.router.seen) == sorted(f"m{i}" for i in range(40) if i % 4)
+
+
+@pytest.mark.parametrize("reads_carrier", [False, True])
+def test_the_streams_metadata_is_read_only_when_telemetry_reads_the_carrier(
+    reads_carrier: bool,
+) -> None:
+    """grpc builds the metadata anew per call: without tracing or a decision log
+    (nothing reading the carrier) it is never asked for, and at most once."""
+    envoys = "00-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-cccccccccccccccc-01"
+    reads: list[int] = []
+
+    def metadata() -> tuple[tuple[str, str], ...]:
+        reads.append(1)
+        return (("traceparent", envoys),)
+
+    seen: list[dict[str, str]] = []
+
+    class Telemetry(RecordingTelemetry):
+        def start(self, request: Any, decision: Any, trace_carrier: Any, seconds: float) -> Any:
+            if reads_carrier:
+                seen.append(dict(trace_carrier))
+                seen.append({"traceparent": trace_carrier["traceparent"]})  # read again
+            return NULL_SPAN
+
+    pods = (Pod("pod-0", "10.0.0.1:8000"),)
+    router = PickFirst()
+    server = ExternalProcessor(
+        lambda: router, lambda: Snapshot(pods), Telemetry(), ServingSettings()
+    )
+    exchange = Exchange(server, metadata)
+    clients = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+    for message in (request_headers({"traceparent": clients}), request_body(BODY)):
+        exchange.handle(message)
+        exchange.after_reply()
+    exchange.close()
+    assert len(reads) == (1 if reads_carrier else 0)
+    assert seen == ([{"traceparent": envoys}] * 2 if reads_carrier else [])

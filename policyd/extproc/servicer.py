@@ -269,13 +269,19 @@ class Exchange:
     def _on_request_body(self, message: pb.HttpBody) -> bytes:
         if self._span is not None:
             return replies.REQUEST_BODY_CONTINUE  # already routed; nothing left to decide
-        self._body += message.body
-        if len(self._body) > self._server.settings.max_body_bytes:
+        chunk = message.body
+        whole = message.end_of_stream or self._body_mode == _BodyMode.BUFFERED
+        if whole and not self._body:  # the whole body in one message: no copy to gather it
+            body = chunk
+        else:
+            self._body += chunk
+            body = self._body
+        if len(body) > self._server.settings.max_body_bytes:
             raise RequestError(
                 413, "the request body is larger than policyd accepts", "body_too_large"
             )
-        if message.end_of_stream or self._body_mode == _BodyMode.BUFFERED:
-            return self._route()  # BUFFERED: the one body message, even when trailers follow
+        if whole:
+            return self._route(bytes(body))  # BUFFERED: one message, even when trailers follow
         if self._body_mode == _BodyMode.BUFFERED_PARTIAL:
             raise RequestError(
                 413, "the request body exceeds the proxy's buffer limit", "body_too_large"
@@ -292,9 +298,10 @@ class Exchange:
             )
         return replies.REQUEST_TRAILERS_CONTINUE
 
-    def _route(self) -> bytes:
-        body = parse_body(bytes(self._body), self._path)
-        self._body = bytearray()
+    def _route(self, document: bytes) -> bytes:
+        body = parse_body(document, self._path)
+        if self._body:
+            self._body = bytearray()  # gathered from several messages: let it go
         request = self._build_request(body)
         started = time.perf_counter()
         candidates: Sequence[Pod] = ()
@@ -394,10 +401,11 @@ class Exchange:
         return replies.RESPONSE_HEADERS_CONTINUE
 
     def _on_response_body(self, message: pb.HttpBody) -> bytes:
-        if self._first_body_at is None and message.body:
+        chunk = message.body  # each read of a bytes field makes a new copy
+        if self._first_body_at is None and chunk:
             self._first_body_at = time.perf_counter()
         if self._usage is not None:
-            self._usage.feed(message.body)
+            self._usage.feed(chunk)
         if message.end_of_stream:
             self._end(completed=True)
         return replies.RESPONSE_BODY_CONTINUE

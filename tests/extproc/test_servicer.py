@@ -164,11 +164,15 @@ async def test_a_body_cut_by_envoys_partial_buffer_is_a_413(rig: Rig) -> None:
     assert rig.router.seen == []
 
 
-async def test_a_streamed_body_larger_than_policyd_accepts_is_a_413() -> None:
+@pytest.mark.parametrize(
+    ("mode", "end_of_stream"),
+    [(Mode.STREAMED, False), (Mode.BUFFERED, True)],  # gathered, and whole in one message
+)
+async def test_a_body_larger_than_policyd_accepts_is_a_413(mode: int, end_of_stream: bool) -> None:
     rig = await start_rig(ServingSettings(max_body_bytes=10))
     try:
         _, reply = await rig.envoy.exchange(
-            request_headers(body_mode=Mode.STREAMED), request_body(b"x" * 11, end_of_stream=False)
+            request_headers(body_mode=mode), request_body(b"x" * 11, end_of_stream=end_of_stream)
         )
     finally:
         await rig.envoy.close()

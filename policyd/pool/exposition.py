@@ -73,14 +73,12 @@ class _Family:
     slot: int
     needle: bytes  # newline + name: where one of its lines starts
     line: re.Pattern[bytes]
-    alone: re.Pattern[bytes]  # a line not followed by another line starting with the name
 
     @classmethod
     def of(cls, spec: MetricSpec, slot: int) -> _Family:
         name = spec.name.encode("ascii")
         line = re.escape(name) + _SAMPLE_REST
-        alone = re.compile(line + b"(?!" + re.escape(name) + b")")
-        return cls(spec, name, slot, b"\n" + name, re.compile(line), alone)
+        return cls(spec, name, slot, b"\n" + name, re.compile(line))
 
 
 class MetricsParser:
@@ -274,12 +272,15 @@ class _Page:
         """The family's only line if it still starts exactly at ``at``, else ``None``.
 
         The commonest case of all (one engine per server, one series per
-        family), in one pattern match: the pattern refuses a line followed by
-        another of the family, and the line above must not start with its name.
+        family), in one pattern match: the line below and the line above must
+        not start with the family's name. (A look-ahead in the pattern would
+        say the same, but a family of several lines, as LoRA state often is,
+        then makes the pattern backtrack through every way to split the line
+        before it fails: several times one match.)
         """
-        data, first = self.data, self.first
-        line = family.alone.match(data, at, self.last)
-        if line is None:
+        data, first, last = self.data, self.first, self.last
+        line = family.line.match(data, at, last)
+        if line is None or data.startswith(family.name, line.end(), last):
             return None
         if at > first:
             newline = data.rfind(b"\n", first, at - 1)

@@ -16,6 +16,7 @@ from typing import Final, Protocol
 from prometheus_client import CollectorRegistry, Gauge
 
 from policyd.policy.decision import Decision, NodeTrace, ShadowResult
+from policyd.telemetry.identity_cache import IdentityCache
 from policyd.telemetry.tally import CounterTally, HistogramTally, Labels, TallyCollector
 
 DECISION_BUCKETS: Final = (
@@ -25,7 +26,7 @@ RESPONSE_BUCKETS: Final = (
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 _COUNTED_KINDS: Final = frozenset({"filter", "band", "top-k"})  # nodes that keep pods
-_STEPS_KEPT: Final = 4096  # steps whose tally increments are remembered (a few per walk)
+_STEPS_KEPT: Final = 4096  # steps (and walks) whose tally increments are remembered
 
 # A step's increments: the tally's values, the label set, the amount.
 _StepCounts = tuple[tuple[dict[Labels, float], Labels, int], ...]
@@ -168,8 +169,11 @@ class DecisionMetrics:
             registry=r,
         )
         self._last_reload_ok.set(1)
-        # By the step's id, with the step itself so that the id is not reused meanwhile.
-        self._step_counts: dict[int, tuple[NodeTrace, _StepCounts]] = {}
+        # Tally increments per step of a reused walk, and per walk (its trace).
+        self._step_counts: IdentityCache[NodeTrace, _StepCounts] = IdentityCache(_STEPS_KEPT)
+        self._walk_counts: IdentityCache[tuple[NodeTrace, ...], _StepCounts] = IdentityCache(
+            _STEPS_KEPT
+        )
 
     # -- per request ------------------------------------------------------------------
 
@@ -177,22 +181,25 @@ class DecisionMetrics:
         policy = decision.policy
         self._decision_seconds.observe((policy,), seconds)
         self._decisions.inc((policy, decision.outcome.value, decision.pod))
-        known = self._step_counts
-        for step in decision.trace:
-            entry = known.get(id(step))
-            counts = (
-                entry[1] if entry is not None and entry[0] is step else self._counts(policy, step)
-            )
-            for values, labels, amount in counts:
-                values[labels] = values.get(labels, 0) + amount
+        trace = decision.trace
+        counts = self._walk_counts.get(trace)
+        if counts is None:
+            counts = tuple([c for step in trace for c in self._step_counts_of(policy, step)])
+            if not trace or trace[-1].kind != "score":  # else made for this request
+                self._walk_counts.keep(trace, counts)
+        for values, labels, amount in counts:
+            values[labels] = values.get(labels, 0) + amount
 
-    def _counts(self, policy: str, step: NodeTrace) -> _StepCounts:
+    def _step_counts_of(self, policy: str, step: NodeTrace) -> _StepCounts:
         """What one step adds to the node tallies, kept for the step's next decisions.
 
-        Requests whose filter-tree walk is reused share its step objects, so a
-        step's increments are worked out once, not per request. Scoring steps
-        are made per request and are not kept.
+        Requests whose filter-tree walk is reused share its trace and step
+        objects, so their increments are worked out once, not per request.
+        Scoring steps are made per request and are not kept.
         """
+        known = self._step_counts.get(step)
+        if known is not None:
+            return known
         node, kind = step.node, step.kind
         counts: list[tuple[dict[Labels, float], Labels, int]] = []
         if kind != "score":
@@ -207,11 +214,7 @@ class DecisionMetrics:
         if step.errors:
             counts.append((self._node_errors.values, (policy, node), len(step.errors)))
         result = tuple(counts)
-        if kind != "score":
-            if len(self._step_counts) >= _STEPS_KEPT:
-                self._step_counts.clear()
-            self._step_counts[id(step)] = (step, result)
-        return result
+        return result if kind == "score" else self._step_counts.keep(step, result)
 
     def shadows(self, policy: str, results: Iterable[ShadowResult], seconds: float) -> None:
         self._shadow_seconds.observe((policy,), seconds)

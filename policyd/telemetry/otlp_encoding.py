@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext, SpanKind, Status, TraceState
 
 from policyd.telemetry.attributes import NODE_EVENT
+from policyd.telemetry.identity_cache import IdentityCache
 from policyd.telemetry.tracing import DecisionSpan, FrozenAttributes
 
 _FIXED64: Final = struct.Struct("<Q").pack
@@ -89,10 +90,9 @@ class SpanEncoder:
         self._keys: dict[int, dict[str, _Key]] = {}  # by field tag, then key
         self._names: dict[str, bytes] = {}  # event names, encoded
         self._span_names: dict[str, bytes] = {}  # decision span names, as field 5
-        # Resources and scopes by identity (a Resource hashes through JSON), each
-        # with the object itself so that its id is not reused while it is here.
-        self._resources: dict[int, tuple[Any, bytes]] = {}
-        self._scopes: dict[int, tuple[Any, bytes]] = {}
+        # Resources and scopes by identity (a Resource hashes through JSON).
+        self._resources: IdentityCache[Any, bytes] = IdentityCache(_CACHE_LIMIT)
+        self._scopes: IdentityCache[Any, bytes] = IdentityCache(_CACHE_LIMIT)
 
     def encode(self, spans: Sequence[ReadableSpan]) -> bytes:
         """The ``ExportTraceServiceRequest`` for ``spans``, grouped by resource and scope.
@@ -143,20 +143,18 @@ class SpanEncoder:
 
     def _resource(self, resource: Any) -> bytes:
         """ResourceSpans.resource (field 1), cached: a tracer has one resource."""
-        known = self._resources.get(id(resource))
-        if known is not None and known[0] is resource:
-            return known[1]
-        encoded = _field(0x0A, self._attributes(0x0A, resource.attributes))
-        if len(self._resources) >= _CACHE_LIMIT:
-            self._resources.clear()
-        self._resources[id(resource)] = (resource, encoded)
-        return encoded
+        known = self._resources.get(resource)
+        if known is not None:
+            return known
+        return self._resources.keep(
+            resource, _field(0x0A, self._attributes(0x0A, resource.attributes))
+        )
 
     def _scope(self, scope: Any) -> bytes:
         """ScopeSpans.scope (field 1), cached per instrumentation scope."""
-        known = self._scopes.get(id(scope))
-        if known is not None and known[0] is scope:
-            return known[1]
+        known = self._scopes.get(scope)
+        if known is not None:
+            return known
         body = b""
         if scope is not None:
             if scope.name:
@@ -164,11 +162,7 @@ class SpanEncoder:
             if scope.version:
                 body += _field(0x12, scope.version.encode())
             body += self._attributes(0x1A, scope.attributes)
-        encoded = _field(0x0A, body)
-        if len(self._scopes) >= _CACHE_LIMIT:
-            self._scopes.clear()
-        self._scopes[id(scope)] = (scope, encoded)
-        return encoded
+        return self._scopes.keep(scope, _field(0x0A, body))
 
     def _span(self, span: ReadableSpan) -> bytearray:
         context = span.get_span_context()

@@ -45,6 +45,7 @@ from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
 from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
 from policyd.telemetry.decision_log import DecisionLog
+from policyd.telemetry.identity_cache import IdentityCache
 from policyd.telemetry.metrics import DecisionMetrics
 from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, StartedSpan
 
@@ -54,7 +55,7 @@ _EMPTY: Final[Mapping[str, str]] = {}
 _UNSET: Final = Status()
 _FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last field
 _Trace = tuple[NodeTrace, ...]
-_NODE_EVENTS_KEPT: Final = 4096  # filter-tree steps whose event attributes are kept for reuse
+_NODE_EVENTS_KEPT: Final = 4096  # steps (and walks) whose event attributes are kept for reuse
 _GROUPS_KEPT: Final = 4096  # shared span attribute groups kept, per kind
 
 
@@ -71,13 +72,14 @@ class DecisionTelemetry:
         self.tracer = tracer
         self.metrics = metrics
         self.decision_log = decision_log
-        # A reused filter-tree walk hands out the same NodeTrace objects: their
-        # event attributes are made (and OTLP-encoded) once. Keyed by identity,
-        # holding the step so that its id cannot be reused while it is here.
-        self._node_events: dict[int, tuple[NodeTrace, FrozenAttributes]] = {}
-        # The same for a whole walk: its trace tuple is shared too, unless a
-        # scoring step was added to it for the request.
-        self._walk_events: dict[int, tuple[_Trace, tuple[FrozenAttributes, ...]]] = {}
+        # A reused filter-tree walk hands out the same trace tuple and NodeTrace
+        # objects: their event attributes are made (and OTLP-encoded) once.
+        self._node_events: IdentityCache[NodeTrace, FrozenAttributes] = IdentityCache(
+            _NODE_EVENTS_KEPT
+        )
+        self._walk_events: IdentityCache[_Trace, tuple[FrozenAttributes, ...]] = IdentityCache(
+            _NODE_EVENTS_KEPT
+        )
         # Span attributes that many requests share, made (and OTLP-encoded) once.
         self._request_groups: dict[tuple[Any, ...], FrozenAttributes] = {}
         self._pod_groups: dict[tuple[str, str], FrozenAttributes] = {}
@@ -127,26 +129,28 @@ class DecisionTelemetry:
         return known
 
     def node_events(self, trace: _Trace) -> tuple[FrozenAttributes, ...]:
-        """The span events' attributes of a decision's trace (up to the limit)."""
-        known = self._walk_events.get(id(trace))
-        if known is not None and known[0] is trace:
-            return known[1]
+        """The span events' attributes of a decision's trace (up to the limit).
+
+        A trace that ends with a scoring step was made for its request (the
+        router adds that step per request): it is not kept, its other steps are.
+        """
+        known = self._walk_events.get(trace)
+        if known is not None:
+            return known
         events = tuple([self._node_event_attributes(s) for s in trace[: a.MAX_NODE_EVENTS]])
-        if len(self._walk_events) >= _NODE_EVENTS_KEPT:
-            self._walk_events.clear()
-        self._walk_events[id(trace)] = (trace, events)
-        return events
+        if trace and trace[-1].kind == "score":
+            return events
+        return self._walk_events.keep(trace, events)
 
     def _node_event_attributes(self, step: NodeTrace) -> FrozenAttributes:
         """The attributes of ``step``'s span event, made once per step object."""
-        known = self._node_events.get(id(step))
-        if known is not None and known[0] is step:
-            return known[1]
+        known = self._node_events.get(step)
+        if known is not None:
+            return known
         attributes = FrozenAttributes(_node_event(step))
-        if len(self._node_events) >= _NODE_EVENTS_KEPT:
-            self._node_events.clear()
-        self._node_events[id(step)] = (step, attributes)
-        return attributes
+        if step.kind == "score":  # made for one request
+            return attributes
+        return self._node_events.keep(step, attributes)
 
     def start(
         self,

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from telemetry_support import pods, request, router_for, write_policies
 
 from policyd.policy import PolicyStore
+from policyd.policy.decision import Decision, NodeTrace, Outcome
 from policyd.pool.pod import Pod
 from policyd.telemetry import (
     DecisionMetrics,
@@ -83,6 +84,38 @@ def test_decisions_that_share_a_walk_are_each_counted(tmp_path: Path) -> None:
     node = {"policy": "live", "node": "short queue"}
     assert value(r, "policyd_filter_node_pods_total", **node, result="kept") == 10
     assert value(r, "policyd_filter_node_pods_total", **node, result="dropped") == 5
+
+
+def test_a_shared_walk_with_a_scoring_step_per_request_counts_each_requests_errors() -> None:
+    """The router adds the scoring step to a reused walk per request: every request
+    counts the walk's steps and its own scoring errors."""
+    metrics = DecisionMetrics()
+    walk = (NodeTrace("short queue", "filter", 3, ("a", "b"), branch="on_success"),)
+    for errors in (1, 2, 0):
+        scoring = NodeTrace("score", "score", 2, (), tuple(("a", "x") for _ in range(errors)))
+        decision = Decision(
+            Outcome.ROUTED, "live", "1", "m", "10.0.0.1:8000", "a", trace=(*walk, scoring)
+        )
+        metrics.decision(decision, 0.0001)
+    r = metrics.registry
+    node = {"policy": "live", "node": "short queue"}
+    assert (
+        value(r, "policyd_filter_node_visits_total", **node, kind="filter", branch="on_success")
+        == 3
+    )
+    assert value(r, "policyd_filter_node_pods_total", **node, result="dropped") == 3
+    assert value(r, "policyd_filter_node_errors_total", policy="live", node="score") == 3
+    assert (
+        value(
+            r,
+            "policyd_filter_node_visits_total",
+            policy="live",
+            node="score",
+            kind="score",
+            branch="end",
+        )
+        is None
+    )
 
 
 def test_shed_decisions_and_their_walk(tmp_path: Path) -> None:

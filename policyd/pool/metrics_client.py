@@ -6,11 +6,16 @@ of CPU, and even a bare asyncio protocol pays ~45 us per scrape in transports,
 handles and callbacks on top of the ~20 us the kernel spends on the socket
 calls (``benchmarks/RESULTS.md``, "Pool scraping"). Here a round is one loop
 on the calling thread: it sends every pod's request, then waits on one
-selector and reads whatever is ready into a buffer kept per connection,
-framing each response as its bytes arrive and handing the finished body,
-still in that buffer, to a callback. No task, future, timer or callback
-object is made per pod, and the sockets stay registered with the selector
-from round to round.
+selector and reads whatever is ready, framing each response as its bytes
+arrive and handing the finished body, still where it was read, to a
+callback. No task, future, timer or callback object is made per pod, and
+the sockets stay registered with the selector from round to round.
+
+A response's first read goes to one buffer that all endpoints share, and a
+whole page usually arrives in that one read. That buffer stays in the CPU's
+caches from one pod to the next, where a hundred buffers of their own would
+be written cold every round (a few microseconds per scrape, ``RESULTS.md``).
+Only a response that needs more reads is copied to its endpoint's own buffer.
 
 What it speaks: GET over plain TCP, HTTP/1.0 and 1.1 responses framed by
 Content-Length, chunked transfer coding, or the server closing; keep-alive
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import selectors
 import socket
 import time
@@ -34,11 +40,16 @@ from typing import Final
 from policyd.pool.discovery import join_address
 
 _MAX_HEAD: Final = 64 * 1024
-_INITIAL_BUFFER: Final = 64 * 1024  # most metrics pages fit; larger ones grow it once
-_MIN_READ: Final = 16 * 1024  # free space offered to each socket read
+_SHARED_BUFFER: Final = 256 * 1024  # the first read of each response, for every endpoint
+_MIN_READ: Final = 16 * 1024  # free space offered to each later socket read
 _KEPT_BUFFER: Final = 1024 * 1024  # a buffer grown past this is dropped after its response
 _READ: Final = selectors.EVENT_READ
 _WRITE: Final = selectors.EVENT_WRITE
+_STATUS_LINE: Final = re.compile(rb"http/1\.(.) (\d\d\d)", re.IGNORECASE)
+# The header fields that frame a response, and their values (trailing blanks included).
+_FRAMING_HEADER: Final = re.compile(
+    rb"\r\n(content-length|transfer-encoding|connection):[ \t]*([^\r\n]*)", re.IGNORECASE
+)
 _CLOSED_EARLY: Final = "connection closed before the response was complete"
 
 
@@ -46,8 +57,9 @@ _CLOSED_EARLY: Final = "connection closed before the response was complete"
 class Body:
     """A response body, ``data[start:end]``.
 
-    ``data`` is often the connection's receive buffer itself (no copy is
-    made): it holds still until the endpoint's next request. ``bytes(body)``
+    ``data`` is often a receive buffer itself (no copy is made): the
+    client's shared one, which holds still until the client's next socket
+    read, or the endpoint's own, until its next request. ``bytes(body)``
     makes a copy to keep.
     """
 
@@ -75,11 +87,18 @@ class MetricsClient:
         self._wake_in.setblocking(False)
         self._wake_out.setblocking(False)
         self._selector.register(self._wake_in, _READ, None)
+        self._shared = bytearray(_SHARED_BUFFER)
 
     def endpoint(self, key: str, host: str, port: int, target: str) -> MetricsEndpoint:
         """A new endpoint, connected at its first request; ``key`` is the caller's name for it."""
         return MetricsEndpoint(
-            key, host, port, target, max_body_bytes=self._max_body, selector=self._selector
+            key,
+            host,
+            port,
+            target,
+            max_body_bytes=self._max_body,
+            selector=self._selector,
+            shared=self._shared,
         )
 
     def fetch(
@@ -187,10 +206,14 @@ class MetricsEndpoint:
         "_keep_alive",
         "_length",
         "_max_body",
+        "_own",
+        "_own_view",
         "_request",
         "_retried",
         "_reused",
         "_selector",
+        "_shared",
+        "_shared_view",
         "_sock",
         "_started",
         "_target",
@@ -213,6 +236,7 @@ class MetricsEndpoint:
         *,
         max_body_bytes: int,
         selector: selectors.BaseSelector,
+        shared: bytearray,
     ) -> None:
         self.key = key
         self.host = host
@@ -228,8 +252,12 @@ class MetricsEndpoint:
         self._reused = False
         self._retried = False
         self._started = 0.0
-        self._buffer = bytearray(_INITIAL_BUFFER)
-        self._view = memoryview(self._buffer)
+        self._shared = shared
+        self._shared_view = memoryview(shared)
+        self._own = bytearray()  # for responses that take more than one read
+        self._own_view = memoryview(self._own)
+        self._buffer = shared  # the one being read into, and its view
+        self._view = self._shared_view
         self._filled = 0
         self._wanted = 0  # buffer size the response being read needs
         # Framing of the response being read.
@@ -356,9 +384,12 @@ class MetricsEndpoint:
         sock = self._sock
         assert sock is not None
         filled = self._filled
-        size = len(self._buffer)
-        if size - filled < _MIN_READ or size < self._wanted:
-            self._grow(max(self._wanted, filled + _MIN_READ, 2 * size))
+        if filled == 0:
+            self._buffer, self._view = self._shared, self._shared_view
+        else:
+            size = len(self._buffer)
+            if size - filled < _MIN_READ or size < self._wanted:
+                self._grow(max(self._wanted, filled + _MIN_READ, 2 * size))
         try:
             count = sock.recv_into(self._view[filled:])
         except BlockingIOError:
@@ -382,11 +413,26 @@ class MetricsEndpoint:
             return
         if body is not None:
             self._complete(body)
+        elif self._buffer is self._shared:
+            self._keep_own()
+
+    def _keep_own(self) -> None:
+        """Move the response read so far out of the shared buffer, which the
+        next read of any endpoint overwrites, into this endpoint's own."""
+        filled = self._filled
+        if len(self._own) < filled + _MIN_READ:
+            self._own_view.release()
+            self._own = bytearray(max(filled + _MIN_READ, self._wanted))
+            self._own_view = memoryview(self._own)
+        self._own_view[:filled] = self._shared_view[:filled]
+        self._buffer, self._view = self._own, self._own_view
 
     def _grow(self, size: int) -> None:
-        self._view.release()
-        self._buffer.extend(bytes(size - len(self._buffer)))
-        self._view = memoryview(self._buffer)
+        """Make the endpoint's own buffer, being read into, ``size`` bytes long."""
+        self._own_view.release()
+        self._own.extend(bytes(size - len(self._own)))
+        self._own_view = memoryview(self._own)
+        self._buffer, self._view = self._own, self._own_view
 
     def _frame(self) -> Body | None:
         """The body once the response is complete; ``ValueError`` if it is broken."""
@@ -408,25 +454,34 @@ class MetricsEndpoint:
         return None  # the body ends when the server closes
 
     def _read_head(self, head_end: int) -> int:
-        # Three header lookups in the lower-cased block, in bytes, instead of a
-        # loop over its lines: this runs for every scrape.
-        head = self._buffer[:head_end].lower() + b"\r\n"
-        code = head[9:12]
-        if not head.startswith(b"http/1.") or head[8:9] != b" " or not code.isdigit():
-            status_line = head[: min(head.find(b"\r\n"), 60)].decode("latin-1")
-            raise ValueError(f"not an HTTP/1.x response: {status_line!r}")
-        length = _header(head, b"\r\ncontent-length:")
+        # Two pattern passes over the head where it lies, no copy of it and
+        # no loop over its lines: this runs for every scrape.
+        buffer = self._buffer
+        status = _STATUS_LINE.match(buffer, 0, head_end)
+        if status is None:
+            line_end = buffer.find(b"\r\n", 0, head_end)
+            status_line = buffer[: min(head_end if line_end < 0 else line_end, 60)]
+            raise ValueError(f"not an HTTP/1.x response: {status_line.decode('latin-1')!r}")
+        length = transfer_coding = connection = None
+        for field, value in _FRAMING_HEADER.findall(buffer, 0, head_end):
+            name = field.lower()  # the first of each counts
+            if name == b"content-length":
+                length = value.strip() if length is None else length
+            elif name == b"transfer-encoding":
+                transfer_coding = value.lower() if transfer_coding is None else transfer_coding
+            elif connection is None:
+                connection = value.lower()
         if length is not None:
             if not length.isdigit():
                 raise ValueError(f"bad Content-Length {length.decode('latin-1')!r}")
             self._length = int(length)
-        self._chunked = b"chunked" in (_header(head, b"\r\ntransfer-encoding:") or b"")
-        connection = _header(head, b"\r\nconnection:") or b""
-        keep_alive = head[7] == ord("1")  # HTTP/1.1 keeps alive unless told not to
-        if b"close" in connection:
-            keep_alive = False
-        elif b"keep-alive" in connection:
-            keep_alive = True
+        self._chunked = transfer_coding is not None and b"chunked" in transfer_coding
+        keep_alive = status[1] == b"1"  # HTTP/1.1 keeps alive unless told not to
+        if connection is not None:
+            if b"close" in connection:
+                keep_alive = False
+            elif b"keep-alive" in connection:
+                keep_alive = True
         if self._length > self._max_body:
             raise ValueError(f"response body of {self._length} bytes exceeds {self._max_body}")
         if not self._chunked and self._length < 0:
@@ -436,7 +491,7 @@ class MetricsEndpoint:
         self._chunk_at = self._body_start
         if self._length >= 0:  # room for the whole body at once, not doubling towards it
             self._wanted = self._body_start + self._length
-        return int(code)
+        return int(status[2])
 
     def _read_sized(self) -> Body | None:
         end = self._body_start + self._length
@@ -489,10 +544,10 @@ class MetricsEndpoint:
     def _complete(self, body: Body) -> None:
         self._expecting = False
         self._chunks = []
-        if len(self._buffer) > _KEPT_BUFFER:  # one huge page: do not hold on to its memory
-            self._view.release()
-            self._buffer = bytearray(_INITIAL_BUFFER)
-            self._view = memoryview(self._buffer)
+        if len(self._own) > _KEPT_BUFFER:  # one huge page: do not hold on to its memory
+            self._own_view.release()
+            self._own = bytearray()
+            self._own_view = memoryview(self._own)
         if not self._keep_alive:
             self._drop()
         self._finish(body, None)
@@ -523,12 +578,3 @@ class MetricsEndpoint:
         self.body = body
         self.error = error
         self.latency = time.monotonic() - self._started
-
-
-def _header(head: bytearray, marker: bytes) -> bytearray | None:
-    """The value of the first header ``marker`` starts (``b"\\r\\nname:"``) in a lowercase head."""
-    at = head.find(marker)
-    if at < 0:
-        return None
-    start = at + len(marker)
-    return head[start : head.find(b"\r\n", start)].strip()

@@ -31,6 +31,7 @@ from policyd.pool.scrape_process import (
     ScrapeRequest,
     Setup,
     pack,
+    to_wire,
     unpack,
 )
 from policyd.pool.scraper import ScrapeLoop
@@ -111,7 +112,8 @@ def serve(sock: socket.socket) -> int:
                 if isinstance(message, RetainRequest):
                     scraper.retain(message.addresses)
                 elif isinstance(message, ScrapeRequest) and i == newest:
-                    channel.send(RoundAnswer(message.round, scraper.scrape(message.addresses)))
+                    results = scraper.scrape(message.addresses)
+                    channel.send(RoundAnswer(message.round, to_wire(results)))
             messages = channel.receive()
             if not messages:
                 return 0

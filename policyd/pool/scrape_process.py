@@ -50,8 +50,9 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
+from policyd.pool.exposition import PodMetrics
 from policyd.pool.scraper import ScrapeConfig, ScrapeResult
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,30 @@ class Ready(NamedTuple):
 
 class RoundAnswer(NamedTuple):
     round: int
-    results: list[ScrapeResult]
+    results: list[WireResult]  # ``to_wire``
+
+
+# A round's results as they cross the socket: plain tuples. Pickle takes a
+# named tuple apart and puts it together again with Python-level calls per
+# object; plain tuples it copies in C. For 100 results that is ~55 us
+# instead of ~260 in the child and ~70 instead of ~100 in the serving
+# process (``timeit`` on these machines).
+WireResult = tuple[str, tuple[Any, ...] | None, str | None, float]
+
+
+def to_wire(results: list[ScrapeResult]) -> list[WireResult]:
+    return [
+        (address, None if metrics is None else tuple(metrics), error, latency)
+        for address, metrics, error, latency in results
+    ]
+
+
+def from_wire(results: list[WireResult]) -> list[ScrapeResult]:
+    make = PodMetrics._make
+    return [
+        ScrapeResult(address, None if metrics is None else make(metrics), error, latency)
+        for address, metrics, error, latency in results
+    ]
 
 
 class LogLine(NamedTuple):
@@ -343,7 +367,7 @@ class ProcessScraper:
             self._missed = 0  # late or not, the child is alive: killing it would not help
             waiting = self._waiting
             if waiting is not None and waiting[0] == message.round and not waiting[1].done():
-                waiting[1].set_result(message.results)
+                waiting[1].set_result(from_wire(message.results))
             # else: the answer to a round that already gave up
         elif isinstance(message, LogLine):
             logging.getLogger(message.logger).log(

@@ -20,6 +20,7 @@ import pytest
 
 from policyd.pool import Pool, PoolSnapshot, ScrapeConfig
 from policyd.pool.discovery import PodIdentity
+from policyd.pool.exposition import PodMetrics
 from policyd.pool.scrape_process import ProcessScraper, answer_timeout
 from policyd.pool.scraper import Scraper, ScrapeResult
 
@@ -114,6 +115,8 @@ async def test_results_equal_the_in_process_scrapers_on_the_same_pods(
     finally:
         await in_process.close()
     assert [r.ok for r in ours] == [True, True, True, False, False, False]
+    assert all(type(r) is ScrapeResult for r in ours)
+    assert all(type(r.metrics) is PodMetrics for r in ours[:3])
     assert ours[1].metrics is not None and ours[1].metrics.running == 3
     assert ours[3].error is not None and ours[3].error.startswith("bad metrics: line 3")
     assert all(0 < r.latency < CONFIG.interval for r in ours)

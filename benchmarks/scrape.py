@@ -24,7 +24,9 @@ Measurements in one run, each next to its baselines:
    in turn, ``--repeats`` times over (the machine's load drifts), and the
    median of each is reported.
 
-The goal is 100 pods at 10 Hz well under a tenth of a core.
+The goal is 100 pods at 10 Hz well under a tenth of a core, taken here as
+under 0.05 for both processes together, as ``policyd serve`` runs by default
+(scraper child, whole page).
 """
 
 from __future__ import annotations
@@ -441,9 +443,10 @@ def main() -> None:
                 f"pool, {name}: {result['rounds_per_s']:.1f} rounds/s, "
                 f"{result['candidates']:.0f} candidates, {result['overruns']:.0f} overruns"
             )
-        verdict = "met" if filtered["core"] < 0.05 else "NOT met"
+        verdict = "met" if both < 0.05 else "NOT met"
         print(
-            f"goal, in process with the filter: well under a tenth of a core (< 0.05) -> {verdict}"
+            f"goal, as policyd serve runs it (scraper child, whole page as vLLM sends it), "
+            f"both processes: well under a tenth of a core (< 0.05): {both:.3f} -> {verdict}"
         )
     finally:
         if child.stdin is not None:

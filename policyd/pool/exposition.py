@@ -153,17 +153,17 @@ class MetricsParser:
     ) -> PodMetrics | None:
         """The commonest page in the fewest steps, or ``None`` for the general path.
 
-        Waiting, running and KV cache each still one line where the pod's
-        last page had it (their first-choice names), with values in range:
-        the answer the general path would give, without its layers. Anything
-        else, including a value out of range, goes the general path, which
-        also explains errors.
+        Waiting, running and KV cache (their first-choice names) each still
+        one line where the pod's last page had it, the family's only line,
+        with values in range: the answer the general path would give, without
+        its layers. Anything else, including a value out of range, goes the
+        general path, which also explains errors.
         """
         values: list[float] = []
         for family in singles:
             hint = hints[family.slot]
-            samples = None if hint < 0 else page.alone_where_it_was(family, page.first + hint)
-            if samples is None:
+            samples = None if hint < 0 else page.where_it_was(family, page.first + hint)
+            if samples is None or len(samples) > 1:
                 return None
             values.append(samples[0][2])
         waiting, running, kv_cache = values
@@ -278,9 +278,7 @@ class _Page:
         spec, slot = family.spec, family.slot
         hints = self.hints
         hint = -1 if hints is None or hints[slot] < 0 else self.first + hints[slot]
-        samples = None if hint < 0 else self.alone_where_it_was(family, hint)
-        if samples is None and hint >= 0:
-            samples = self._where_it_was(family, hint)
+        samples = None if hint < 0 else self.where_it_was(family, hint)
         if samples is None:
             start = self._locate(family, hint)
             if hints is not None:
@@ -303,48 +301,34 @@ class _Page:
     def line_of(self, offset: int) -> int:
         return self.data.count(b"\n", self.first, offset) + 1
 
-    def alone_where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
-        """The family's only line if it still starts exactly at ``at``, else ``None``.
-
-        The commonest case of all (one engine per server, one series per
-        family), in one pattern match: the line below and the line above must
-        not start with the family's name. (A look-ahead in the pattern would
-        say the same, but a family of several lines, as LoRA state often is,
-        then makes the pattern backtrack through every way to split the line
-        before it fails: several times one match.)
-        """
-        data, first, last = self.data, self.first, self.last
-        line = family.line.match(data, at, last)
-        if line is None or data.startswith(family.name, line.end(), last):
-            return None
-        if at > first:
-            newline = data.rfind(b"\n", first, at - 1)
-            above = first if newline < 0 else newline + 1
-            if data[at - 1] != _NEWLINE or data.startswith(family.name, above, at):
-                return None
-        try:
-            return [(at, line[1] or b"", float(line[2]))]
-        except ValueError:
-            return None
-
-    def _where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
+    def where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
         """The group if it still starts exactly at ``at`` and is well formed, else
         ``None`` (then the general path finds it, or explains what is wrong).
 
-        The common case, made cheap: one pattern match per line.
+        The common case, made cheap: one pattern match per line; a family's
+        only line (the commonest case of all) is told by a look at the start
+        of the next line, so it takes one match.
         """
         data, first, last = self.data, self.first, self.last
         if at > last or (at > first and data[at - 1] != _NEWLINE):
             return None
-        match = family.line.match
+        match, name = family.line.match, family.name
         line = match(data, at, last)
         if line is None:
             return None
         if at > first:  # the line above must not belong to the family too
             newline = data.rfind(b"\n", first, at - 1)
-            if data.startswith(family.name, first if newline < 0 else newline + 1, last):
+            if data.startswith(name, first if newline < 0 else newline + 1, at):
                 return None
         samples: list[_Sample] = []
+        try:
+            samples.append((at, line[1] or b"", float(line[2])))
+        except ValueError:
+            return None
+        at = line.end()
+        if not data.startswith(name, at, last):
+            return samples  # the family's only line
+        line = match(data, at, last)
         while line is not None:
             try:
                 samples.append((at, line[1] or b"", float(line[2])))
@@ -352,7 +336,7 @@ class _Page:
                 return None
             at = line.end()
             line = match(data, at, last)
-        if data.startswith(family.name, at, last):
+        if data.startswith(name, at, last):
             return None  # a line of the family the pattern refused
         return samples
 

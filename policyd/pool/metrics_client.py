@@ -34,8 +34,7 @@ import selectors
 import socket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from policyd.pool.discovery import join_address
 
@@ -53,9 +52,8 @@ _FRAMING_HEADER: Final = re.compile(
 _CLOSED_EARLY: Final = "connection closed before the response was complete"
 
 
-@dataclass(frozen=True, slots=True)
-class Body:
-    """A response body, ``data[start:end]``.
+class Body(NamedTuple):
+    """A response body, ``data[start:end]`` (a named tuple: one per scrape, cheap to make).
 
     ``data`` is often a receive buffer itself (no copy is made): the
     client's shared one, which holds still until the client's next socket

@@ -19,10 +19,13 @@ Measurements in one run, each next to its baselines:
    snapshots) and the child's, each per wall second and per round.
    Baselines on the same endpoints: the same rounds through an aiohttp
    ``ClientSession`` (GET + read, no parsing), the client the pool could have
-   used; and a bare asyncio protocol that only frames the responses, the
-   floor any Python client on this event loop pays. The four are measured
-   in turn, ``--repeats`` times over (the machine's load drifts), and the
-   median of each is reported.
+   used; a bare asyncio protocol that only frames the responses, the floor
+   any Python client on this event loop pays; and a bare ``selectors`` loop
+   on one thread that sends each request and reads each answer into one
+   buffer, framing it by Content-Length and nothing else: the system calls
+   and the least Python the scraper child's own design pays. They are
+   measured in turn, ``--repeats`` times over (the machine's load drifts),
+   and the median of each is reported.
 
 The goal is 100 pods at 10 Hz well under a tenth of a core, taken here as
 under 0.05 for both processes together, as ``policyd serve`` runs by default
@@ -36,6 +39,8 @@ import asyncio
 import functools
 import math
 import os
+import selectors
+import socket
 import subprocess
 import sys
 import tempfile
@@ -311,6 +316,60 @@ async def measure_floor(addresses: list[str], interval: float, seconds: float) -
     return core
 
 
+def measure_selector_floor(addresses: list[str], interval: float, seconds: float) -> float:
+    """CPU per wall second of rounds on a bare selector loop: send, read, frame by length."""
+    selector = selectors.DefaultSelector()
+    buffer = bytearray(256 * 1024)
+    view = memoryview(buffer)
+    sockets = []
+    for address in addresses:
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        selector.register(sock, selectors.EVENT_READ, sock)
+        sockets.append(sock)
+    request = b"GET /metrics HTTP/1.1\r\nHost: policyd\r\n\r\n"
+
+    def one_round() -> None:
+        for sock in sockets:
+            sock.send(request)
+        missing: dict[socket.socket, int] = {}  # bytes still to come, for answers read in parts
+        left = len(sockets)
+        while left:
+            for key, _ in selector.select(5.0):
+                sock = key.data
+                count = sock.recv_into(view)
+                if sock in missing:
+                    missing[sock] -= count
+                else:
+                    head_end = buffer.find(b"\r\n\r\n", 0, count)
+                    field = buffer.find(b"Content-Length: ", 0, head_end) + 16
+                    length = int(buffer[field : buffer.find(b"\r\n", field, head_end + 2)])
+                    missing[sock] = head_end + 4 + length - count
+                if missing[sock] == 0:
+                    del missing[sock]
+                    left -= 1
+
+    def rounds(duration: float) -> None:
+        due = time.monotonic()
+        end = due + duration
+        while time.monotonic() < end:
+            one_round()
+            due += interval
+            time.sleep(max(0.0, due - time.monotonic()))
+
+    try:
+        rounds(interval * 5)
+        cpu, wall = time.process_time(), time.perf_counter()
+        rounds(seconds)
+        return (time.process_time() - cpu) / (time.perf_counter() - wall)
+    finally:
+        for sock in sockets:
+            sock.close()
+        selector.close()
+
+
 def per_call(function: object, argument: object, budget: float = 1.5) -> float:
     """Seconds per call, best of five batches within about ``budget`` seconds."""
     calls = 1
@@ -391,6 +450,7 @@ def main() -> None:
         runs: dict[str, list[dict[str, float]]] = {"whole": [], "filtered": [], "child": []}
         aiohttp_runs: list[float] = []
         floor_runs: list[float] = []
+        selector_runs: list[float] = []
         for _ in range(args.repeats):
             for kind in ("whole", "filtered", "child"):
                 runs[kind].append(
@@ -408,16 +468,19 @@ def main() -> None:
                 asyncio.run(measure_aiohttp(addresses, args.interval, args.seconds))
             )
             floor_runs.append(asyncio.run(measure_floor(addresses, args.interval, args.seconds)))
+            selector_runs.append(measure_selector_floor(addresses, args.interval, args.seconds))
         full, filtered, separate = (
             sorted(runs[kind], key=lambda run: run["core"])[len(runs[kind]) // 2]
             for kind in ("whole", "filtered", "child")
         )
         aiohttp_core, floor = median(aiohttp_runs), median(floor_runs)
+        selector_floor = median(selector_runs)
         both = separate["core"] + separate["child_core"]
         for label, core in (
             ("pool in process, whole page (scrape+parse+snapshots)", full["core"]),
             ("aiohttp ClientSession, whole page (GET+read)", aiohttp_core),
             ("bare asyncio protocol, whole page (framing)", floor),
+            ("bare selectors loop, whole page (framing)", selector_floor),
             ("pool in process, families asked for (name[]=)", filtered["core"]),
             ("pool with scraper child, whole page: serving process", separate["core"]),
             ("pool with scraper child, whole page: the child", separate["child_core"]),
@@ -432,7 +495,8 @@ def main() -> None:
             f"families asked for / whole page {filtered['core'] / full['core']:.2f}; "
             f"serving process with the scraper child / in process "
             f"{separate['core'] / full['core']:.2f}, "
-            f"both processes / in process {both / full['core']:.2f}"
+            f"both processes / in process {both / full['core']:.2f}; "
+            f"the scraper child / bare selectors loop {separate['child_core'] / selector_floor:.2f}"
         )
         for name, result in (
             ("in process, whole page", full),

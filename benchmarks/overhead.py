@@ -765,7 +765,9 @@ def concurrency_levels(text: str) -> list[int]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1200, help="sequential requests per set-up")
-    parser.add_argument("--seconds", type=float, default=6.0, help="throughput phase per set-up")
+    parser.add_argument(
+        "--seconds", type=float, default=6.0, help="throughput phase per set-up and concurrency"
+    )
     parser.add_argument(
         "--concurrency",
         type=concurrency_levels,

@@ -6,7 +6,13 @@
 What it sets up, and why:
 
 - ext_proc filter -> cluster ``policyd`` (HTTP/2, gRPC health-checked on the
-  ``readiness`` service). Request headers SEND, request body BUFFERED (the
+  ``readiness`` service). At most ``policyd_streams_per_connection`` streams
+  share one connection: Envoy otherwise multiplexes every stream of a worker
+  thread on a single connection, and ``policyd serve --workers N`` can only
+  spread connections (SO_REUSEPORT), so one worker would do all the work.
+  Circuit breakers sized for one stream per in-flight request
+  (``policyd_max_streams``): Envoy's default of 1024 would turn the 1025th
+  concurrent generation into a 503. Request headers SEND, request body BUFFERED (the
   destination header can only be set from a body reply in BUFFERED mode),
   response headers SEND, response body STREAMED (policyd acknowledges every
   chunk at once and reads ``usage`` on the side, so tokens still reach the
@@ -72,6 +78,13 @@ class EnvoyConfigOptions:
     stream_idle_timeout_s: int = 300
     upstream_connect_timeout_s: float = 5.0
     max_connections: int = 50_000
+    # Streams Envoy multiplexes on one connection to policyd before it opens
+    # another: what lets `policyd serve --workers N` share the load (see
+    # _policyd_cluster).
+    policyd_streams_per_connection: int = 32
+    # Concurrent ext_proc streams (one per in-flight request) Envoy allows to
+    # policyd before its circuit breaker answers 503.
+    policyd_max_streams: int = 50_000
     policyd_tls: PolicydTls | None = None
     # host:port of an OTLP/gRPC collector: Envoy then traces every request and
     # passes its traceparent to policyd and the model server.
@@ -238,6 +251,18 @@ def _grpc_cluster(name: str, host: str, port: int, connect_timeout: str) -> dict
 
 def _policyd_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
     cluster = _grpc_cluster("policyd", options.policyd_address, options.policyd_port, "1s")
+    protocol = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    protocol["explicit_http_config"]["http2_protocol_options"] = {
+        "max_concurrent_streams": options.policyd_streams_per_connection
+    }
+    limit = options.policyd_max_streams
+    cluster["circuit_breakers"] = {
+        "thresholds": [
+            {"max_connections": limit, "max_pending_requests": limit, "max_requests": limit}
+        ]
+    }
     cluster["health_checks"] = [
         {
             "timeout": "1s",
@@ -318,6 +343,18 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         help="how long Envoy waits for each policyd reply (default %(default)s)",
     )
     parser.add_argument("--stream-idle-timeout-s", type=int, default=defaults.stream_idle_timeout_s)
+    parser.add_argument(
+        "--policyd-streams-per-connection",
+        type=int,
+        default=defaults.policyd_streams_per_connection,
+        help="streams per connection to policyd before Envoy opens another (default %(default)s)",
+    )
+    parser.add_argument(
+        "--policyd-max-streams",
+        type=int,
+        default=defaults.policyd_max_streams,
+        help="concurrent streams to policyd before Envoy answers 503 (default %(default)s)",
+    )
     parser.add_argument("--policyd-tls-ca", type=Path, help="CA that signed policyd's cert")
     parser.add_argument("--policyd-tls-cert", type=Path, help="Envoy's client cert (mTLS)")
     parser.add_argument("--policyd-tls-key", type=Path, help="Envoy's client key (mTLS)")
@@ -344,6 +381,8 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         raise ValueError(f"--otlp-endpoint must be host:port, not {arguments.otlp_endpoint!r}")
     if arguments.buffer_limit_mib <= 0:
         raise ValueError("--buffer-limit-mib must be positive")
+    if arguments.policyd_streams_per_connection < 1 or arguments.policyd_max_streams < 1:
+        raise ValueError("--policyd-streams-per-connection and --policyd-max-streams must be >= 1")
     return EnvoyConfigOptions(
         listen_address=arguments.listen_address,
         port=arguments.port,
@@ -353,6 +392,8 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         buffer_limit_bytes=int(arguments.buffer_limit_mib * MIB),
         message_timeout_ms=arguments.message_timeout_ms,
         stream_idle_timeout_s=arguments.stream_idle_timeout_s,
+        policyd_streams_per_connection=arguments.policyd_streams_per_connection,
+        policyd_max_streams=arguments.policyd_max_streams,
         policyd_tls=tls,
         otlp_endpoint=arguments.otlp_endpoint,
     )

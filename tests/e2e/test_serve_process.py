@@ -60,14 +60,14 @@ def two_free_ports() -> int:
     raise AssertionError("no two adjacent free ports")
 
 
-def decisions_counted(text: str) -> float:
-    """The routed decisions one worker's /metrics reports."""
+def decisions_counted(text: str, outcome: str | None = "routed") -> float:
+    """The decisions one worker's /metrics reports with this outcome (None: any)."""
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         if family.name == "policyd_decisions"
         for sample in family.samples
-        if sample.name == "policyd_decisions_total" and sample.labels["outcome"] == "routed"
+        if sample.name == "policyd_decisions_total" and outcome in (None, sample.labels["outcome"])
     )
 
 
@@ -84,7 +84,10 @@ async def test_serve_routes_through_envoy_and_stops_cleanly_on_sigterm(tmp_path:
         command = [
             sys.executable, "-m", "policyd", "serve",
             "--policy", str(REPO / "rules" / "default.yaml"), "--pods", str(pods),
+            # The simulated pods share this test's process and event loop, so a
+            # burst delays their /metrics; they stay candidates on 2 s old metrics.
             "--port", str(port), "--workers", "2", "--scrape-interval", "0.05",
+            "--stale-after", "2",
             "--grace-seconds", "5", "--log-format", "json",
             "--monitoring-port", str(monitoring),
         ]  # fmt: skip
@@ -92,29 +95,55 @@ async def test_serve_routes_through_envoy_and_stops_cleanly_on_sigterm(tmp_path:
         envoy = None
         try:
             await wait_ready(port, process)
-            envoy = await start_envoy(
-                tmp_path, EnvoyConfigOptions(port=0, admin_port=0, policyd_port=port)
+            # Few streams per connection, so that a burst makes Envoy open many
+            # connections and the kernel hands some to each worker.
+            options = EnvoyConfigOptions(
+                port=0, admin_port=0, policyd_port=port, policyd_streams_per_connection=4
             )
+            envoy = await start_envoy(tmp_path, options)
             url = f"http://127.0.0.1:{envoy.listen_port}/v1/completions"
             body = {"model": "adapter-1", "prompt": "hello", "max_tokens": 3}
-            async with aiohttp.ClientSession() as client:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
                 for _ in range(4):
                     async with client.post(url, json=body) as response:
                         assert response.status == 200, await response.text()
                         assert (await response.json())["usage"]["completion_tokens"] == 3
                 served = sum(sum(s.driver.engine.stats.finished.values()) for s in sim.servers)
                 assert served == 2 + 4  # the warm-up requests and these
+
                 # Each worker serves its own /metrics on the next port; together they
                 # counted every routed request once.
-                counted = 0.0
-                for worker_port in (monitoring, monitoring + 1):
-                    address = f"http://127.0.0.1:{worker_port}"
-                    async with client.get(f"{address}/metrics") as response:
-                        assert response.status == 200
-                        counted += decisions_counted(await response.text())
-                    async with client.get(f"{address}/readyz") as response:
-                        assert response.status == 200
-                assert counted == 4
+                async def per_worker(outcome: str | None) -> list[float]:
+                    counts = []
+                    for worker_port in (monitoring, monitoring + 1):
+                        address = f"http://127.0.0.1:{worker_port}"
+                        async with client.get(f"{address}/metrics") as response:
+                            assert response.status == 200
+                            counts.append(decisions_counted(await response.text(), outcome))
+                        async with client.get(f"{address}/readyz") as response:
+                            assert response.status == 200
+                    return counts
+
+                assert sum(await per_worker("routed")) == 4
+
+                # A burst of 160 concurrent requests reaches both workers: at most 4
+                # streams share a connection, so Envoy opens 40 or so connections.
+                async def one() -> tuple[int, str]:
+                    async with client.post(url, json=body) as response:
+                        return response.status, await response.text()
+
+                before = await per_worker(None)
+                answers = await asyncio.gather(*(one() for _ in range(160)))
+                unexpected = [a for a in answers if a[0] not in (200, 429)]
+                assert not unexpected, unexpected  # 429: the policy shed some
+                after = await per_worker(None)
+                taken = [a - b for a, b in zip(after, before, strict=True)]
+                assert sum(taken) == 160
+                assert min(taken) >= 10, taken  # each worker took a share of the burst
+                admin = f"http://127.0.0.1:{envoy.admin_port}"
+                async with client.get(f"{admin}/clusters") as response:
+                    clusters = await response.text()
+                assert "policyd::default_priority::max_requests::50000" in clusters
 
                 process.send_signal(signal.SIGTERM)
                 _, errors = await asyncio.to_thread(process.communicate, timeout=20)

@@ -96,6 +96,25 @@ def test_the_config_asks_envoy_for_what_policyd_needs() -> None:
     assert pods["per_connection_buffer_limit_bytes"] == 4 * 1024 * 1024
 
 
+def test_streams_to_policyd_spread_over_connections_and_are_not_capped_at_envoys_default() -> None:
+    options = EnvoyConfigOptions(policyd_streams_per_connection=5, policyd_max_streams=7000)
+    policyd = cluster(bootstrap(options), "policyd")
+    protocol = policyd["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert protocol["explicit_http_config"] == {
+        "http2_protocol_options": {"max_concurrent_streams": 5}
+    }
+    (thresholds,) = policyd["circuit_breakers"]["thresholds"]
+    assert thresholds == {
+        "max_connections": 7000,
+        "max_pending_requests": 7000,
+        "max_requests": 7000,
+    }
+    defaults = cluster(bootstrap(EnvoyConfigOptions()), "policyd")["circuit_breakers"]
+    assert defaults["thresholds"][0]["max_requests"] > 1024  # Envoy's own default
+
+
 def test_long_generations_are_not_cut_by_a_route_timeout() -> None:
     manager = bootstrap(EnvoyConfigOptions(stream_idle_timeout_s=600))["static_resources"][
         "listeners"
@@ -133,6 +152,8 @@ def test_the_rendered_text_is_the_bootstrap_as_yaml() -> None:
         ["--policyd-tls-cert", "c.pem", "--policyd-tls-key", "k.pem"],
         ["--policyd-tls-ca", "ca.pem", "--policyd-tls-cert", "c.pem"],
         ["--buffer-limit-mib", "0"],
+        ["--policyd-streams-per-connection", "0"],
+        ["--policyd-max-streams", "-1"],
     ],
 )
 def test_inconsistent_options_are_refused_with_a_reason(

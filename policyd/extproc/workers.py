@@ -14,17 +14,23 @@ worker's index (0 .. N-1), for what cannot be shared, such as the port of
 the Prometheus endpoint. SIGTERM/SIGINT to
 the parent is passed on to every worker, which then drains gracefully; if one
 worker dies, the others are stopped too, so the supervisor (Kubernetes)
-restarts a whole, healthy set.
+restarts a whole, healthy set. If the parent itself dies without passing
+anything on (SIGKILL, the OOM killer), Linux sends each worker SIGTERM
+(``PR_SET_PDEATHSIG``): an orphaned worker would otherwise keep the port,
+and with ``SO_REUSEPORT`` the next ``policyd serve`` would share its
+connections with a process running yesterday's settings.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import TypeVar
@@ -45,7 +51,9 @@ def run_in_workers(count: int, target: Callable[[T, int], int], argument: T) -> 
     context = multiprocessing.get_context("spawn")
     workers = [
         context.Process(
-            target=_worker, args=(target, argument, index), name=f"policyd-worker-{index}"
+            target=_worker,
+            args=(target, argument, index, os.getpid()),
+            name=f"policyd-worker-{index}",
         )
         for index in range(count)
     ]
@@ -90,5 +98,25 @@ def _exit_status(exitcode: int | None) -> int:
     return exitcode if exitcode >= 0 else 128 - exitcode  # killed by signal n: 128 + n
 
 
-def _worker(target: Callable[[T, int], int], argument: T, index: int) -> None:
+def _worker(target: Callable[[T, int], int], argument: T, index: int, parent: int) -> None:
+    _stop_with(parent)
     raise SystemExit(target(argument, index))
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _stop_with(parent: int) -> None:
+    """Have Linux send this worker SIGTERM when ``parent`` dies (a no-op elsewhere).
+
+    SIGTERM, not SIGKILL: the worker then drains its open streams as it would
+    on a supervisor's stop. A parent that died before the request took effect
+    is caught by comparing the parent pid afterwards.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("cannot ask to stop with the parent: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -312,6 +313,39 @@ async def test_workers_share_the_port_and_stop_together_on_sigterm() -> None:
         assert await asyncio.to_thread(wait_exit, process) == 0
         assert not any(alive(pid) for pid in pids)
     finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever adopted it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+async def test_workers_stop_when_their_parent_is_killed() -> None:
+    port = free_port()
+    process = start_policyd(port, workers=2)
+    pids: set[int] = set()
+    try:
+        await wait_serving(port, process)
+        pids = await worker_pids(port, expected=2)
+        assert len(pids) == 2 and all(running(pid) for pid in pids)
+        process.kill()  # SIGKILL: the parent passes nothing on
+        process.wait()
+        deadline = time.monotonic() + 15
+        while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not any(running(pid) for pid in pids)
+    finally:
+        for pid in pids:  # whatever survived a failure
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if process.poll() is None:
             process.kill()
             process.wait()

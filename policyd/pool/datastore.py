@@ -31,7 +31,9 @@ class PoolSnapshot:
 
     ``pods`` holds every known pod (sorted by name), ``candidates`` the ones a
     policy may choose from: answered the last scrape, metrics no older than
-    the stale threshold. ``ready`` says the pool has pods and has scraped
+    the stale threshold. ``panic`` says no pod met that, and the candidates
+    are instead the pods whose last answer is still within the stale
+    threshold (see ``Datastore._publish``). ``ready`` says the pool has pods and has scraped
     (answered or failed) each of them at least once; it then stays true while
     pods come and go, so that scaling the model servers up does not flap the
     service's readiness, and turns false only when the pod set is empty.
@@ -46,6 +48,7 @@ class PoolSnapshot:
     ready: bool
     taken_at: float
     scrape_round: int
+    panic: bool = False
 
 
 EMPTY_SNAPSHOT = PoolSnapshot(
@@ -103,6 +106,7 @@ class Datastore:
         self._version = 0
         self._round = 0
         self._ready = False
+        self._panic = False
         self.snapshot: PoolSnapshot = EMPTY_SNAPSHOT
 
     @property
@@ -180,10 +184,20 @@ class Datastore:
         and when every candidate is unchanged the candidates tuple is the
         same object as before, so that what policies worked out over it
         (the router's reused walks) stays valid until something changes.
+
+        Panic: when no pod answered the last round but some answered within
+        the stale threshold, those are the candidates. One pod failing says
+        that pod is in trouble, and it leaves at once; every pod failing the
+        same round says more often that the scraper or its network is (a
+        starved host, a burst that slows every model server's /metrics at
+        once), and answering 503 to every request then turns a blip into an
+        outage. Envoy's panic threshold makes the same trade. Pods that stay
+        silent past the threshold leave anyway.
         """
         previous = self.snapshot
         pods: list[Pod] = []
         candidates: list[Pod] = []
+        recent: list[Pod] = []  # answered within the stale threshold, maybe not last round
         all_tried = True
         for address, member in self._members.items():
             identity = member.identity
@@ -206,12 +220,28 @@ class Datastore:
                     load=member.load,
                 )
             pods.append(pod)
-            if member.metrics is not None and (
-                self._include_stale or (member.last_ok and age <= self._stale_after)
-            ):
-                candidates.append(pod)
+            if member.metrics is not None and (self._include_stale or age <= self._stale_after):
+                recent.append(pod)
+                if member.last_ok or self._include_stale:
+                    candidates.append(pod)
             all_tried = all_tried and (member.stats.successes + member.stats.failures) > 0
         self._ready = bool(self._members) and (self._ready or all_tried)
+        panic = not candidates and bool(recent)
+        if panic:
+            candidates = recent
+        if panic != self._panic:
+            self._panic = panic
+            if panic:
+                log.warning(
+                    "no pod answered the last metrics scrape: routing on the %d pods whose"
+                    " metrics are at most %.3g s old until they answer again or go stale",
+                    len(recent),
+                    self._stale_after,
+                )
+            elif candidates:
+                log.info("pods answer metrics scrapes again; panic over")
+            else:
+                log.warning("no pod answered its metrics scrape within %.3g s", self._stale_after)
         self._version += 1
         self.snapshot = PoolSnapshot(
             version=self._version,
@@ -220,6 +250,7 @@ class Datastore:
             ready=self._ready,
             taken_at=now,
             scrape_round=self._round,
+            panic=panic,
         )
         if self._on_publish is not None:
             self._on_publish(self.snapshot)

@@ -55,6 +55,7 @@ class Pool:
         self._listeners: list[ScrapeListener] = []
         self.rounds = 0
         self.overruns = 0  # rounds that ended after the next one was due
+        self.panic_rounds = 0  # rounds after which the snapshot was in panic (Datastore)
 
     def snapshot(self) -> PoolSnapshot:
         """The current snapshot (one attribute read; never blocks)."""
@@ -171,6 +172,8 @@ class Pool:
     def _land(self, results: list[ScrapeResult]) -> None:
         self.rounds += 1
         self._datastore.record(results)
+        if self._datastore.snapshot.panic:
+            self.panic_rounds += 1
         if self._listeners:
             for result in results:
                 identity = self._datastore.identity(result.address)

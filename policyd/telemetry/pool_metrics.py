@@ -74,6 +74,8 @@ class PoolLike(Protocol):
     def rounds(self) -> int: ...
     @property
     def overruns(self) -> int: ...
+    @property
+    def panic_rounds(self) -> int: ...
 
 
 class PoolCollector(Collector):
@@ -152,6 +154,12 @@ class PoolCollector(Collector):
             "policyd_pool_scrape_overruns",
             "Scrape rounds that ended after the next one was due.",
             value=self._pool.overruns,
+        )
+        yield CounterMetricFamily(
+            "policyd_pool_panic_rounds",
+            "Scrape rounds no pod answered, after which policies chose among the pods"
+            " heard from within the stale threshold.",
+            value=self._pool.panic_rounds,
         )
 
 

@@ -91,6 +91,42 @@ def test_metrics_older_than_the_threshold_are_stale() -> None:
     assert data.snapshot.pods[0].metrics_age == Duration.from_seconds(0.501)
 
 
+def test_when_no_pod_answers_a_round_those_recently_heard_stay_candidates_until_stale(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A, B])
+    data.record([ok(A), ok(B)])
+    rounds = [
+        # (seconds later, A answers, B answers) -> (candidates, panic)
+        ((0.1, False, False), (["a", "b"], True)),  # the scraper, not the pods, is in trouble
+        ((0.1, True, False), (["a"], False)),  # one pod failing leaves at once
+        ((0.1, False, False), (["a", "b"], True)),  # b last answered 0.3 s ago
+        ((0.31, False, False), (["a"], True)),  # b's metrics are now 0.61 s old: stale
+        ((0.1, False, False), ([], False)),  # a's too: no pod to route to
+    ]
+    with caplog.at_level("INFO", logger="policyd.pool.datastore"):
+        for (later, a_answers, b_answers), (candidates, panic) in rounds:
+            clock.now += later
+            data.record([ok(A) if a_answers else failed(A), ok(B) if b_answers else failed(B)])
+            assert (names(data.snapshot.candidates), data.snapshot.panic) == (candidates, panic)
+    panics = [r.getMessage() for r in caplog.records if "no pod answered the last" in r.message]
+    assert len(panics) == 2  # once per panic, not once per round
+    assert "routing on the 2 pods whose metrics are at most 0.5 s old" in panics[0]
+    assert [r.levelname for r in caplog.records if "panic over" in r.message] == ["INFO"]
+
+
+def test_a_pod_that_never_answered_is_no_candidate_even_in_a_panic() -> None:
+    clock = Clock()
+    data = store(clock)
+    data.set_pods([A, B])
+    data.record([ok(A), failed(B)])
+    clock.now += 0.1
+    data.record([failed(A), failed(B)])
+    assert (names(data.snapshot.candidates), data.snapshot.panic) == (["a"], True)
+
+
 def test_include_stale_keeps_pods_that_answered_once_but_never_silent_ones() -> None:
     clock = Clock()
     data = store(clock, include_stale=True)

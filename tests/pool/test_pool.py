@@ -136,6 +136,27 @@ async def test_a_pod_that_hangs_leaves_the_candidates_within_two_intervals(
     assert "metrics scrape of pod b" in caplog.text
 
 
+async def test_when_every_pod_hangs_the_last_heard_stay_candidates_until_stale(
+    servers: list[MetricsServer],
+    scraping: Scraping,
+) -> None:
+    interval = 0.1
+    a = await serve(servers)
+    b = await serve(servers)
+    config = scraping(interval=interval, timeout=interval / 2, stale_after=0.5)
+    async with Pool(PushedDiscovery(identity(a, "a"), identity(b, "b")), config) as pool:
+        await until(pool, lambda s: candidate_names(s) == {"a", "b"})
+        assert pool.panic_rounds == 0
+        a.hang()
+        b.hang()
+        panicked = await until(pool, lambda s: s.panic)
+        assert candidate_names(panicked) == {"a", "b"}
+        assert pool.panic_rounds >= 1
+        emptied = await until(pool, lambda s: not s.candidates)
+        assert not emptied.panic
+        assert min(pod.metrics_age.seconds() for pod in emptied.pods) > 0.5
+
+
 async def test_a_pod_that_goes_away_leaves_and_rejoins_when_back(
     servers: list[MetricsServer],
     scraping: Scraping,

@@ -224,6 +224,7 @@ class FakePool:
     stats: dict[str, Stats] = field(default_factory=dict)
     rounds: int = 0
     overruns: int = 0
+    panic_rounds: int = 0
 
     def snapshot(self) -> Snapshot:
         return self.current
@@ -241,12 +242,14 @@ def test_the_pool_is_read_at_scrape_time() -> None:
         },
         rounds=12,
         overruns=1,
+        panic_rounds=3,
     )
     registry = CollectorRegistry()
     registry.register(PoolCollector(pool, clock=lambda: 100.0))
     assert value(registry, "policyd_pool_pods") == 2
     assert value(registry, "policyd_pool_candidate_pods") == 1
     assert value(registry, "policyd_pool_ready") == 1
+    assert value(registry, "policyd_pool_panic_rounds_total") == 3
     assert value(registry, "policyd_pool_scrape_rounds_total") == 12
     assert value(registry, "policyd_pool_scrape_overruns_total") == 1
     assert value(registry, "policyd_pod_candidate", pod="a") == 1

@@ -21,12 +21,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from overhead import policyd_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.demo.stack import warm_up
@@ -54,25 +52,6 @@ def free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} adjacent free ports")
 
 
-async def wait_ready(port: int, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError("policyd serve exited during start")
-            try:
-                answer = await stub.Check(
-                    health_pb2.HealthCheckRequest(service="readiness"), timeout=1
-                )
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError("policyd serve did not become ready")
-
-
 def decisions(text: str) -> float:
     return sum(
         sample.value
@@ -95,7 +74,7 @@ async def spread(pods_file: Path, cap: int, concurrency: int, arguments: argpars
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     envoy = None
     try:
-        await wait_ready(port, process)
+        await policyd_ready(port, pods=2)
         streams = cap or 2**31 - 1  # Envoy's own default: no cap
         options = EnvoyConfigOptions(
             port=0, admin_port=0, policyd_port=port, policyd_streams_per_connection=streams

@@ -101,6 +101,7 @@ def test_the_alerts_cover_what_operators_page_on() -> None:
     rules = {rule["alert"]: rule for rule in alert_rules()}
     assert {
         "PolicydAllPodsStale",
+        "PolicydScrapePanic",
         "PolicydShedRateHigh",
         "PolicydPolicyReloadRejected",
         "PolicydDecisionLatencyHigh",

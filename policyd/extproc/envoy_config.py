@@ -6,13 +6,7 @@
 What it sets up, and why:
 
 - ext_proc filter -> cluster ``policyd`` (HTTP/2, gRPC health-checked on the
-  ``readiness`` service). At most ``policyd_streams_per_connection`` streams
-  share one connection: Envoy otherwise multiplexes every stream of a worker
-  thread on a single connection, and ``policyd serve --workers N`` can only
-  spread connections (SO_REUSEPORT), so one worker would do all the work.
-  Circuit breakers sized for one stream per in-flight request
-  (``policyd_max_streams``): Envoy's default of 1024 would turn the 1025th
-  concurrent generation into a 503. Request headers SEND, request body BUFFERED (the
+  ``readiness`` service). Request headers SEND, request body BUFFERED (the
   destination header can only be set from a body reply in BUFFERED mode),
   response headers SEND, response body STREAMED (policyd acknowledges every
   chunk at once and reads ``usage`` on the side, so tokens still reach the
@@ -22,6 +16,12 @@ What it sets up, and why:
   ``allow_mode_override: false``: the server cannot widen what Envoy sends.
   ``metadata_options.receiving_namespaces.untyped: [envoy.lb]`` accepts the
   destination in dynamic metadata.
+- at most ``policyd_streams_per_connection`` streams share a connection to
+  policyd: Envoy otherwise multiplexes every stream of a worker thread on one
+  connection, and ``policyd serve --workers N`` can only spread connections
+  (SO_REUSEPORT), so one worker would do all the work. Circuit breakers sized
+  for one stream per in-flight request (``policyd_max_streams``): Envoy's
+  default of 1024 would turn the 1025th concurrent generation into a 503.
 - cluster ``model_servers``: ORIGINAL_DST keyed on
   ``x-gateway-destination-endpoint``; a route only sends there when the header
   is present (policyd always sets it), anything else gets a JSON 503 instead of

@@ -33,10 +33,11 @@ class PoolSnapshot:
     policy may choose from: answered the last scrape, metrics no older than
     the stale threshold. ``panic`` says no pod met that, and the candidates
     are instead the pods whose last answer is still within the stale
-    threshold (see ``Datastore._publish``). ``ready`` says the pool has pods and has scraped
-    (answered or failed) each of them at least once; it then stays true while
-    pods come and go, so that scaling the model servers up does not flap the
-    service's readiness, and turns false only when the pod set is empty.
+    threshold (see ``Datastore._publish``). ``ready`` says the pool has pods
+    and has scraped (answered or failed) each of them at least once; it then
+    stays true while pods come and go, so that scaling the model servers up
+    does not flap the service's readiness, and turns false only when the pod
+    set is empty.
     ``taken_at`` is ``time.monotonic()`` when the
     snapshot was built (``metrics_age`` is measured to it); ``scrape_round``
     counts the rounds that went into it.

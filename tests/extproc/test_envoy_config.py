@@ -115,6 +115,19 @@ def test_streams_to_policyd_spread_over_connections_and_are_not_capped_at_envoys
     assert defaults["thresholds"][0]["max_requests"] > 1024  # Envoy's own default
 
 
+def test_the_stream_flags_reach_the_policyd_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--policyd-streams-per-connection", "7", "--policyd-max-streams", "900"]
+    assert main(["envoy-config", *flags]) == 0
+    policyd = cluster(yaml.safe_load(capsys.readouterr().out), "policyd")
+    protocol = policyd["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert protocol["explicit_http_config"]["http2_protocol_options"] == {
+        "max_concurrent_streams": 7
+    }
+    assert policyd["circuit_breakers"]["thresholds"][0]["max_requests"] == 900
+
+
 def test_long_generations_are_not_cut_by_a_route_timeout() -> None:
     manager = bootstrap(EnvoyConfigOptions(stream_idle_timeout_s=600))["static_resources"][
         "listeners"

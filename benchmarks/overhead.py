@@ -33,10 +33,10 @@ max throughput is its best over those levels: the no-op keeps gaining past
 concurrency 16 on these machines (gRPC handles more messages per wake-up),
 so a single level of 16 flattered policyd's share. (Past 128, the pods
 process, which serves every pod's metrics and the completions in one Python
-process, falls behind on the 2-core VMs: whole scrape rounds time out and
-policyd, as designed, answers 503 for want of ready pods.) Printed as differences
-and ratios against (b), since these shared machines drift, with the ratio at
-each level as well.
+process, falls behind on the 2-core VMs and whole scrape rounds time out; policyd
+then routes on metrics up to ``--stale-after`` old, docs/pool.md "Panic".)
+Printed as differences and ratios against (b), since these shared machines
+drift, with the ratio at each level as well.
 
 The pods are ``--pods`` minimal HTTP endpoints in one process of their own:
 each serves a ~38 KB vLLM-shaped metrics page with its own queue, KV-cache

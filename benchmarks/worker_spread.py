@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
-from overhead import policyd_ready
+from overhead import concurrency_levels, policyd_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.demo.stack import warm_up
@@ -110,7 +110,6 @@ async def spread(pods_file: Path, cap: int, concurrency: int, arguments: argpars
 
 async def main(arguments: argparse.Namespace) -> None:
     caps = [int(c) for c in arguments.caps.split(",")]
-    levels = [int(c) for c in arguments.concurrency.split(",")]
     async with SimPool(2, base_port=0, time_scale=10) as sim:
         await warm_up(sim.servers)
         with tempfile.TemporaryDirectory() as directory:
@@ -123,7 +122,7 @@ async def main(arguments: argparse.Namespace) -> None:
             print(
                 f"{'concurrency':>12}" + "".join(f"{'cap ' + str(c or 'none'):>20}" for c in caps)
             )
-            for level in levels:
+            for level in arguments.concurrency:
                 cells = [await spread(pods_file, cap, level, arguments) for cap in caps]
                 print(f"{level:>12}" + "".join(f"{cell:>20}" for cell in cells))
 
@@ -132,6 +131,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--caps", default="0,32,8", help="streams per connection; 0: no cap")
-    parser.add_argument("--concurrency", default="16,64,256")
+    parser.add_argument("--concurrency", type=concurrency_levels, default="16,64,256")
     parser.add_argument("--requests", type=int, default=320, help="requests per cell")
     asyncio.run(main(parser.parse_args()))

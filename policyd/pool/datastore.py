@@ -96,11 +96,13 @@ class Datastore:
         *,
         stale_after: float,
         include_stale: bool = False,
+        panic: bool = True,
         clock: Callable[[], float] = time.monotonic,
         on_publish: Callable[[PoolSnapshot], None] | None = None,
     ) -> None:
         self._stale_after = stale_after
         self._include_stale = include_stale
+        self._panic_allowed = panic
         self._clock = clock
         self._on_publish = on_publish
         self._members: dict[str, _Member] = {}
@@ -193,7 +195,10 @@ class Datastore:
         starved host, a burst that slows every model server's /metrics at
         once), and answering 503 to every request then turns a blip into an
         outage. Envoy's panic threshold makes the same trade. Pods that stay
-        silent past the threshold leave anyway.
+        silent past the threshold leave anyway. With ``panic=False`` (``policyd
+        serve --no-panic``) a failed round leaves no candidates: requests get a
+        503 until pods answer again, for operators who would rather shed than
+        route on metrics one round old.
         """
         previous = self.snapshot
         pods: list[Pod] = []
@@ -227,7 +232,7 @@ class Datastore:
                     candidates.append(pod)
             all_tried = all_tried and (member.stats.successes + member.stats.failures) > 0
         self._ready = bool(self._members) and (self._ready or all_tried)
-        panic = not candidates and bool(recent)
+        panic = self._panic_allowed and not candidates and bool(recent)
         if panic:
             candidates = recent
         if panic != self._panic:

@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep pods with failed or stale scrapes as candidates (see pod.metrics_age)",
     )
     scrape.add_argument(
+        "--no-panic",
+        action="store_true",
+        help="when no pod answers a scrape round, answer 503 instead of routing on the pods"
+        " heard from within --stale-after",
+    )
+    scrape.add_argument(
         "--metrics-preset",
         choices=sorted(PRESETS),
         default="vllm",
@@ -150,6 +156,7 @@ def scrape_config_from_arguments(args: argparse.Namespace) -> ScrapeConfig:
         timeout=args.scrape_timeout,
         stale_after=args.stale_after,
         include_stale=args.include_stale,
+        panic=not args.no_panic,
         metrics=metrics,
         metrics_port=args.metrics_port,
         filter_families=not args.no_metrics_filter,

@@ -47,6 +47,7 @@ class Pool:
         self._datastore = Datastore(
             stale_after=self.config.stale_threshold,
             include_stale=self.config.include_stale,
+            panic=self.config.panic,
             on_publish=self._published,
         )
         self._scraper: ScrapeRounds | None = None

@@ -34,7 +34,9 @@ class ScrapeConfig:
     it), ``stale_after`` to five intervals. ``include_stale`` keeps pods whose
     last scrape failed or is too old among the candidates (policies can then
     judge ``pod.metrics_age`` themselves); pods that never answered are never
-    candidates, their zeros would make them look idle.
+    candidates, their zeros would make them look idle. ``panic`` keeps routing
+    on the pods heard from within ``stale_after`` when a whole round fails
+    (``Datastore``); without it such a round leaves no candidates.
 
     ``filter_families`` asks the server for only the families the pool reads
     (``?name[]=...``, the filter prometheus_client's exposition apps
@@ -54,6 +56,7 @@ class ScrapeConfig:
     timeout: float | None = None
     stale_after: float | None = None
     include_stale: bool = False
+    panic: bool = True
     metrics: MetricNames = field(default=VLLM)
     metrics_port: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024

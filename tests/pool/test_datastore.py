@@ -127,6 +127,23 @@ def test_a_pod_that_never_answered_is_no_candidate_even_in_a_panic() -> None:
     assert (names(data.snapshot.candidates), data.snapshot.panic) == (["a"], True)
 
 
+def test_without_panic_a_round_no_pod_answers_leaves_no_candidates(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    data = store(clock, panic=False)
+    data.set_pods([A, B])
+    data.record([ok(A), ok(B)])
+    clock.now += 0.1
+    with caplog.at_level("INFO", logger="policyd.pool.datastore"):
+        data.record([failed(A), failed(B)])
+    assert (data.snapshot.candidates, data.snapshot.panic) == ((), False)
+    assert not [r for r in caplog.records if "no pod answered the last" in r.message]
+    clock.now += 0.1
+    data.record([ok(A), failed(B)])
+    assert names(data.snapshot.candidates) == ["a"]
+
+
 def test_include_stale_keeps_pods_that_answered_once_but_never_silent_ones() -> None:
     clock = Clock()
     data = store(clock, include_stale=True)

@@ -29,6 +29,7 @@ def test_a_pod_file_and_default_scraping() -> None:
     assert config.metrics.waiting == (MetricSpec("vllm:num_requests_waiting"),)
     assert config.metrics.lora_info == MetricSpec("vllm:lora_requests_info")
     assert config.filter_families
+    assert config.panic  # a round no pod answers keeps the recently heard pods
     assert not scrape_config_from_arguments(
         parse("--pods", "p", "--no-metrics-filter")
     ).filter_families
@@ -60,7 +61,7 @@ def test_presets_and_overrides() -> None:
             "--pods", "p.yaml", "--metrics-preset", "triton-trtllm", "--metrics-port", "8002",
             "--metric-kv-cache", "my_kv", "--metric-kv-cache", 'other_kv{gpu="0"}',
             "--metric-lora-info", "my_lora", "--scrape-interval", "0.25", "--stale-after", "2",
-            "--include-stale",
+            "--include-stale", "--no-panic",
         )
     )  # fmt: skip
     assert config.metrics.waiting == (
@@ -70,6 +71,7 @@ def test_presets_and_overrides() -> None:
     assert config.metrics.lora_info == MetricSpec("my_lora")
     assert (config.metrics_port, config.interval, config.stale_threshold) == (8002, 0.25, 2.0)
     assert config.include_stale
+    assert not config.panic
 
 
 def test_trtllm_serve_scrapes_its_prometheus_path_and_lora_reading_can_be_off() -> None:

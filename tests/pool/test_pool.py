@@ -157,6 +157,22 @@ async def test_when_every_pod_hangs_the_last_heard_stay_candidates_until_stale(
         assert min(pod.metrics_age.seconds() for pod in emptied.pods) > 1.0
 
 
+async def test_with_panic_off_a_round_no_pod_answers_empties_the_candidates(
+    servers: list[MetricsServer],
+    scraping: Scraping,
+) -> None:
+    interval = 0.1
+    a = await serve(servers)
+    config = scraping(interval=interval, timeout=interval / 2, stale_after=1.0, panic=False)
+    async with Pool(PushedDiscovery(identity(a, "a")), config) as pool:
+        await until(pool, lambda s: candidate_names(s) == {"a"})
+        a.hang()
+        emptied = await until(pool, lambda s: not s.candidates)
+        assert not emptied.panic
+        assert pool.panic_rounds == 0
+        assert max(pod.metrics_age.seconds() for pod in emptied.pods) < 1.0  # not yet stale
+
+
 async def test_a_pod_that_goes_away_leaves_and_rejoins_when_back(
     servers: list[MetricsServer],
     scraping: Scraping,

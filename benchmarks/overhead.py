@@ -39,8 +39,9 @@ Printed as differences and ratios against (b), since these shared machines
 drift, with the ratio at each level as well.
 
 The pods are ``--pods`` minimal HTTP endpoints in one process of their own:
-each serves a ~38 KB vLLM-shaped metrics page with its own queue, KV-cache
-and LoRA values (ignoring the ``name[]=`` filter, as vLLM does) and answers
+each serves a ~38 KB vLLM-shaped metrics page with its own LoRA adapters
+and a queue, batch and KV-cache use that change at every scrape (ignoring
+the ``name[]=`` filter, as vLLM does) and answers
 completions at once with a fixed JSON body. (a) and (b) send to the first of
 them. Each ext_proc server and Envoy (``--concurrency 1``) run in their own
 processes too; policyd scrapes all through the run, as it would in service,
@@ -120,23 +121,36 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
 # -- the pods: metrics pages and completions, in one process -------------------------------
 
 
-def pod_page(template: str, index: int) -> bytes:
-    """The vLLM-shaped page with this pod's own load and adapters."""
+PAGE_VARIANTS = 4
+
+
+def pod_pages(template: str, index: int) -> list[bytes]:
+    """This pod's vLLM-shaped pages: its adapters, and a load that moves between scrapes.
+
+    A pod under load reports a new queue, batch and KV-cache use at nearly
+    every scrape, so each GET answers the next of ``PAGE_VARIANTS`` pages
+    with different values: policyd's pool then builds new pods and its
+    router new walks each round, as it does in service, not only once.
+    """
     rng = random.Random(index)
-    values = {
-        "vllm:num_requests_running": rng.randint(0, 12),
-        "vllm:num_requests_waiting": rng.choice((0, 0, 1, 3)),
-        "vllm:kv_cache_usage_perc": round(rng.uniform(0.05, 0.75), 3),
-    }
-    page = template
-    for name, value in values.items():
-        page = re.sub(
-            rf"^({re.escape(name)}\{{[^}}]*\}}) \S+$", rf"\g<1> {value}", page, flags=re.M
-        )
     adapters = ",".join(f"adapter-{i}" for i in rng.sample(range(12), rng.randint(0, 4)))
-    return page.replace(
-        'running_lora_adapters="adapter-2,adapter-4"', f'running_lora_adapters="{adapters}"'
-    ).encode()
+    pages = []
+    for _ in range(PAGE_VARIANTS):
+        values = {
+            "vllm:num_requests_running": rng.randint(0, 12),
+            "vllm:num_requests_waiting": rng.choice((0, 0, 1, 3)),
+            "vllm:kv_cache_usage_perc": round(rng.uniform(0.05, 0.75), 3),
+        }
+        page = template
+        for name, value in values.items():
+            page = re.sub(
+                rf"^({re.escape(name)}\{{[^}}]*\}}) \S+$", rf"\g<1> {value}", page, flags=re.M
+            )
+        page = page.replace(
+            'running_lora_adapters="adapter-2,adapter-4"', f'running_lora_adapters="{adapters}"'
+        )
+        pages.append(page.encode())
+    return pages
 
 
 def http_response(body: bytes, content_type: bytes) -> bytes:
@@ -148,10 +162,11 @@ def http_response(body: bytes, content_type: bytes) -> bytes:
 
 
 class PodEndpoint(asyncio.Protocol):
-    """HTTP/1.1 keep-alive: GET -> the metrics page, POST -> the completion answer."""
+    """HTTP/1.1 keep-alive: GET -> the next metrics page, POST -> the completion answer."""
 
-    def __init__(self, metrics: bytes) -> None:
+    def __init__(self, metrics: list[bytes]) -> None:
         self.metrics = metrics
+        self.scrapes = 0
         self.answer = http_response(ANSWER, b"application/json")
         self.buffer = b""
 
@@ -168,7 +183,11 @@ class PodEndpoint(asyncio.Protocol):
             if len(self.buffer) < end:
                 return
             self.buffer = self.buffer[end:]
-            self.transport.write(self.metrics if head.startswith(b"get") else self.answer)
+            if head.startswith(b"get"):
+                self.scrapes += 1
+                self.transport.write(self.metrics[self.scrapes % len(self.metrics)])
+            else:
+                self.transport.write(self.answer)
 
 
 def run_pods(count: int, ports: Any) -> None:
@@ -179,7 +198,10 @@ def run_pods(count: int, ports: Any) -> None:
         template = vllm_page().decode()
         servers = []
         for index in range(count):
-            metrics = http_response(pod_page(template, index), b"text/plain; version=0.0.4")
+            metrics = [
+                http_response(page, b"text/plain; version=0.0.4")
+                for page in pod_pages(template, index)
+            ]
             servers.append(
                 await loop.create_server(lambda m=metrics: PodEndpoint(m), "127.0.0.1", 0)
             )

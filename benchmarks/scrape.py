@@ -84,19 +84,24 @@ def vllm_page() -> bytes:
     return generate_latest(vllm_registry())
 
 
-def vllm_registry() -> CollectorRegistry:
+def vllm_registry(load: tuple[int, int, float] = (7, 2, 0.42)) -> CollectorRegistry:
     """Metrics shaped like a busy vLLM server's: process and GC collectors
-    first, then vLLM's gauges, counters and histograms, with the LoRA info
-    near the end (the parser's worst case)."""
+    first, then vLLM's gauges (``load``: running, waiting, KV-cache use),
+    counters and histograms, with the LoRA info near the end (the parser's
+    worst case)."""
+    running, waiting, kv_cache = load
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     labels = ["model_name", "engine"]
     values = (MODEL, "0")
-    Gauge("vllm:num_requests_running", "running", labels, registry=registry).labels(*values).set(7)
-    Gauge("vllm:num_requests_waiting", "waiting", labels, registry=registry).labels(*values).set(2)
-    Gauge("vllm:kv_cache_usage_perc", "kv", labels, registry=registry).labels(*values).set(0.42)
+    for name, value in (
+        ("num_requests_running", running),
+        ("num_requests_waiting", waiting),
+        ("kv_cache_usage_perc", kv_cache),
+    ):
+        Gauge(f"vllm:{name}", name, labels, registry=registry).labels(*values).set(value)
     for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens"):
         Counter(f"vllm:{name}", name, labels, registry=registry).labels(*values).inc(12345)
     success = Counter("vllm:request_success", "ok", [*labels, "finished_reason"], registry=registry)
@@ -148,26 +153,37 @@ def vllm_registry() -> CollectorRegistry:
 SERVE_FLAG = "--serve-endpoints"
 
 
-def serve_endpoints(count: int, page_kind: str) -> None:
-    """Answers like prometheus_client's exposition: ``?name[]=`` picks families."""
-    registry = vllm_registry()
-    responses: dict[bytes, bytes] = {}
+LOADS = ((7, 2, 0.42), (9, 0, 0.47), (6, 3, 0.40), (8, 1, 0.45))  # running, waiting, KV use
 
-    def response_to(request_line: bytes) -> bytes:
+
+def serve_endpoints(count: int, page_kind: str) -> None:
+    """Answers like prometheus_client's exposition: ``?name[]=`` picks families.
+
+    A busy pod reports a new batch, queue and KV-cache use at nearly every
+    scrape, so an endpoint answers its scrapes with the vLLM page at each of
+    ``LOADS`` in turn: the pool then sees every pod change every round, as in
+    service, and cannot keep last round's pods.
+    """
+    responses: dict[bytes, list[bytes]] = {}
+
+    def page_at(load: tuple[int, int, float], names: list[str] | None) -> bytes:
+        registry = vllm_registry(load)
+        if names:
+            return generate_latest(registry.restricted_registry(names))
+        return generate_latest(registry)
+
+    def responses_to(request_line: bytes) -> list[bytes]:
         target = request_line.split(b" ")[1]
         if target not in responses:
             _, _, query = target.decode().partition("?")
             names = urllib.parse.parse_qs(query).get("name[]")
-            if page_kind == "short":
-                page = SHORT_SAMPLE
-            elif names:
-                page = generate_latest(registry.restricted_registry(names))
-            else:
-                page = generate_latest(registry)
-            responses[target] = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (
-                len(page),
-                page,
+            pages = (
+                [SHORT_SAMPLE] if page_kind == "short" else [page_at(load, names) for load in LOADS]
             )
+            responses[target] = [
+                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)
+                for page in pages
+            ]
         return responses[target]
 
     class Endpoint(asyncio.Protocol):
@@ -175,12 +191,15 @@ def serve_endpoints(count: int, page_kind: str) -> None:
             assert isinstance(transport, asyncio.Transport)
             self.transport = transport
             self.pending = b""
+            self.answered = 0
 
         def data_received(self, data: bytes) -> None:
             self.pending += data
             while b"\r\n\r\n" in self.pending:
                 request, self.pending = self.pending.split(b"\r\n\r\n", 1)
-                self.transport.write(response_to(request))
+                answers = responses_to(request)
+                self.transport.write(answers[self.answered % len(answers)])
+                self.answered += 1
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

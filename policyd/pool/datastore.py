@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Final
 
 from policyd.cel.values import NANOS_PER_SECOND, Duration
 from policyd.pool.discovery import PodIdentity
@@ -145,6 +146,8 @@ class Datastore:
         """Take in one scrape round and publish the snapshot it makes."""
         now = self._clock()
         self._round += 1
+        failed: list[str] = []  # pods whose scrapes began failing this round
+        recovered: list[str] = []  # pods that answer again after failing
         for result in results:
             member = self._members.get(result.address)
             if member is None:  # left while the round ran
@@ -153,11 +156,7 @@ class Datastore:
             stats.last_latency = result.latency
             if result.metrics is not None:
                 if stats.consecutive_failures:
-                    log.info(
-                        "pod %s (%s) answers its metrics scrape again",
-                        member.identity.name,
-                        result.address,
-                    )
+                    recovered.append(f"{member.identity.name} ({result.address})")
                 member.metrics = result.metrics
                 member.last_ok = True
                 stats.successes += 1
@@ -171,12 +170,21 @@ class Datastore:
                 stats.consecutive_failures += 1
                 stats.last_error = result.error
                 if stats.consecutive_failures == 1:
-                    log.warning(
-                        "metrics scrape of pod %s (%s) failed: %s",
-                        member.identity.name,
-                        result.address,
-                        result.error,
+                    failed.append(
+                        f"{member.identity.name} ({result.address}) failed: {result.error}"
                     )
+        _log_pods(
+            logging.WARNING,
+            failed,
+            "metrics scrape of pod %s",
+            "metrics scrapes of %d pods failed, among them: %s",
+        )
+        _log_pods(
+            logging.INFO,
+            recovered,
+            "pod %s answers its metrics scrape again",
+            "%d pods answer their metrics scrapes again, among them: %s",
+        )
         self._publish(now)
 
     def _publish(self, now: float) -> None:
@@ -260,6 +268,23 @@ class Datastore:
         )
         if self._on_publish is not None:
             self._on_publish(self.snapshot)
+
+
+LOGGED_ONE_BY_ONE: Final = 3  # pods of a round's failures (or recoveries) logged a line each
+
+
+def _log_pods(level: int, pods: list[str], one: str, many: str) -> None:
+    """A line per pod (``one % pod``) for a few pods, one line (``many``) for more.
+
+    A round that every pod fails (a network blip, a starved scraper) would
+    otherwise log a line per pod when it fails and another when it answers
+    again: 2,000 lines for a pool of 1,000.
+    """
+    if len(pods) <= LOGGED_ONE_BY_ONE:
+        for pod in pods:
+            log.log(level, one, pod)
+    else:
+        log.log(level, many, len(pods), "; ".join(pods[:LOGGED_ONE_BY_ONE]))
 
 
 def _unchanged(pod: Pod, identity: PodIdentity, metrics: PodMetrics, age: float) -> bool:

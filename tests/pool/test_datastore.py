@@ -117,6 +117,37 @@ def test_when_no_pod_answers_a_round_those_recently_heard_stay_candidates_until_
     assert [r.levelname for r in caplog.records if "panic over" in r.message] == ["INFO"]
 
 
+def test_failures_and_recoveries_of_many_pods_in_one_round_are_logged_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pods = [PodIdentity.of(f"p{i}", f"10.0.1.{i}:8000") for i in range(6)]
+    data = store(Clock())
+    data.set_pods(pods)
+    data.record([ok(p) for p in pods])
+    with caplog.at_level("INFO", logger="policyd.pool.datastore"):
+        data.record([failed(p) for p in pods[:2]] + [ok(p) for p in pods[2:]])
+        data.record([ok(p) for p in pods[:2]] + [failed(p) for p in pods[2:]])
+        data.record([ok(p) for p in pods])
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "panic" not in r.message]
+    error = "failed: no answer within 75 ms"
+    assert lines == [
+        ("WARNING", f"metrics scrape of pod p0 (10.0.1.0:8000) {error}"),
+        ("WARNING", f"metrics scrape of pod p1 (10.0.1.1:8000) {error}"),
+        (
+            "WARNING",
+            f"metrics scrapes of 4 pods failed, among them: p2 (10.0.1.2:8000) {error};"
+            f" p3 (10.0.1.3:8000) {error}; p4 (10.0.1.4:8000) {error}",
+        ),
+        ("INFO", "pod p0 (10.0.1.0:8000) answers its metrics scrape again"),
+        ("INFO", "pod p1 (10.0.1.1:8000) answers its metrics scrape again"),
+        (
+            "INFO",
+            "4 pods answer their metrics scrapes again, among them: p2 (10.0.1.2:8000);"
+            " p3 (10.0.1.3:8000); p4 (10.0.1.4:8000)",
+        ),
+    ]
+
+
 def test_a_pod_that_never_answered_is_no_candidate_even_in_a_panic() -> None:
     clock = Clock()
     data = store(clock)

@@ -84,6 +84,7 @@ from policyd.cli import build_parser
 from policyd.extproc import replies
 from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
+from policyd.extproc.serve import freeze_startup_heap
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.extproc.service import Policyd
 from policyd.policy import PolicyStore
@@ -273,6 +274,7 @@ def run_policyd(
             ServerOptions(port=port, grace_seconds=0),
             telemetry=telemetry,
         )
+        freeze_startup_heap()  # as policyd serve does before it starts serving
         try:
             await service.run_until_signalled()
         finally:

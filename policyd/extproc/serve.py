@@ -227,7 +227,7 @@ def freeze_startup_heap() -> None:
     compiled policy). Under load a full pass came every 4-5 s and stopped
     the serving loop for 21-32 ms each time on the development VM, holding
     up every open stream; with the start-up heap frozen the same passes took
-    1.0-1.7 ms (``benchmarks/RESULTS.md``, "Full collections"). A frozen
+    1.0-2.9 ms (``benchmarks/RESULTS.md``, "Full collections"). A frozen
     object is never collected: one that later becomes garbage in a reference
     cycle stays, which bounds the cost by what start-up made.
     """

@@ -10,16 +10,23 @@ Writing happens on a thread of its own: the event loop hands a finished entry
 batches and flushes after each batch, so the file or pipe never blocks request
 handling. When the writer cannot keep up, new entries are dropped and counted
 (``dropped``) rather than queued without bound.
+
+A log written to a file follows log rotation the way ``logging``'s
+``WatchedFileHandler`` does: when the path no longer names the open file
+(logrotate moved it away, someone deleted it), the writer opens the path
+anew, checking at most once per ``reopen_check_seconds``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import random
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -41,8 +48,11 @@ class DecisionLog:
         max_pods: int = 32,
         queue_limit: int = 10_000,
         close_out: bool = False,
+        path: Path | None = None,
+        reopen_check_seconds: float = 1.0,
         draw: Callable[[], float] = random.random,
     ) -> None:
+        """``path``: the file ``out`` is open on, reopened when rotated (see above)."""
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"the decision log sample rate must be in [0, 1], not {sample_rate}")
         self.sample_rate = sample_rate
@@ -51,6 +61,9 @@ class DecisionLog:
         self.dropped = 0
         self._out = out
         self._close_out = close_out
+        self._path = path
+        self._reopen_check_seconds = reopen_check_seconds
+        self._checked_at = time.monotonic()
         self._draw = draw
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_limit)
         self._thread = threading.Thread(target=self._run, name="policyd-decision-log", daemon=True)
@@ -61,11 +74,12 @@ class DecisionLog:
         """``-`` for standard output, else a file appended to (created if missing)."""
         if target == "-":
             return cls(sys.stdout, **options)
+        path = Path(target)
         try:
-            out = Path(target).open("a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+            out = path.open("a", encoding="utf-8")
         except OSError as error:
             raise ValueError(f"cannot open the decision log {target}: {error.strerror}") from None
-        return cls(out, close_out=True, **options)
+        return cls(out, close_out=True, path=path, **options)
 
     def sampled(self) -> bool:
         """Whether to log the decision about to be made (called once per request)."""
@@ -107,6 +121,7 @@ class DecisionLog:
                 lines.append(json.dumps(entry, separators=(",", ":"), default=str))
             if not lines:
                 continue
+            self._follow_rotation()
             try:
                 self._out.write("\n".join(lines) + "\n")
                 self._out.flush()
@@ -114,3 +129,31 @@ class DecisionLog:
             except (OSError, ValueError) as error:  # a closed or full file: say so, go on
                 self.dropped += len(lines)
                 log.error("cannot write the decision log: %s", error)
+
+    def _follow_rotation(self) -> None:
+        """Open the path anew if it no longer names the file being written (writer thread)."""
+        path = self._path
+        now = time.monotonic()
+        if path is None or now - self._checked_at < self._reopen_check_seconds:
+            return
+        self._checked_at = now
+        try:
+            named = os.stat(path)
+        except FileNotFoundError:
+            named = None
+        except OSError:  # cannot tell (a permission changed): keep the open file
+            return
+        try:
+            current = os.fstat(self._out.fileno())
+        except (OSError, ValueError):  # closed: the write below reports it
+            return
+        if named is not None and (named.st_dev, named.st_ino) == (current.st_dev, current.st_ino):
+            return
+        try:
+            fresh = path.open("a", encoding="utf-8")
+        except OSError as error:
+            log.error("cannot reopen the decision log %s: %s", path, error.strerror)
+            return
+        self._out.close()
+        self._out = fresh
+        log.info("decision log %s was moved or removed: writing to a new file there", path)

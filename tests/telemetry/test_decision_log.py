@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +180,43 @@ def test_a_file_log_is_appended_to_and_a_bad_path_is_a_clear_error(tmp_path: Pat
     assert json.loads(second)["outcome"] == "routed"
     with pytest.raises(ValueError, match="cannot open the decision log"):
         DecisionLog.open(str(tmp_path / "missing" / "x.jsonl"))
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the writer thread did not get there"
+        time.sleep(0.005)
+
+
+def test_a_file_log_moved_away_by_log_rotation_is_reopened_at_its_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "decisions.jsonl"
+    log = DecisionLog.open(str(path), reopen_check_seconds=0.0)
+    log.write({"n": 1})
+    wait_for(lambda: log.written == 1)
+    path.rename(tmp_path / "decisions.jsonl.1")  # logrotate's default: move, then a new file
+    with caplog.at_level("INFO", logger="policyd.telemetry.decision_log"):
+        log.write({"n": 2})
+        wait_for(lambda: log.written == 2)
+        path.unlink()  # removed outright
+        log.write({"n": 3})
+        log.close()
+    assert (tmp_path / "decisions.jsonl.1").read_text() == '{"n":1}\n'
+    assert path.read_text() == '{"n":3}\n'
+    assert log.written == 3 and log.dropped == 0
+    assert caplog.text.count("was moved or removed: writing to a new file there") == 2
+
+
+def test_a_file_log_left_in_place_is_not_reopened(tmp_path: Path) -> None:
+    path = tmp_path / "decisions.jsonl"
+    log = DecisionLog.open(str(path), reopen_check_seconds=0.0)
+    log.write({"n": 1})
+    wait_for(lambda: log.written == 1)
+    opened = log._out
+    log.write({"n": 2})
+    wait_for(lambda: log.written == 2)
+    assert log._out is opened
+    log.close()
+    assert path.read_text() == '{"n":1}\n{"n":2}\n'

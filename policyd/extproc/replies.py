@@ -9,7 +9,9 @@
   Gateway API Inference Extension endpoint-picker protocol asks.
 - The routing reply is a request-*body* reply, whose header mutations Envoy
   applies only in BUFFERED body mode; it clears the route cache so routes
-  matching on the new header are re-evaluated.
+  matching on the new header are re-evaluated. A request without a body is
+  routed by its request-*headers* reply (:func:`route_headers`), the same
+  mutations and metadata in a ``HeadersResponse``.
 - Errors are ImmediateResponses with an OpenAI-style JSON body.
 
 Replies are protobuf wire bytes, which the gRPC server sends as they are:
@@ -158,15 +160,39 @@ def _kept(cache: dict[Any, bytes], key: Any, value: bytes) -> bytes:
     return value
 
 
-def _route(destination: str) -> bytes:
-    common = pb.CommonResponse(clear_route_cache=True)
-    common.header_mutation.set_headers.append(_header(DESTINATION_HEADER, destination))
-    metadata = struct_pb2.Struct()
-    metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
+def route_headers(destination: str, extra_headers: Mapping[str, str] = _NO_HEADERS) -> bytes:
+    """The request-headers reply that sends a body-less request to ``destination``.
+
+    Built whole each time: body-less requests (``GET /v1/models``) are few.
+    """
+    common = _routing(destination, extra_headers)
     reply: bytes = pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+        request_headers=pb.HeadersResponse(response=common),
+        dynamic_metadata=_lb_metadata(destination),
     ).SerializeToString()
     return reply
+
+
+def _route(destination: str) -> bytes:
+    reply: bytes = pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=_routing(destination)),
+        dynamic_metadata=_lb_metadata(destination),
+    ).SerializeToString()
+    return reply
+
+
+def _routing(destination: str, extra_headers: Mapping[str, str] = _NO_HEADERS) -> pb.CommonResponse:
+    common = pb.CommonResponse(clear_route_cache=True)
+    set_headers = common.header_mutation.set_headers
+    set_headers.append(_header(DESTINATION_HEADER, destination))
+    set_headers.extend(_header(name, value) for name, value in extra_headers.items())
+    return common
+
+
+def _lb_metadata(destination: str) -> struct_pb2.Struct:
+    metadata = struct_pb2.Struct()
+    metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
+    return metadata
 
 
 # The tags (field number, length-delimited) of the fields an addition to a

@@ -16,6 +16,7 @@ however it ends.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any, Final
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from policyd.extproc import replies
+from policyd.extproc import bodyless, replies
 from policyd.extproc.errors import RequestError
 from policyd.extproc.interfaces import (
     NULL_SPAN,
@@ -81,6 +82,7 @@ class ExternalProcessor:
         self.settings = settings
         self.route_replies = replies.RouteReplies()
         self.settlement = Settlement()
+        self.rng = random.Random()  # ties among pods for body-less requests
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -151,6 +153,7 @@ class Exchange:
         "_headers",  # regular request headers: what policies see as request.headers
         "_load",
         "_metadata",
+        "_method",
         "_path",
         "_queued",
         "_record_due",
@@ -170,6 +173,7 @@ class Exchange:
         self._metadata = metadata
         self._headers: dict[str, str] = {}
         self._path = ""
+        self._method = ""
         self._body = bytearray()
         self._body_mode: int | None = None  # unknown until protocol_config says
         self._span: RequestSpan | None = None
@@ -255,11 +259,15 @@ class Exchange:
             if name.startswith(":"):
                 if name == ":path":
                     self._path = value.split("?", 1)[0]
+                elif name == ":method":
+                    self._method = value
             elif name in headers:
                 headers[name] += "," + value
             elif name != replies.DESTINATION_HEADER:
                 headers[name] = value
         if message.end_of_stream:
+            if self._method in bodyless.METHODS:
+                return self._route_without_body()
             raise RequestError.bad_request(
                 "the request has no body: policyd routes OpenAI requests with a JSON body",
                 "missing_body",
@@ -312,11 +320,7 @@ class Exchange:
             log.exception("request %s: the router raised", request.id or "-")
             reason = f"the routing policy failed on this request ({type(error).__name__})"
             decision = Decision(Outcome.ERROR, "", "", request.model, reason=reason)
-        self._decided_at = time.perf_counter()
-        self._span = self._start_span(request, decision, self._decided_at - started)
-        self._replied = False
-        if decision.outcome is not Outcome.ROUTED:
-            raise RequestError.from_decision(decision)
+        span = self._decided(request, decision, started)
         self._load = _claim(decision, candidates)
         settings = self._server.settings
         destination = replies.destination_value(
@@ -324,9 +328,29 @@ class Exchange:
         )
         target = decision.target_model or body.model
         new_body = rewrite_model(body, target) if target != body.model else None
-        return self._server.route_replies.route(
-            destination, self._upstream_headers(self._span), new_body
+        return self._server.route_replies.route(destination, self._upstream_headers(span), new_body)
+
+    def _route_without_body(self) -> bytes:
+        """Send a body-less GET or HEAD to the least busy ready pod (``bodyless``)."""
+        headers = self._headers
+        request = Request(
+            model="", headers=headers, path=self._path, id=headers.get("x-request-id", "")
         )
+        started = time.perf_counter()
+        candidates = self._server.snapshots().candidates
+        decision = bodyless.least_busy_pod(candidates, self._server.rng)
+        span = self._decided(request, decision, started)
+        self._load = _claim(decision, candidates)
+        return replies.route_headers(decision.endpoint, self._upstream_headers(span))
+
+    def _decided(self, request: Request, decision: Decision, started: float) -> RequestSpan:
+        """Open the decision's span; a decision that did not route becomes its error."""
+        self._decided_at = time.perf_counter()
+        span = self._span = self._start_span(request, decision, self._decided_at - started)
+        self._replied = False
+        if decision.outcome is not Outcome.ROUTED:
+            raise RequestError.from_decision(decision)
+        return span
 
     def _build_request(self, body: InferenceBody) -> Request:
         # Criticality is the policy's to decide (its own header, the model's

@@ -152,6 +152,36 @@ async def test_a_stream_passes_through_byte_identical_and_live_with_usage_record
     assert gateway.pods["pod-b"].in_flight == 0
 
 
+async def test_a_get_without_a_body_reaches_the_least_busy_pod(gateway: Gateway) -> None:
+    busy = gateway.pods["pod-a"]
+    busy.load.count = 1
+    try:
+        async with gateway.client.get(
+            gateway.url + "/v1/models", headers={DESTINATION_HEADER: "6.6.6.6:80"}
+        ) as response:
+            status, headers, body = (
+                response.status,
+                CIMultiDict(response.headers),
+                await response.read(),
+            )
+    finally:
+        busy.load.count = 0
+    assert status == 200, body
+    assert served_by(headers) == "pod-b"
+    received = gateway.upstreams["pod-b"].received[-1]
+    assert (received.path, received.body) == ("/v1/models", b"")
+    assert received.headers[DESTINATION_HEADER] == gateway.upstreams["pod-b"].address
+    assert in_flight(gateway) == {"pod-a": 0, "pod-b": 0}
+
+
+async def test_a_post_without_a_body_is_a_400_and_reaches_no_pod(gateway: Gateway) -> None:
+    before = total_received(gateway)
+    status, headers, body = await post(gateway, b"")
+    assert (status, headers["content-type"]) == (400, "application/json")
+    assert json.loads(body)["error"]["code"] == "missing_body"
+    assert total_received(gateway) == before
+
+
 @pytest.mark.parametrize(
     ("headers", "body", "status", "code"),
     [

@@ -206,6 +206,19 @@ async def test_a_client_supplied_destination_is_ignored(gateway: PolicydGateway)
         assert after[recorded.decision.pod] == before[recorded.decision.pod] + 1
 
 
+async def test_an_openai_client_can_list_the_models_through_the_gateway(
+    gateway: PolicydGateway,
+) -> None:
+    async with gateway.client.get(gateway.url + "/v1/models", headers={TEST_ID: "models"}) as got:
+        status, listing = got.status, await got.json()
+    assert status == 200, listing
+    assert listing["object"] == "list"
+    assert listing["data"][0]["id"] == L4_LLAMA2_7B.base_model
+    recorded = span(gateway, "models")
+    assert (recorded.decision.policy, recorded.decision.pod.startswith("vllm-")) == ("", True)
+    assert recorded.request.model == ""
+
+
 async def test_a_stream_passes_through_intact_with_its_usage_recorded(
     gateway: PolicydGateway,
 ) -> None:

@@ -180,10 +180,48 @@ async def test_a_body_larger_than_policyd_accepts_is_a_413(mode: int, end_of_str
     assert error_of(reply)[0] == 413
 
 
-async def test_a_request_without_a_body_is_a_400(rig: Rig) -> None:
+async def test_a_post_without_a_body_is_a_400(rig: Rig) -> None:
     (reply,) = await rig.envoy.exchange(request_headers(end_of_stream=True))
     status, error = error_of(reply)
     assert (status, error["code"]) == (400, "missing_body")
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+async def test_a_get_without_a_body_goes_to_the_least_busy_pod_by_its_headers_reply(
+    rig: Rig, method: str
+) -> None:
+    busy, idle = rig.pods
+    busy.load.count = 2
+    call = rig.envoy.open()
+    await call.write(request_headers({":method": method}, path="/v1/models", end_of_stream=True))
+    reply = await call.read()
+    assert (busy.in_flight, idle.in_flight) == (2, 1)  # counted against the pod it went to
+    for message in (response_headers(200), response_body(b"{}", end_of_stream=True)):
+        await call.write(message)
+        await call.read()
+    await call.done_writing()
+    assert reply.WhichOneof("response") == "request_headers"
+    common = reply.request_headers.response
+    header = set_headers(reply)[DESTINATION_HEADER]
+    assert header.header.raw_value == b"10.0.0.2:8000"
+    assert header.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    assert common.clear_route_cache
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields[DESTINATION_HEADER].string_value == "10.0.0.2:8000"
+    assert rig.router.seen == []  # no model, so no policy was asked
+    (decision,) = rig.telemetry.decisions
+    assert (decision.outcome, decision.pod, decision.policy) == (Outcome.ROUTED, "pod-b", "")
+    assert decision.reason == "no body: the ready pod with the fewest requests in flight"
+    assert idle.in_flight == 0  # released when the response ended
+
+
+async def test_a_get_without_a_body_and_no_ready_pod_is_a_503(rig: Rig) -> None:
+    rig.snapshot = Snapshot(())
+    (reply,) = await rig.envoy.exchange(
+        request_headers({":method": "GET"}, path="/v1/models", end_of_stream=True)
+    )
+    status, error = error_of(reply)
+    assert (status, error["code"]) == (503, "no_ready_endpoints")
 
 
 async def test_headers_reach_the_router_lower_cased_joined_and_without_pseudo_headers(

@@ -208,6 +208,8 @@ async def test_a_get_without_a_body_goes_to_the_least_busy_pod_by_its_headers_re
     assert common.clear_route_cache
     lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
     assert lb.fields[DESTINATION_HEADER].string_value == "10.0.0.2:8000"
+    trace = set_headers(reply)["traceparent"].header.raw_value  # the span's, to the pod
+    assert trace == b"00-11111111111111111111111111111111-2222222222222222-01"
     assert rig.router.seen == []  # no model, so no policy was asked
     (decision,) = rig.telemetry.decisions
     assert (decision.outcome, decision.pod, decision.policy) == (Outcome.ROUTED, "pod-b", "")

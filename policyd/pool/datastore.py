@@ -110,7 +110,6 @@ class Datastore:
         self._version = 0
         self._round = 0
         self._ready = False
-        self._panic = False
         self.snapshot: PoolSnapshot = EMPTY_SNAPSHOT
 
     @property
@@ -243,8 +242,7 @@ class Datastore:
         panic = self._panic_allowed and not candidates and bool(recent)
         if panic:
             candidates = recent
-        if panic != self._panic:
-            self._panic = panic
+        if panic != previous.panic:
             if panic:
                 log.warning(
                     "no pod answered the last metrics scrape: routing on the %d pods whose"

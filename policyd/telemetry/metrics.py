@@ -26,7 +26,11 @@ RESPONSE_BUCKETS: Final = (
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 _COUNTED_KINDS: Final = frozenset({"filter", "band", "top-k"})  # nodes that keep pods
-_STEPS_KEPT: Final = 4096  # steps (and walks) whose tally increments are remembered
+# Steps (and walks) whose tally increments are remembered. A walk is reused only
+# while the pool's snapshot lasts (one scrape interval when pods report new
+# load), so older entries are never hit again, yet each holds its trace and the
+# trace's tuples of pod names: 4096 of them held ~20 MB under changing pods.
+_STEPS_KEPT: Final = 512
 
 # A step's increments: the tally's values, the label set, the amount.
 _StepCounts = tuple[tuple[dict[Labels, float], Labels, int], ...]
@@ -126,7 +130,8 @@ class DecisionMetrics:
         self._stream_errors = CounterTally(
             "policyd_extproc_stream_errors",
             "ext_proc exchanges that went wrong: rejected before a decision (code: the "
-            "error code), internal (code: the phase) or aborted (the stream ended first).",
+            "error code), internal (code: the phase), aborted (the stream ended first) "
+            "or reset (Envoy reset the stream after the exchange ended, code after_end).",
             ["kind", "code"],
         )
         self._reloads = CounterTally(

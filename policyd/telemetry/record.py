@@ -55,7 +55,9 @@ _EMPTY: Final[Mapping[str, str]] = {}
 _UNSET: Final = Status()
 _FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last field
 _Trace = tuple[NodeTrace, ...]
-_NODE_EVENTS_KEPT: Final = 4096  # steps (and walks) whose event attributes are kept for reuse
+# Steps (and walks) whose event attributes are kept for reuse: as few as the
+# walks one pool snapshot can reuse need (see metrics._STEPS_KEPT).
+_NODE_EVENTS_KEPT: Final = 512
 _GROUPS_KEPT: Final = 4096  # shared span attribute groups kept, per kind
 
 

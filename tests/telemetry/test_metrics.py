@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import tracemalloc
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -308,3 +310,40 @@ def test_the_metrics_endpoint_serves_metrics_and_health(tmp_path: Path) -> None:
         assert fetch(server.url + "/nope")[0] == 404
     finally:
         server.close()
+
+
+def test_remembered_walks_do_not_grow_memory_without_bound(tmp_path: Path) -> None:
+    """Walks over pods whose load changes at every decision (a new snapshot
+    each time, as when pods report new load every scrape): the increments
+    remembered per walk must not keep old walks, and their pod-name tuples,
+    alive for long."""
+    router = router_for(tmp_path)
+    telemetry = DecisionTelemetry(metrics=DecisionMetrics())
+    asked = request()
+
+    fleet = [Pod(f"pod-{j}", f"10.0.0.{j}:8000", waiting_queue=j % 7) for j in range(100)]
+
+    def serve(count: int) -> None:
+        for _ in range(count):
+            candidates = tuple(fleet)  # a new snapshot: the router walks anew
+            record = telemetry.start(asked, router.decide(asked, candidates), {}, 0.0004)
+            record.after_reply()
+            record.end(
+                completed=True,
+                duration_seconds=0.8,
+                first_body_seconds=None,
+                prompt_tokens=None,
+                completion_tokens=None,
+            )
+
+    tracemalloc.start()
+    try:
+        serve(1000)
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        serve(3000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 1.5 * 1024 * 1024, f"{grown / 1024:.0f} KiB more after 3000 decisions"

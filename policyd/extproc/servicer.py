@@ -15,6 +15,7 @@ however it ends.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -26,6 +27,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import bodyless, replies
+from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG
 from policyd.extproc.errors import RequestError
 from policyd.extproc.interfaces import (
     NULL_SPAN,
@@ -83,6 +85,7 @@ class ExternalProcessor:
         self.route_replies = replies.RouteReplies()
         self.settlement = Settlement()
         self.rng = random.Random()  # ties among pods for body-less requests
+        self._reset_reported = False
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -94,8 +97,33 @@ class ExternalProcessor:
                 exchange.after_reply()
                 if exchange.answered:  # an ImmediateResponse ends the exchange
                     return
+        except asyncio.CancelledError:
+            if exchange.ended:
+                self._reset_after_end()
+            raise
         finally:
             exchange.close()
+
+    def _reset_after_end(self) -> None:
+        """Envoy reset a stream whose exchange had ended, instead of closing it.
+
+        Envoy does so unless ``ext_proc_graceful_grpc_close`` is on, and grpcio
+        leaks the cancelled read's native memory each time (grpc/grpc#43360):
+        counted per stream, explained once per process.
+        """
+        try:
+            self.telemetry.stream_error("reset", "after_end")
+        except Exception:
+            log.exception("telemetry hook failed")
+        if not self._reset_reported:
+            self._reset_reported = True
+            log.warning(
+                "Envoy resets ext_proc streams instead of closing them; grpcio leaks "
+                "~100 bytes of memory per reset stream (grpc/grpc#43360). Set the Envoy "
+                "runtime flag %s to true (policyd envoy-config does; for Istio see "
+                "docs/deployment.md)",
+                GRACEFUL_CLOSE_FLAG,
+            )
 
 
 class _TraceCarrier(Mapping[str, str]):
@@ -233,6 +261,11 @@ class Exchange:
             if self._span is not None:
                 self._record_due = True
                 self._settle_later()
+
+    @property
+    def ended(self) -> bool:
+        """Whether the exchange has ended (response complete, or answered by policyd)."""
+        return self._ended
 
     def close(self) -> None:
         """The stream is gone; settle what a normal end would have settled."""

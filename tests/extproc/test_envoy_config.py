@@ -96,6 +96,18 @@ def test_the_config_asks_envoy_for_what_policyd_needs() -> None:
     assert pods["per_connection_buffer_limit_bytes"] == 4 * 1024 * 1024
 
 
+def test_envoy_closes_ext_proc_streams_instead_of_resetting_them() -> None:
+    """Resets leak memory in grpcio (tests/e2e/test_stream_close.py shows the
+    flag's effect through the real Envoy); the admin layer Envoy has by default stays."""
+    layers = bootstrap(EnvoyConfigOptions())["layered_runtime"]["layers"]
+    assert layers[0]["static_layer"] == {
+        "envoy.reloadable_features.ext_proc_graceful_grpc_close": True
+    }
+    assert [layer for layer in layers if "admin_layer" in layer] == [
+        {"name": "admin", "admin_layer": {}}
+    ]
+
+
 def test_streams_to_policyd_spread_over_connections_and_are_not_capped_at_envoys_default() -> None:
     options = EnvoyConfigOptions(policyd_streams_per_connection=5, policyd_max_streams=7000)
     policyd = cluster(bootstrap(options), "policyd")

@@ -380,6 +380,63 @@ async def test_a_stream_that_ends_early_releases_the_pod_and_says_so(rig: Rig) -
     assert rig.pods[0].in_flight == 0
 
 
+class _Context:
+    """What ``Process`` reads of a grpc.aio servicer context."""
+
+    @staticmethod
+    def invocation_metadata() -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+async def cancelled_after(*messages: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingRequest]:
+    """Envoy's messages, then what grpc raises into the handler when Envoy's reset
+    arrives while it waits for the next one (seen through the real Envoy:
+    tests/e2e/test_stream_close.py)."""
+    for message in messages:
+        yield message
+    raise asyncio.CancelledError
+
+
+FULL_EXCHANGE = (
+    request_headers(),
+    request_body(BODY),
+    response_headers(),
+    response_body(b"{}", end_of_stream=True),
+)
+
+
+async def test_a_finished_stream_that_envoy_resets_is_counted_and_explained_once(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    for _ in range(2):
+        with pytest.raises(asyncio.CancelledError):
+            async for _reply in rig.server.processor.Process(
+                cancelled_after(*FULL_EXCHANGE), _Context()
+            ):
+                pass
+    assert rig.telemetry.stream_errors == [("reset", "after_end")] * 2
+    warnings = [r for r in caplog.records if "ext_proc_graceful_grpc_close" in r.getMessage()]
+    assert [w.levelname for w in warnings] == ["WARNING"]
+    await settled(rig.server)
+    assert [span.ends[0]["completed"] for span in rig.telemetry.spans] == [True, True]
+
+
+async def test_a_stream_reset_before_its_end_is_aborted_not_reset(rig: Rig) -> None:
+    with pytest.raises(asyncio.CancelledError):
+        async for _reply in rig.server.processor.Process(
+            cancelled_after(*FULL_EXCHANGE[:3]), _Context()
+        ):
+            pass
+    assert rig.telemetry.stream_errors == [("aborted", "decided")]
+
+
+async def test_a_stream_closed_gracefully_is_no_reset(rig: Rig) -> None:
+    await rig.envoy.exchange(*FULL_EXCHANGE)
+    await settled(rig.server)
+    assert rig.telemetry.spans[0].ends[0]["completed"] is True
+    assert rig.telemetry.stream_errors == []
+
+
 @pytest.mark.parametrize(
     "pick",
     [

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from policyd.cli import build_parser
-from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
+from policyd.extproc.envoy_config import RUNTIME_FLAGS, EnvoyConfigOptions, bootstrap
 from policyd.extproc.envoy_process import envoy_binary
 from policyd.extproc.health import LIVENESS, READINESS
 from policyd.extproc.replies import DESTINATION_HEADER
@@ -226,8 +226,25 @@ def test_the_route_goes_to_the_chosen_pod_only_when_policyd_named_it() -> None:
     )
 
 
+def gateway_runtime_values() -> dict[str, str]:
+    """The Envoy runtime values the gateway's Helm values give its pods
+    (Istio's ProxyConfig ``runtimeValues``, from the ``proxy.istio.io/config``
+    annotation, which Istio reads as YAML)."""
+    values = yaml.safe_load((ISTIO / "helm" / "gateway-values.yaml").read_text())
+    proxy_config = yaml.safe_load(values["podAnnotations"]["proxy.istio.io/config"])
+    runtime: dict[str, str] = proxy_config["runtimeValues"]
+    return runtime
+
+
+def test_the_gateway_pods_get_the_runtime_flags_envoy_config_sets() -> None:
+    runtime = gateway_runtime_values()
+    # ProxyConfig's runtimeValues is a map of strings.
+    assert runtime == {name: str(value).lower() for name, value in RUNTIME_FLAGS.items()}
+
+
 def gateway_bootstrap(ext_proc: dict[str, Any]) -> dict[str, Any]:
-    """An Envoy bootstrap made of the EnvoyFilter's patches, as Istio would apply them."""
+    """An Envoy bootstrap made of the EnvoyFilter's patches, as Istio would apply them,
+    with the runtime values the gateway's Helm values set."""
     (listener_patch,) = patches("LISTENER")
     (route_patch,) = patches("HTTP_ROUTE")
     policyd_cluster = copy.deepcopy(added_cluster("policyd"))
@@ -278,10 +295,13 @@ def gateway_bootstrap(ext_proc: dict[str, Any]) -> dict[str, Any]:
         **listener_patch["patch"]["value"],
     }
     return {
+        "layered_runtime": {
+            "layers": [{"name": "istio", "static_layer": gateway_runtime_values()}]
+        },
         "static_resources": {
             "listeners": [listener],
             "clusters": [policyd_cluster, added_cluster("model_servers")],
-        }
+        },
     }
 
 

@@ -521,11 +521,20 @@ def children_cpu_seconds(parent: int) -> dict[int, float]:
 
 
 def start_envoy(
-    name: str, directory: Path, extproc_port: int | None, pod: str, extproc_pid: int | None = None
+    name: str,
+    directory: Path,
+    extproc_port: int | None,
+    pod: str,
+    extproc_pid: int | None = None,
+    *,
+    runtime: dict[str, bool] | None = None,
 ) -> SetUp:
+    """``runtime`` overrides runtime flags of the generated bootstrap's static layer."""
     listen, admin = free_port(), free_port()
     options = EnvoyConfigOptions(port=listen, admin_port=admin, policyd_port=extproc_port or 1)
     config = bootstrap(options)
+    if runtime:
+        config["layered_runtime"]["layers"][0]["static_layer"].update(runtime)
     headers = {"content-type": "application/json"}
     if extproc_port is None:  # (a): no ext_proc filter; the client names the pod itself
         manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]

@@ -36,7 +36,7 @@ What it sets up, and why:
   half-closing it and waiting for policyd's status, instead of half-closing
   and resetting it at once. A reset cancels the stream while grpcio has a
   read pending, and grpcio leaks that operation's native memory
-  (grpc/grpc#43360): ~100-180 bytes per request, without bound, measured
+  (grpc/grpc#43360): ~115-180 bytes per request, without bound, measured
   with ``benchmarks/soak.py``. Envoy reads the flag when it loads the
   configuration. The admin runtime layer, which Envoy has by default, stays.
 - the admin interface on loopback only.

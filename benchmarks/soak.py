@@ -9,10 +9,11 @@ bootstrap ``policyd envoy-config`` generates. The run alternates 15-second
 load phases between the two for ``--minutes`` and samples each ext_proc
 process's resident memory (and the scraper child's) after every phase.
 
-Printed: each process's resident memory over time, then its growth per
-request, a least-squares slope over the phases after the first minute
-(start-up caches and arenas fill in the first), next to the no-op's, which
-is the floor for any Python ext_proc on this gRPC. A service that leaks
+Printed: each process's resident memory over time and the file
+descriptors it (and policyd's scraper child) holds at the first and last
+phase, then its growth per request, a least-squares slope over the phases
+after the first minute (start-up caches and arenas fill in the first), next
+to the no-op's, which is the floor for any Python ext_proc on this gRPC. A service that leaks
 shows a slope that stays positive however long the run; one that only
 fills bounded caches levels off.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,6 +50,11 @@ PHASE_SECONDS = 15.0
 WARM_UP_SECONDS = 60.0
 
 
+def open_files(pid: int) -> int:
+    """How many file descriptors a process holds (sockets included)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def resident_kib(pid: int) -> int:
     """A process's resident set size in KiB (Linux /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -58,12 +65,14 @@ def resident_kib(pid: int) -> int:
 
 @dataclass
 class Samples:
-    """One set-up's memory after each phase: (seconds into the run, requests so far, KiB)."""
+    """One set-up's memory after each phase: (seconds into the run, requests so far, KiB),
+    and the file descriptors its process and its children (policyd's scraper) hold."""
 
     name: str
     pid: int
     points: list[tuple[float, int, int]] = field(default_factory=list)
-    child_kib: list[int] = field(default_factory=list)  # policyd's scraper child
+    child_kib: list[int] = field(default_factory=list)
+    files: list[tuple[int, int]] = field(default_factory=list)  # (process, children)
 
     def bytes_per_request(self) -> float:
         """Least-squares growth of resident memory per request, after the warm-up."""
@@ -112,6 +121,8 @@ async def soak(arguments: argparse.Namespace) -> list[Samples]:
                     sample.points.append((elapsed, done, resident_kib(sample.pid)))
                     children = children_cpu_seconds(sample.pid)
                     sample.child_kib.extend(resident_kib(child) for child in children)
+                    held = sum(open_files(child) for child in children)
+                    sample.files.append((open_files(sample.pid), held))
         finally:
             for set_up in set_ups:
                 if set_up.session is not None:
@@ -145,6 +156,11 @@ def report(samples: list[Samples], arguments: argparse.Namespace) -> None:
                 f"  scraper child RSS: {sample.child_kib[0] / 1024:.1f} -> "
                 f"{sample.child_kib[-1] / 1024:.1f} MB"
             )
+        (first, first_children), (end, end_children) = sample.files[0], sample.files[-1]
+        print(
+            f"  open file descriptors: {first} -> {end}"
+            + (f" (children: {first_children} -> {end_children})" if sample.child_kib else "")
+        )
     noop, policyd = (s.name for s in samples)
     print(
         f"growth per request, policyd - no-op: {slopes[policyd] - slopes[noop]:+.1f} B "

@@ -17,10 +17,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from policyd.extproc.envoy_config import EnvoyConfigOptions, render
+import yaml
+
+from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap, render
 
 
 class EnvoyError(RuntimeError):
@@ -47,18 +50,29 @@ def free_port() -> int:
 
 
 async def start_envoy(
-    directory: Path, options: EnvoyConfigOptions, *, log_level: str = "warning"
+    directory: Path,
+    options: EnvoyConfigOptions,
+    *,
+    log_level: str = "warning",
+    runtime: Mapping[str, bool] | None = None,
 ) -> EnvoyProcess:
     """Envoy running ``policyd envoy-config``'s bootstrap, live; its files in ``directory``.
 
     A listener or admin port of 0 is replaced by a free loopback port; the
     ports used are ``listen_port`` and ``admin_port`` of the result.
+    ``runtime`` overrides runtime flags the bootstrap sets (tests show what
+    a flag changes by turning it off).
     """
     options = dataclasses.replace(
         options, port=options.port or free_port(), admin_port=options.admin_port or free_port()
     )
     config = directory / "envoy.yaml"
-    config.write_text(render(options))
+    if runtime:
+        data = bootstrap(options)
+        data["layered_runtime"]["layers"][0]["static_layer"].update(runtime)
+        config.write_text(yaml.safe_dump(data))
+    else:
+        config.write_text(render(options))
     envoy = EnvoyProcess(
         config,
         options.admin_port,

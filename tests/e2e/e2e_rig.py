@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import yaml
 from e2e_support import RecordingTelemetry, ScriptedRouter, SwappablePool, TestUpstream
 
 from policyd.demo.stack import warm_up
-from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
-from policyd.extproc.envoy_process import EnvoyProcess, free_port, start_envoy
+from policyd.extproc.envoy_config import EnvoyConfigOptions
+from policyd.extproc.envoy_process import EnvoyProcess, start_envoy
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.extproc.service import Policyd
 from policyd.policy import PolicyStore, Reload
@@ -78,10 +77,7 @@ async def start_gateway(
         options = dataclasses.replace(
             envoy_options or EnvoyConfigOptions(), port=0, admin_port=0, policyd_port=server.port
         )
-        if runtime:
-            envoy = await start_envoy_overriding(tmp, options, runtime)
-        else:
-            envoy = await start_envoy(tmp, options)
+        envoy = await start_envoy(tmp, options, runtime=runtime)
     except BaseException:
         await client.close()
         await server.stop(0)
@@ -99,27 +95,6 @@ async def start_gateway(
         envoy,
         client,
     )
-
-
-async def start_envoy_overriding(
-    directory: Path, options: EnvoyConfigOptions, runtime: dict[str, bool]
-) -> EnvoyProcess:
-    """``start_envoy``, with ``runtime`` flags of the generated bootstrap changed."""
-    options = dataclasses.replace(options, port=free_port(), admin_port=free_port())
-    config = bootstrap(options)
-    config["layered_runtime"]["layers"][0]["static_layer"].update(runtime)
-    path = directory / "envoy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    envoy = EnvoyProcess(
-        path, options.admin_port, listen_port=options.port, log_file=directory / "envoy.log"
-    )
-    envoy.start()
-    try:
-        await envoy.wait_ready()
-    except BaseException:
-        envoy.stop()
-        raise
-    return envoy
 
 
 async def stop_gateway(gateway: Gateway) -> None:

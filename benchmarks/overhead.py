@@ -1,7 +1,7 @@
 """What putting policyd in Envoy's request path costs, measured through the real Envoy.
 
     python benchmarks/overhead.py [--requests 1200] [--seconds 6] [--concurrency 16,64,128]
-                                  [--pods 100] [--pick-first] [--tracing]
+                                  [--pods 100] [--naive] [--pick-first] [--tracing]
                                   [--scrape-in-process] [--profile FILE]
 
 Set-ups on loopback, measured in the same run:
@@ -17,6 +17,14 @@ Set-ups on loopback, measured in the same run:
       metrics; tracing off), routing each request to one of them;
       ``--scrape-in-process`` scrapes on policyd's serving
       loop instead (``policyd serve --scrape-in-process``),
+  (b') with ``--naive``: a naive routing ext_proc written here, the least
+      Python that does policyd's job without a policy engine: request
+      headers into a dict, the body through ``json.loads`` for its model, a
+      pod picked by the model's hash, the routing reply built as a message
+      (header, ``envoy.lb`` metadata, route cache cleared), the status read
+      from the response headers and the usage from the response body with
+      ``json.loads``: the floor for a Python ext_proc that routes on the
+      request and reports how it went,
   (c') with ``--pick-first``: policyd's serving path with a pick-first router
       over one pod and no pool, to tell the policy's share from the serving
       path's,
@@ -59,6 +67,7 @@ import asyncio
 import contextlib
 import cProfile
 import dataclasses
+import json
 import multiprocessing
 import os
 import random
@@ -75,6 +84,7 @@ from typing import Any
 import aiohttp
 import grpc
 import yaml
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -240,9 +250,15 @@ class FixedDestination(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 def run_noop_extproc(port: int, destination: str) -> None:
+    serve_servicer(port, FixedDestination(destination))
+
+
+def serve_servicer(port: int, servicer: pb_grpc.ExternalProcessorServicer) -> None:
+    """Serve a plain ``ExternalProcessor`` servicer on ``port``, with gRPC health."""
+
     async def serve() -> None:
         server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(FixedDestination(destination), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()  # Envoy health-checks "readiness"
         await health_servicer.set("readiness", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -251,6 +267,77 @@ def run_noop_extproc(port: int, destination: str) -> None:
         await server.wait_for_termination()
 
     asyncio.run(serve())
+
+
+class NaiveRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """(b'): routes on the request's model and reads the usage, as a plain servicer would.
+
+    Nothing policyd does to save work (pre-encoded replies, its own JSON
+    scan, lazy headers) is used; everything a routing ext_proc cannot skip is
+    done: the headers are read, the body parsed, the reply carries the
+    destination the DESIGN wire facts ask for, and the usage is read.
+    """
+
+    def __init__(self, pods: Sequence[str]) -> None:
+        self.pods = list(pods)
+        self.usage: dict[str, int] = {}  # the last usage read, so the work is not dead
+        self.continue_headers = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+        self.continue_response_headers = pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse()
+        )
+        self.continue_response_body = pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+    def route(self, destination: str) -> pb.ProcessingResponse:
+        reply = pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(
+                    header_mutation=pb.HeaderMutation(
+                        set_headers=[
+                            base_pb2.HeaderValueOption(
+                                header=base_pb2.HeaderValue(
+                                    key=replies.DESTINATION_HEADER,
+                                    raw_value=destination.encode(),
+                                ),
+                                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                            )
+                        ]
+                    ),
+                    clear_route_cache=True,
+                )
+            )
+        )
+        lb = reply.dynamic_metadata.fields[replies.LB_METADATA_NAMESPACE].struct_value
+        lb.fields[replies.DESTINATION_HEADER].string_value = destination
+        return reply
+
+    async def Process(  # noqa: N802
+        self, requests: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        headers: dict[str, str] = {}
+        status = 0
+        async for message in requests:
+            phase = message.WhichOneof("request")
+            if phase == "request_headers":
+                for header in message.request_headers.headers.headers:
+                    headers[header.key] = header.raw_value.decode()
+                yield self.continue_headers
+            elif phase == "request_body":
+                model = json.loads(message.request_body.body)["model"]
+                yield self.route(self.pods[hash(model) % len(self.pods)])
+            elif phase == "response_headers":
+                for header in message.response_headers.headers.headers:
+                    if header.key == ":status":
+                        status = int(header.raw_value)
+                yield self.continue_response_headers
+            else:
+                body = message.response_body
+                if body.end_of_stream and status == 200:
+                    self.usage = json.loads(body.body).get("usage") or {}
+                yield self.continue_response_body
+
+
+def run_naive_extproc(port: int, pods: Sequence[str]) -> None:
+    serve_servicer(port, NaiveRouter(pods))
 
 
 def run_policyd(
@@ -614,6 +701,8 @@ def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes
                 (str(pods_file), arguments.profile or "", arguments.scrape_in_process),
             ),
         }
+        if arguments.naive:
+            targets["b'"] = (run_naive_extproc, (started.pods,))
         if arguments.pick_first:
             targets["c'"] = (run_pick_first, (first,))
         if arguments.tracing:
@@ -659,6 +748,7 @@ async def main(arguments: argparse.Namespace) -> None:
             set_ups.append(start_envoy("(a) envoy -> pod", directory, None, first))
             for key, name in (
                 ("b", "(b) + no-op ext_proc"),
+                ("b'", "(b') + naive routing ext_proc"),
                 ("c", f"(c) + policyd, {arguments.pods} pods"),
                 ("c'", "(c') + policyd pick-first"),
                 ("d", "(d) + policyd with tracing"),
@@ -767,6 +857,8 @@ def report(set_ups: list[SetUp]) -> None:
     for label, base, more in (
         ("ext_proc floor (b)-(a)", "(a)", "(b)"),
         ("policyd extra  (c)-(b)", "(b)", "(c)"),
+        ("naive router  (b')-(b)", "(b)", "(b')"),
+        ("policyd/naive (c)-(b')", "(b')", "(c)"),
         ("serving path  (c')-(b)", "(b)", "(c')"),
         ("tracing       (d)-(c)", "(c)", "(d)"),
     ):
@@ -810,6 +902,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds per phase")
     parser.add_argument("--pods", type=int, default=100, help="pods policyd scrapes and routes to")
+    parser.add_argument(
+        "--naive", action="store_true", help="also measure (b'): a naive routing ext_proc"
+    )
     parser.add_argument(
         "--pick-first", action="store_true", help="also measure (c'): serving path, no policy"
     )

@@ -1,6 +1,7 @@
 """What policyd's request handling costs when the caches are cold, as they are under load.
 
     python benchmarks/cold_cache.py [--requests 1500] [--rounds 4] [--flush-mb 4] [--tracing]
+                                    [--naive]
 
 Through the real Envoy (``overhead.py``) policyd's serving code costs ~3-4x
 what the same code costs in a hot loop: between two ext_proc messages of a
@@ -24,7 +25,11 @@ loop's timer does every few milliseconds (5 ms at ~1000 requests/s is ~5);
 in the flushed mode the caches are flushed before each batch as well.
 ``--batch 1`` settles each request on its own, as if nothing were deferred.
 
-Rounds alternate the two; medians are printed, with flushed / hot as the
+``--naive`` times ``overhead.py``'s naive routing ext_proc (b') on the same
+messages as well, each reply serialized as gRPC would: the least Python a
+router does per request, next to policyd's.
+
+Rounds alternate the modes; medians are printed, with flushed / hot as the
 figure to compare across runs (the machine's speed drifts).
 """
 
@@ -49,7 +54,12 @@ from policyd.telemetry import DecisionTracer, build_telemetry
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decision import make_pool  # the decision benchmark's pool of 100 pods
-from overhead import ANSWER, BODY  # the request and answer overhead.py sends through Envoy
+from overhead import (  # the request and answer overhead.py sends through Envoy, and (b')
+    ANSWER,
+    BODY,
+    NaiveExchange,
+    NaiveRouter,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,24 +138,57 @@ def build_server(tracing: bool) -> ExternalProcessor:
     return server
 
 
+class PolicydRequest:
+    """One request through policyd's ``Exchange``, as its servicer drives it."""
+
+    def __init__(self, server: ExternalProcessor) -> None:
+        self.exchange = Exchange(server, tuple)
+
+    def message(self, message: pb.ProcessingRequest) -> None:
+        self.exchange.handle(message)
+        self.exchange.after_reply()
+
+    def close(self) -> None:
+        self.exchange.close()
+
+
+class NaiveRequest:
+    """One request through (b'), its replies serialized as gRPC does for a plain servicer."""
+
+    def __init__(self, router: NaiveRouter) -> None:
+        self.exchange = NaiveExchange(router)
+
+    def message(self, message: pb.ProcessingRequest) -> None:
+        self.exchange.handle(message).SerializeToString()
+
+    def close(self) -> None:
+        return None
+
+
 def run(
-    server: ExternalProcessor, wire: list[bytes], count: int, batch: int, flush: bytearray | None
+    server: ExternalProcessor,
+    wire: list[bytes],
+    count: int,
+    batch: int,
+    flush: bytearray | None,
+    *,
+    naive: NaiveRouter | None = None,
 ) -> list[float]:
-    """Seconds per message phase and in settling, summed over ``count`` requests."""
+    """Seconds per message phase and in settling, summed over ``count`` requests
+    (through (b') instead of policyd with ``naive``; it settles nothing)."""
     zero = bytes(len(flush)) if flush is not None else b""
     clock = time.perf_counter
     parse = pb.ProcessingRequest.FromString
     totals = [0.0] * (len(wire) + 1)
     for done in range(1, count + 1):
-        exchange = Exchange(server, tuple)
+        request = PolicydRequest(server) if naive is None else NaiveRequest(naive)
         for index, raw in enumerate(wire):
             if flush is not None:
                 flush[:] = zero
             start = clock()
-            exchange.handle(parse(raw))
-            exchange.after_reply()
+            request.message(parse(raw))
             totals[index] += clock() - start
-        exchange.close()
+        request.close()
         if done % batch == 0 or done == count:
             if flush is not None:
                 flush[:] = zero
@@ -164,33 +207,45 @@ def main() -> None:
     )
     parser.add_argument("--tracing", action="store_true", help="a span per request (recorded)")
     parser.add_argument("--batch", type=int, default=5, help="requests settled together")
+    parser.add_argument(
+        "--naive", action="store_true", help="also time overhead.py's naive routing ext_proc (b')"
+    )
     arguments = parser.parse_args()
     server = build_server(arguments.tracing)
     wire = messages()
     flush = bytearray(arguments.flush_mb * 1024 * 1024)
-    run(
-        server, wire, 500, arguments.batch, None
-    )  # warm up: caches of the policy and telemetry filled
-    results: dict[str, list[list[float]]] = {"hot": [], "flushed": []}
+    routers: dict[str, NaiveRouter | None] = {"policyd": None}
+    if arguments.naive:
+        routers["(b')"] = NaiveRouter([f"10.0.0.{i}:8000" for i in range(100)])
+    for naive in routers.values():  # warm up: caches of the policy and telemetry filled
+        run(server, wire, 500, arguments.batch, None, naive=naive)
+    results: dict[tuple[str, str], list[list[float]]] = {}
     for _ in range(arguments.rounds):
-        for mode, buffer in (("hot", None), ("flushed", flush)):
-            seconds = run(server, wire, arguments.requests, arguments.batch, buffer)
-            results[mode].append([s / arguments.requests * 1e6 for s in seconds])
+        for who, naive in routers.items():
+            for mode, buffer in (("hot", None), ("flushed", flush)):
+                seconds = run(
+                    server, wire, arguments.requests, arguments.batch, buffer, naive=naive
+                )
+                rounds = results.setdefault((who, mode), [])
+                rounds.append([s / arguments.requests * 1e6 for s in seconds])
     medians = {
-        mode: [statistics.median(r[i] for r in rounds) for i in range(len(PHASES))]
-        for mode, rounds in results.items()
+        key: [statistics.median(r[i] for r in rounds) for i in range(len(PHASES))]
+        for key, rounds in results.items()
     }
     what = "with tracing" if arguments.tracing else "tracing off"
-    print(
-        f"== one request's ext_proc messages through Exchange ({what}, settled in batches of "
-        f"{arguments.batch}), us per request"
-    )
-    print(f"{'phase':20s} {'hot':>8s} {'flushed':>8s} {'flushed/hot':>12s}")
-    for index, phase in enumerate(PHASES):
-        hot, cold = medians["hot"][index], medians["flushed"][index]
-        print(f"{phase:20s} {hot:8.1f} {cold:8.1f} {cold / hot:11.1f}x")
-    hot, cold = sum(medians["hot"]), sum(medians["flushed"])
-    print(f"{'all':20s} {hot:8.1f} {cold:8.1f} {cold / hot:11.1f}x")
+    for who in routers:
+        through = "Exchange" if who == "policyd" else "the naive routing ext_proc (b')"
+        print(
+            f"== one request's ext_proc messages through {through} ({what}, settled in "
+            f"batches of {arguments.batch}), us per request"
+        )
+        print(f"{'phase':20s} {'hot':>8s} {'flushed':>8s} {'flushed/hot':>12s}")
+        hot_phases, cold_phases = medians[(who, "hot")], medians[(who, "flushed")]
+        for phase, hot, cold in zip(PHASES, hot_phases, cold_phases, strict=True):
+            ratio = f"{cold / hot:11.1f}x" if hot else f"{'-':>12s}"
+            print(f"{phase:20s} {hot:8.1f} {cold:8.1f} {ratio}")
+        hot, cold = sum(hot_phases), sum(cold_phases)
+        print(f"{'all':20s} {hot:8.1f} {cold:8.1f} {cold / hot:11.1f}x")
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def main() -> None:
     flush = bytearray(arguments.flush_mb * 1024 * 1024)
     routers: dict[str, NaiveRouter | None] = {"policyd": None}
     if arguments.naive:
-        routers["(b')"] = NaiveRouter([f"10.0.0.{i}:8000" for i in range(100)])
+        routers["(b')"] = NaiveRouter([f"127.0.0.1:{8000 + i}" for i in range(100)])
     for naive in routers.values():  # warm up: caches of the policy and telemetry filled
         run(server, wire, 500, arguments.batch, None, naive=naive)
     results: dict[tuple[str, str], list[list[float]]] = {}

@@ -779,11 +779,7 @@ async def main(arguments: argparse.Namespace) -> None:
             if collector is not None:
                 collector_cpu = process_cpu_seconds(collector.pid) - collector_cpu
         finally:
-            for set_up in set_ups:
-                if set_up.session is not None:
-                    await set_up.session.close()
-                set_up.envoy.stop()
-            processes.stop()
+            await stop_all(set_ups, processes)
     report(set_ups)
     where = "on its serving loop" if arguments.scrape_in_process else "in its scraper child"
     print(
@@ -804,6 +800,15 @@ async def main(arguments: argparse.Namespace) -> None:
                 "(the SDK drops spans when its export queue is full); the collector "
                 f"stand-in's CPU: {collector_cpu / max(spans, 1) * 1e6:.0f} us per span"
             )
+
+
+async def stop_all(set_ups: list[SetUp], processes: Processes) -> None:
+    """Close the set-ups' client sessions and Envoys, then stop the helper processes."""
+    for set_up in set_ups:
+        if set_up.session is not None:
+            await set_up.session.close()
+        set_up.envoy.stop()
+    processes.stop()
 
 
 async def policyd_ready(port: int, pods: int) -> None:

@@ -42,6 +42,7 @@ from overhead import (
     policyd_ready,
     start_envoy,
     start_processes,
+    stop_all,
 )
 
 from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG
@@ -90,6 +91,7 @@ async def soak(arguments: argparse.Namespace) -> list[Samples]:
         pods=arguments.pods,
         profile=None,
         scrape_in_process=False,
+        naive=False,
         pick_first=False,
         tracing=False,
     )
@@ -124,11 +126,7 @@ async def soak(arguments: argparse.Namespace) -> list[Samples]:
                     held = sum(open_files(child) for child in children)
                     sample.files.append((open_files(sample.pid), held))
         finally:
-            for set_up in set_ups:
-                if set_up.session is not None:
-                    await set_up.session.close()
-                set_up.envoy.stop()
-            processes.stop()
+            await stop_all(set_ups, processes)
     return samples
 
 

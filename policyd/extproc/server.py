@@ -29,6 +29,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2_grpc
 
+from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.health import HealthReporter
 from policyd.extproc.interfaces import (
     NoTelemetry,
@@ -37,7 +38,7 @@ from policyd.extproc.interfaces import (
     SnapshotSource,
     Telemetry,
 )
-from policyd.extproc.servicer import ExternalProcessor, ServingSettings
+from policyd.extproc.servicer import ExternalProcessor
 
 log = logging.getLogger("policyd.extproc.server")
 

@@ -26,10 +26,11 @@ from extproc_support import (
     settled,
 )
 
+from policyd.extproc.exchange import Exchange, ServingSettings
 from policyd.extproc.interfaces import NULL_SPAN
 from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.extproc.server import ExtProcServer, ServerOptions
-from policyd.extproc.servicer import Exchange, ExternalProcessor, ServingSettings
+from policyd.extproc.servicer import ExternalProcessor
 from policyd.policy.decision import Decision, Outcome
 from policyd.pool.pod import Pod
 

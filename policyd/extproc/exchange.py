@@ -1,0 +1,522 @@
+"""One HTTP request's life through policyd, message by message: ``Exchange``.
+
+Envoy opens an ext_proc stream per request and sends its phases in order:
+request headers, the request body (one BUFFERED message, or STREAMED chunks
+that are accumulated to the end), response headers, response body chunks,
+trailers if configured. An ``Exchange`` holds one request's state across
+those messages and answers each one (``policyd.extproc.servicer`` moves the
+messages between gRPC and it).
+
+Isolation is the rule: whatever one request does (bad JSON, a router that
+raises, a telemetry bug) ends as an answer for that request alone, and
+``handle`` never raises. The in-flight count of the chosen pod goes up when a
+request is routed and down exactly once when its exchange ends, however it
+ends.
+
+This module is compiled with mypyc when policyd is installed (``setup.py``):
+it runs for every message, and compiled it costs about a quarter less
+(``benchmarks/cold_cache.py``). Nothing in it may rely on being interpreted
+(no monkeypatching, no subclassing of its classes elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from policyd.extproc import bodyless, replies
+from policyd.extproc.errors import RequestError
+from policyd.extproc.interfaces import (
+    NULL_SPAN,
+    RequestSpan,
+    RouterSource,
+    SnapshotSource,
+    Telemetry,
+)
+from policyd.extproc.openai import InferenceBody, parse_body, rewrite_model
+from policyd.extproc.settlement import Settlement
+from policyd.extproc.usage import UsageReader
+from policyd.policy.decision import Decision, Outcome
+from policyd.policy.request import Request
+from policyd.pool.pod import InFlight, Pod
+
+log = logging.getLogger("policyd.extproc")
+
+TRACE_KEYS: Final = ("traceparent", "tracestate")
+_BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
+
+
+@dataclass(frozen=True, slots=True)
+class ServingSettings:
+    """Per-server knobs of the request path.
+
+    ``send_fallbacks`` puts the decision's fallbacks after the chosen endpoint
+    (``a:1,b:2``) as the endpoint-picker protocol allows; enable it only when
+    Envoy's cluster understands a list (the override-host load-balancing
+    policy). An ORIGINAL_DST cluster, which ``policyd envoy-config``
+    generates, takes exactly one ``ip:port`` and fails on a list.
+    """
+
+    send_fallbacks: bool = False
+    max_body_bytes: int = 16 * 1024 * 1024
+
+
+class ServingContext(Protocol):
+    """What an exchange reads of its server (``ExternalProcessor``)."""
+
+    @property
+    def routers(self) -> RouterSource: ...
+    @property
+    def snapshots(self) -> SnapshotSource: ...
+    @property
+    def telemetry(self) -> Telemetry: ...
+    @property
+    def settings(self) -> ServingSettings: ...
+    @property
+    def route_replies(self) -> replies.RouteReplies: ...
+    @property
+    def settlement(self) -> Settlement: ...
+    @property
+    def rng(self) -> random.Random: ...
+
+
+class _TraceCarrier(Mapping[str, str]):
+    """The trace context a decision span is parented on, worked out when first read.
+
+    Envoy's own (``traceparent`` / ``tracestate`` in the ext_proc stream's
+    gRPC metadata) when it sent one, else the client's HTTP headers. grpc
+    builds the stream's metadata anew on every ``invocation_metadata()``
+    call (a few microseconds), and only tracing and the decision log read
+    the carrier: without them it is never read.
+    """
+
+    __slots__ = ("_headers", "_items", "_metadata")
+
+    def __init__(self, metadata: Callable[[], Any], headers: Mapping[str, str]) -> None:
+        self._metadata = metadata
+        self._headers = headers
+        self._items: dict[str, str] | None = None
+
+    def _read(self) -> dict[str, str]:
+        items = self._items
+        if items is None:
+            items = {}
+            for key, value in self._metadata() or ():
+                text = value if isinstance(value, str) else value.decode()
+                if key in TRACE_KEYS and text:
+                    items[key] = text
+            if not items and "traceparent" in self._headers:
+                items = {k: v for k in TRACE_KEYS if (v := self._headers.get(k))}
+            self._items = items
+        return items
+
+    def __getitem__(self, key: str) -> str:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+
+class Exchange:
+    """One HTTP request's life through policyd, phase by phase."""
+
+    __slots__ = (
+        "_body",
+        "_body_mode",
+        "_completed",
+        "_decided_at",
+        "_duration",
+        "_end_due",
+        "_ended",
+        "_first_body_at",
+        "_headers",  # regular request headers: what policies see as request.headers
+        "_load",
+        "_metadata",
+        "_method",
+        "_path",
+        "_queued",
+        "_record_due",
+        "_replied",
+        "_server",
+        "_span",
+        "_status",
+        "_to_headers",
+        "_usage",
+        "answered",
+    )
+
+    def __init__(self, server: ServingContext, metadata: Callable[[], Any]) -> None:
+        """``metadata`` gives the ext_proc stream's gRPC metadata (read only for
+        the trace context, and only when telemetry asks for it)."""
+        self._server = server
+        self._metadata = metadata
+        self._headers: dict[str, str] = {}
+        self._path = ""
+        self._method = ""
+        self._body = bytearray()
+        self._body_mode: int | None = None  # unknown until protocol_config says
+        self._span: RequestSpan | None = None
+        self._replied = True  # False from the decision until its reply has gone out
+        self._load: InFlight | None = None
+        self._decided_at = 0.0
+        self._first_body_at: float | None = None
+        self._usage: UsageReader | None = None
+        self._ended = False
+        self.answered = False  # True once policyd answered the request itself (an error)
+        # The bookkeeping left to settle (see settlement.py) and what it needs.
+        self._queued = False
+        self._record_due = False
+        self._end_due = False
+        self._status: int | None = None  # the response's, once its headers came
+        self._to_headers = 0.0
+        self._completed = False
+        self._duration = 0.0
+
+    # -- dispatch -------------------------------------------------------------------
+
+    def handle(self, message: pb.ProcessingRequest) -> bytes:
+        """The reply to one message; never raises."""
+        phase = message.WhichOneof("request")
+        try:
+            if self._body_mode is None and message.HasField("protocol_config"):
+                self._configure(message.protocol_config)  # sent with the first message only
+            if phase == "request_headers":
+                return self._on_request_headers(message.request_headers)
+            if phase == "request_body":
+                return self._on_request_body(message.request_body)
+            if phase == "request_trailers":
+                return self._on_request_trailers()
+            if phase == "response_headers":
+                return self._on_response_headers(message.response_headers)
+            if phase == "response_body":
+                return self._on_response_body(message.response_body)
+            if phase == "response_trailers":
+                self._end(completed=True)
+                return replies.RESPONSE_TRAILERS_CONTINUE
+            raise RequestError.internal(f"unexpected ext_proc message {phase!r}")
+        except RequestError as error:
+            if self._span is None:
+                self._report("rejected", error.code)
+            return self._reject(error)
+        except Exception:
+            log.exception("request %s: internal error in phase %s", self._request_id, phase)
+            self._report("internal", phase or "unknown")
+            if phase is not None and phase.startswith("response"):
+                return _CONTINUE[phase]  # the response is on its way: never break it
+            return self._reject(RequestError.internal())
+
+    def after_reply(self) -> None:
+        """The last reply went out: what telemetry deferred past the decision is now due."""
+        if not self._replied:
+            self._replied = True
+            if self._span is not None:
+                self._record_due = True
+                self._settle_later()
+
+    @property
+    def ended(self) -> bool:
+        """Whether the exchange has ended (response complete, or answered by policyd)."""
+        return self._ended
+
+    def close(self) -> None:
+        """The stream is gone; settle what a normal end would have settled."""
+        self.after_reply()
+        self._end(completed=False)
+
+    def _configure(self, config: pb.ProtocolConfiguration) -> None:
+        self._body_mode = config.request_body_mode
+
+    # -- request path ---------------------------------------------------------------
+
+    @property
+    def _request_id(self) -> str:
+        return self._headers.get("x-request-id", "-")
+
+    def _on_request_headers(self, message: pb.HttpHeaders) -> bytes:
+        # Pseudo-headers (:path, :method, ...) are not part of what policies see,
+        # nor is a client's destination header.
+        headers = self._headers
+        for header in message.headers.headers:
+            name = header.key.lower()  # Envoy's are already; other clients' may not be
+            raw = header.raw_value
+            value = raw.decode("utf-8", "replace") if raw else header.value
+            if name.startswith(":"):
+                if name == ":path":
+                    self._path = value.split("?", 1)[0]
+                elif name == ":method":
+                    self._method = value
+            elif name in headers:
+                headers[name] += "," + value
+            elif name != replies.DESTINATION_HEADER:
+                headers[name] = value
+        if message.end_of_stream:
+            if self._method in bodyless.METHODS:
+                return self._route_without_body()
+            raise RequestError.bad_request(
+                "the request has no body: policyd routes OpenAI requests with a JSON body",
+                "missing_body",
+            )
+        return replies.REQUEST_HEADERS_CONTINUE
+
+    def _on_request_body(self, message: pb.HttpBody) -> bytes:
+        if self._span is not None:
+            return replies.REQUEST_BODY_CONTINUE  # already routed; nothing left to decide
+        chunk = message.body
+        whole = message.end_of_stream or self._body_mode == _BodyMode.BUFFERED
+        if whole and not self._body:  # the whole body in one message: no copy to gather it
+            body = chunk
+        else:
+            self._body += chunk
+            body = self._body
+        if len(body) > self._server.settings.max_body_bytes:
+            raise RequestError(
+                413, "the request body is larger than policyd accepts", "body_too_large"
+            )
+        if whole:
+            return self._route(bytes(body))  # BUFFERED: one message, even when trailers follow
+        if self._body_mode == _BodyMode.BUFFERED_PARTIAL:
+            raise RequestError(
+                413, "the request body exceeds the proxy's buffer limit", "body_too_large"
+            )
+        return replies.REQUEST_BODY_CONTINUE  # STREAMED: wait for the rest
+
+    def _on_request_trailers(self) -> bytes:
+        if self._span is None:
+            # A STREAMED body ended by trailers: a trailers reply cannot set the
+            # destination, so the request cannot be routed.
+            raise RequestError.bad_request(
+                "request trailers are not supported by policyd's streamed body mode",
+                "unsupported_trailers",
+            )
+        return replies.REQUEST_TRAILERS_CONTINUE
+
+    def _route(self, document: bytes) -> bytes:
+        body = parse_body(document, self._path)
+        if self._body:
+            self._body = bytearray()  # gathered from several messages: let it go
+        request = self._build_request(body)
+        started = time.perf_counter()
+        candidates: Sequence[Pod] = ()
+        try:
+            candidates = self._server.snapshots().candidates
+            decision = self._checked(self._server.routers().decide(request, candidates))
+        except Exception as error:
+            log.exception("request %s: the router raised", request.id or "-")
+            reason = f"the routing policy failed on this request ({type(error).__name__})"
+            decision = Decision(Outcome.ERROR, "", "", request.model, reason=reason)
+        span = self._decided(request, decision, started)
+        self._load = _claim(decision, candidates)
+        settings = self._server.settings
+        destination = replies.destination_value(
+            decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
+        )
+        target = decision.target_model or body.model
+        new_body = rewrite_model(body, target) if target != body.model else None
+        return self._server.route_replies.route(destination, self._upstream_headers(span), new_body)
+
+    def _route_without_body(self) -> bytes:
+        """Send a body-less GET or HEAD to the least busy ready pod (``bodyless``)."""
+        headers = self._headers
+        request = Request(
+            model="", headers=headers, path=self._path, id=headers.get("x-request-id", "")
+        )
+        started = time.perf_counter()
+        candidates = self._server.snapshots().candidates
+        decision = bodyless.least_busy_pod(candidates, self._server.rng)
+        span = self._decided(request, decision, started)
+        self._load = _claim(decision, candidates)
+        return replies.route_headers(decision.endpoint, self._upstream_headers(span))
+
+    def _decided(self, request: Request, decision: Decision, started: float) -> RequestSpan:
+        """Open the decision's span; a decision that did not route becomes its error."""
+        self._decided_at = time.perf_counter()
+        span = self._span = self._start_span(request, decision, self._decided_at - started)
+        self._replied = False
+        if decision.outcome is not Outcome.ROUTED:
+            raise RequestError.from_decision(decision)
+        return span
+
+    def _build_request(self, body: InferenceBody) -> Request:
+        # Criticality is the policy's to decide (its own header, the model's
+        # setting, its default), so it is not read here.
+        headers = self._headers
+        return Request(
+            model=body.model,
+            headers=headers,
+            prompt_tokens=body.prompt_tokens,
+            max_tokens=body.max_tokens,
+            stream=body.stream,
+            path=self._path,
+            id=headers.get("x-request-id", ""),
+        )
+
+    def _checked(self, decision: Decision) -> Decision:
+        """A routed decision must name an endpoint; one that does not is a router bug."""
+        if decision.outcome is Outcome.ROUTED and not decision.endpoint:
+            log.error("request %s: routed decision without an endpoint", self._request_id)
+            return Decision(
+                Outcome.ERROR,
+                decision.policy,
+                decision.policy_version,
+                decision.target_model,
+                reason="the routing policy chose no endpoint",
+            )
+        return decision
+
+    def _start_span(self, request: Request, decision: Decision, seconds: float) -> RequestSpan:
+        carrier = _TraceCarrier(self._metadata, self._headers)
+        try:
+            return self._server.telemetry.start(request, decision, carrier, seconds)
+        except Exception:
+            log.exception("request %s: telemetry failed to start a span", request.id or "-")
+            return NULL_SPAN
+
+    def _upstream_headers(self, span: RequestSpan) -> Mapping[str, str]:
+        try:
+            return span.upstream_headers
+        except Exception:
+            log.exception("request %s: telemetry failed to give trace headers", self._request_id)
+            return {}
+
+    def _reject(self, error: RequestError) -> bytes:
+        if self._span is not None:
+            self._status, self._to_headers = error.status, self._elapsed()
+        self._end(completed=True)
+        log.debug("request %s: %d %s", self._request_id, error.status, error.message)
+        self.answered = True
+        return replies.immediate(error)
+
+    # -- response path --------------------------------------------------------------
+
+    def _on_response_headers(self, message: pb.HttpHeaders) -> bytes:
+        status = 0
+        content_type = ""
+        for header in message.headers.headers:
+            key = header.key
+            if key == ":status":
+                status = int(_value(header) or 0)
+            elif key == "content-type":
+                content_type = _value(header)
+            else:
+                continue
+            if status and content_type:
+                break
+        self._usage = UsageReader(content_type)
+        if self._span is not None:
+            self._status, self._to_headers = status, self._elapsed()
+        if message.end_of_stream:
+            self._end(completed=True)
+        return replies.RESPONSE_HEADERS_CONTINUE
+
+    def _on_response_body(self, message: pb.HttpBody) -> bytes:
+        chunk = message.body  # each read of a bytes field makes a new copy
+        if self._first_body_at is None and chunk:
+            self._first_body_at = time.perf_counter()
+        if self._usage is not None:
+            self._usage.feed(chunk)
+        if message.end_of_stream:
+            self._end(completed=True)
+        return replies.RESPONSE_BODY_CONTINUE
+
+    def _end(self, *, completed: bool) -> None:
+        """End the exchange once: release the pod now, settle the span later."""
+        if self._ended:
+            return
+        self._ended = True
+        if not completed:
+            self._report("aborted", "decided" if self._span is not None else "undecided")
+        if self._load is not None:
+            self._load.count -= 1
+            self._load = None
+        if self._span is not None:
+            self._completed = completed
+            self._duration = self._elapsed()
+            self._end_due = True
+            self._settle_later()
+
+    def _settle_later(self) -> None:
+        if not self._queued:
+            self._queued = True
+            self._server.settlement.add(self)
+
+    def settle(self) -> None:
+        """The telemetry due since the last call: the decision's record, then the response's.
+
+        Called by the settlement, a few milliseconds after the replies (see
+        ``settlement.py``); never raises.
+        """
+        self._queued = False
+        span = self._span
+        if span is None:
+            return
+        if self._record_due:
+            self._record_due = False
+            self._safely(span.after_reply)
+        if not self._end_due:
+            return
+        self._end_due = False
+        if self._status is not None:
+            self._safely(span.response_headers, self._status, self._to_headers)
+        try:
+            usage = self._usage.finish() if self._usage is not None else None
+            first_body = (
+                self._first_body_at - self._decided_at if self._first_body_at is not None else None
+            )
+            span.end(
+                completed=self._completed,
+                duration_seconds=self._duration,
+                first_body_seconds=first_body,
+                prompt_tokens=usage.prompt_tokens if usage else None,
+                completion_tokens=usage.completion_tokens if usage else None,
+            )
+        except Exception:
+            log.exception("request %s: telemetry failed to end a span", self._request_id)
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._decided_at
+
+    def _report(self, kind: str, code: str) -> None:
+        self._safely(self._server.telemetry.stream_error, kind, code)
+
+    def _safely(self, call: Callable[..., object], *arguments: object) -> None:
+        try:
+            call(*arguments)
+        except Exception:
+            log.exception("request %s: telemetry hook failed", self._request_id)
+
+
+def _claim(decision: Decision, candidates: Sequence[Pod]) -> InFlight | None:
+    """Count the request against the chosen pod until its exchange ends.
+
+    The router hands over the pod it picked; a router that names only the pod
+    or endpoint (a test's, a benchmark's) has it looked up among the candidates.
+    """
+    if isinstance(decision.chosen, Pod):
+        decision.chosen.load.count += 1
+        return decision.chosen.load
+    for pod in candidates:
+        if pod.name == decision.pod or (not decision.pod and pod.address == decision.endpoint):
+            pod.load.count += 1
+            return pod.load
+    return None
+
+
+def _value(header: Any) -> str:
+    return header.raw_value.decode("utf-8", "replace") if header.raw_value else str(header.value)
+
+
+_CONTINUE: Final[dict[str, bytes]] = {
+    "response_headers": replies.RESPONSE_HEADERS_CONTINUE,
+    "response_body": replies.RESPONSE_BODY_CONTINUE,
+    "response_trailers": replies.RESPONSE_TRAILERS_CONTINUE,
+}

@@ -22,7 +22,6 @@ from policyd.telemetry.metrics import DecisionMetrics
 from policyd.telemetry.pool_metrics import PoolCollector
 from policyd.telemetry.record import DecisionTelemetry, RequestRecord
 from policyd.telemetry.setup import (
-    PolicydTelemetry,
     build_telemetry,
     tracer_from_env,
     tracing_configured,
@@ -35,7 +34,6 @@ __all__ = [
     "DecisionTelemetry",
     "DecisionTracer",
     "MetricsServer",
-    "PolicydTelemetry",
     "PoolCollector",
     "RequestRecord",
     "build_telemetry",

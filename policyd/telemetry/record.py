@@ -86,6 +86,13 @@ class DecisionTelemetry:
         self._request_groups: dict[tuple[Any, ...], FrozenAttributes] = {}
         self._pod_groups: dict[tuple[str, str], FrozenAttributes] = {}
 
+    def shutdown(self) -> None:
+        """Export the spans still queued and write the log entries still queued."""
+        if self.tracer is not None:
+            self.tracer.shutdown()
+        if self.decision_log is not None:
+            self.decision_log.close()
+
     def request_attributes(self, request: Request, decision: Decision) -> FrozenAttributes:
         """The attributes a decision span shares with the same kind of request under
         the same policy: operation, models, policy, criticality, outcome."""

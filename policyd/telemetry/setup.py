@@ -41,17 +41,6 @@ INSTRUMENTATION_NAME: Final = "policyd"
 _TRUE: Final = ("true", "1", "yes")
 
 
-class PolicydTelemetry(DecisionTelemetry):
-    """``DecisionTelemetry`` that owns its tracer's exporters and its log writer."""
-
-    def shutdown(self) -> None:
-        """Export the spans still queued and write the log entries still queued."""
-        if self.tracer is not None:
-            self.tracer.shutdown()
-        if self.decision_log is not None:
-            self.decision_log.close()
-
-
 def build_telemetry(
     *,
     tracing: bool | None = None,
@@ -60,7 +49,7 @@ def build_telemetry(
     registry: CollectorRegistry | None = None,
     decision_log: str = "",
     decision_log_sample_rate: float = 1.0,
-) -> PolicydTelemetry:
+) -> DecisionTelemetry:
     """policyd's telemetry: spans (see the module docstring), metrics, decision log.
 
     ``tracing`` None means "as configured"; ``otlp_endpoint`` (``host:port``
@@ -79,7 +68,7 @@ def build_telemetry(
         if decision_log
         else None
     )
-    return PolicydTelemetry(
+    return DecisionTelemetry(
         tracer=tracer,
         metrics=DecisionMetrics(registry) if metrics else None,
         decision_log=log,

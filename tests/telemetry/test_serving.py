@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from telemetry_support import Spans, pods, router_for
 
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.policy import Router
-from policyd.policy.decision import Decision
+from policyd.policy.decision import Decision, ShadowTrial
+from policyd.policy.request import Request
 from policyd.telemetry import DecisionMetrics, DecisionTelemetry
 from policyd.telemetry import attributes as a
 
@@ -123,22 +125,36 @@ async def test_stream_errors_reach_the_metrics(rig: Rig, spans: Spans) -> None:
     assert dict(span.attributes or {})[a.RESPONSE_COMPLETED] is False
 
 
-class SlowShadows(Router):
-    """The real Router, with shadow evaluation slowed down so its timing is visible."""
+class SlowShadows:
+    """The real Router, with shadow evaluation slowed down so its timing is visible.
+
+    It wraps the router rather than subclassing it: the router is compiled
+    (``pyproject.toml``, ``[tool.policyd] compiled``), so its own calls would
+    not reach an override anyway.
+    """
 
     delay = 0.5
 
     def __init__(self, router: Router) -> None:
-        super().__init__(router.store)
+        self.router = router
         self.shadow_started = 0.0
         self.shadow_ended = 0.0
 
-    def _shadow_decisions(self, *arguments: Any) -> list[Decision]:
-        self.shadow_started = time.monotonic()
-        time.sleep(self.delay)  # blocks the event loop, as CPU-bound shadows would
-        decisions = super()._shadow_decisions(*arguments)
-        self.shadow_ended = time.monotonic()
-        return decisions
+    def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
+        decision = self.router.decide(request, candidates)
+        trial = decision.shadows
+        if trial is None:
+            return decision
+
+        def slowly() -> list[Decision]:
+            self.shadow_started = time.monotonic()
+            time.sleep(self.delay)  # blocks the event loop, as CPU-bound shadows would
+            decisions = [result.decision for result in trial.results()]
+            self.shadow_ended = time.monotonic()
+            return decisions
+
+        slow_trial = ShadowTrial(slowly, trial.live_outcome, trial.live_pod)
+        return dataclasses.replace(decision, shadows=slow_trial)
 
 
 def exchange_in_a_thread(port: int, done: threading.Event) -> float:

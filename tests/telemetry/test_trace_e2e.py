@@ -29,7 +29,7 @@ from policyd.extproc.envoy_process import EnvoyProcess
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Router
 from policyd.pool.pod import Pod
-from policyd.telemetry import PolicydTelemetry, build_telemetry
+from policyd.telemetry import DecisionTelemetry, build_telemetry
 from policyd.telemetry import attributes as a
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -43,7 +43,7 @@ class TracedGateway:
     url: str
     collector: OtlpCollector
     upstreams: dict[str, TestUpstream]
-    telemetry: PolicydTelemetry
+    telemetry: DecisionTelemetry
     client: aiohttp.ClientSession
     server: ExtProcServer
 

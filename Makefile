@@ -4,10 +4,13 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The hot path compiled with mypyc in place (setup.py), rebuilt when its sources change.
+COMPILED := $(VENV)/.compiled
+COMPILED_SOURCES := $(shell sed -n '/^compiled = \[/,/^\]/s/.*"\(policyd\/[^"]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: demo test lint typecheck unit bench install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -17,10 +20,14 @@ $(STAMP): pyproject.toml
 		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
-install: $(STAMP)
+$(COMPILED): $(STAMP) $(COMPILED_SOURCES)
+	POLICYD_COMPILE=1 $(BIN)/python setup.py --quiet build_ext --inplace
+	touch $(COMPILED)
+
+install: $(COMPILED)
 
 ## The main job on an embedded default: Envoy + policyd + a simulated pool.
-demo: $(STAMP)
+demo: $(COMPILED)
 	$(BIN)/policyd demo
 
 ## The whole suite: lint, types, then every test (Envoy end-to-end included).
@@ -33,12 +40,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(COMPILED)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## Every benchmark script in turn; each prints its figures as ratios to a baseline.
-bench: $(STAMP)
+bench: $(COMPILED)
 	set -e; for script in benchmarks/*.py; do echo "== $$script"; $(BIN)/python $$script; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build policyd.egg-info
+	find . -path ./.git -prune -o -name '*.so' -print -exec rm -f {} +

@@ -13,10 +13,11 @@ raises, a telemetry bug) ends as an answer for that request alone, and
 request is routed and down exactly once when its exchange ends, however it
 ends.
 
-This module is compiled with mypyc when policyd is installed (``setup.py``):
-it runs for every message, and compiled it costs about a quarter less
-(``benchmarks/cold_cache.py``). Nothing in it may rely on being interpreted
-(no monkeypatching, no subclassing of its classes elsewhere).
+``make install`` compiles this module with mypyc (``setup.py``), with the
+rest of the hot path: it runs for every message, and compiled, a request's
+messages cost about a quarter less (``benchmarks/cold_cache.py``). Nothing in
+it may rely on being interpreted (no monkeypatching, no subclassing of its
+classes elsewhere).
 """
 
 from __future__ import annotations

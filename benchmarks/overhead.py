@@ -878,7 +878,7 @@ def report(set_ups: list[SetUp]) -> None:
         ("serving path  (c')-(b)", "(b)", "(c')"),
         ("tracing       (d)-(c)", "(c)", "(d)"),
     ):
-        if more in results:
+        if base in results and more in results:
             (base50, base99, base_rps), (p50, p99, rps) = (
                 results[base].figures(),
                 results[more].figures(),

@@ -326,6 +326,28 @@ def test_hints_find_families_that_moved_or_vanished() -> None:
         vllm.parse(b"vllm:num_requests_running 1\n", hints)
 
 
+def test_hints_follow_families_that_shifted_a_few_bytes() -> None:
+    # A counter above them gained digits: every family sits a few bytes
+    # further on, and the hints move with them (the next parse looks there).
+    def page(counter: str) -> bytes:
+        return (f"process_cpu_seconds_total {counter}\n" + BASE).encode()
+
+    hints = vllm.new_hints()
+    assert vllm.parse(page("0.5"), hints).kv_cache == 0.5
+    before = hints[:3]
+    longer = page("0.6900000000000001")
+    assert vllm.parse(longer, hints) == vllm.parse(longer)
+    assert [hint - 15 for hint in hints[:3]] == before
+    names = (
+        b"vllm:num_requests_waiting",
+        b"vllm:num_requests_running",
+        b"vllm:kv_cache_usage_perc",
+    )
+    assert hints[:3] == [longer.index(name) for name in names]
+    assert vllm.parse(page("1"), hints) == vllm.parse(page("1"))  # and back, 17 bytes earlier
+    assert [hint + 2 for hint in hints[:3]] == before
+
+
 def test_a_family_that_gains_series_around_its_hinted_line_counts_them_all() -> None:
     hints = vllm.new_hints()
     page = "# padding\n" * 5 + BASE

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
-from policyd.cel.values import NANOS_PER_SECOND, Duration
+from policyd.cel.values import NANOS_PER_SECOND, ZERO_DURATION, Duration
 from policyd.pool.discovery import PodIdentity
 from policyd.pool.exposition import NO_METRICS, PodMetrics
 from policyd.pool.pod import InFlight, Pod
@@ -229,7 +229,8 @@ class Datastore:
                     active_loras=metrics.active_loras,
                     waiting_loras=metrics.waiting_loras,
                     max_loras=metrics.max_loras,
-                    metrics_age=Duration.from_seconds(age),
+                    # Just scraped, the commonest case: no Duration to make.
+                    metrics_age=ZERO_DURATION if age == 0.0 else Duration.from_seconds(age),
                     load=member.load,
                 )
             pods.append(pod)

@@ -154,13 +154,13 @@ class MetricsClient:
                     on_done(endpoint)
                 return
             for key, mask in select(left):
-                endpoint = key.data
-                if endpoint is None:
+                ready: MetricsEndpoint | None = key.data  # None: the wake-up socket
+                if ready is None:
                     woken()
                     continue
-                endpoint.handle(mask)
-                if endpoint.finished and endpoint in waiting:
-                    settle(endpoint)
+                ready.handle(mask)
+                if ready.finished and ready in waiting:
+                    settle(ready)
 
     def wake(self) -> None:
         """Have the running (or next) ``fetch`` call its ``on_wake``; safe from any thread."""

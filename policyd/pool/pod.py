@@ -8,8 +8,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar, dataclass_transform
 
 from policyd.cel.values import ZERO_DURATION, Duration
+
+_Class = TypeVar("_Class")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
+def _read_only(cls: type[_Class]) -> type[_Class]:
+    """A slotted dataclass that the type checker holds read-only, but that is
+    not frozen at run time.
+
+    The pool builds a ``Pod`` for every pod whose metrics changed, which is
+    every busy pod every scrape round: a hundred pods, ten times a second, on
+    the serving loop. A frozen dataclass sets each field through
+    ``object.__setattr__``, and its ``__init__`` then costs 2.0-2.7 us where
+    a plain slotted one costs 0.34 (``timeit``, eleven fields). mypy still
+    rejects any assignment to a field, which is what keeps snapshots
+    immutable for the requests reading them.
+    """
+    return dataclass(slots=True)(cls)
 
 
 @dataclass(slots=True)
@@ -24,7 +43,7 @@ class InFlight:
     count: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@_read_only
 class Pod:
     """One pod in a published snapshot: identity, last scraped metrics, load."""
 

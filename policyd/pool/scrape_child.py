@@ -4,10 +4,12 @@ Started by ``ProcessScraper`` (``policyd.pool.scrape_process``), never by
 hand. ``FD`` is its end of a Unix socket pair: the first message sets up a
 ``ScrapeLoop``, then each ``ScrapeRequest`` is answered with its round's
 results and each ``RetainRequest`` closes the connections of pods that left,
-in the order they came. A request that waited while a round ran is skipped
-when a newer one waits behind it: the serving process has already given up
-on it. Log records go back over the socket. When the socket closes (the
-serving process stopped it or died) the child exits.
+in the order they came. A request without addresses scrapes those of the
+request before. A request that waited while a round ran is skipped when a
+newer one waits behind it (the serving process has already given up on it),
+but the addresses it carried still count. Log records go back over the
+socket. When the socket closes (the serving process stopped it or died) the
+child exits.
 
 One thread and no event loop: the child waits on its socket between rounds
 and runs each round on the scrape loop's own selector, which costs a fraction
@@ -101,6 +103,7 @@ def serve(sock: socket.socket) -> int:
     root.handlers[:] = [_LinkHandler(channel)]
     root.setLevel(setup.log_level)
     scraper = ScrapeLoop(setup.config)
+    addresses: list[str] = []  # the last request's that carried any
     try:
         channel.send(Ready(os.getpid()))
         while True:
@@ -111,9 +114,12 @@ def serve(sock: socket.socket) -> int:
             for i, message in enumerate(messages):
                 if isinstance(message, RetainRequest):
                     scraper.retain(message.addresses)
-                elif isinstance(message, ScrapeRequest) and i == newest:
-                    results = scraper.scrape(message.addresses)
-                    channel.send(RoundAnswer(message.round, to_wire(results)))
+                elif isinstance(message, ScrapeRequest):
+                    if message.addresses is not None:
+                        addresses = message.addresses
+                    if i == newest:
+                        results = scraper.scrape(addresses)
+                        channel.send(RoundAnswer(message.round, to_wire(results)))
             messages = channel.receive()
             if not messages:
                 return 0

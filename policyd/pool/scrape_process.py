@@ -9,10 +9,13 @@ stalls of the serving loop every round. ``ProcessScraper`` has the in-process
 ``ScrapeRounds``) but a ``ScrapeLoop`` in a child process
 (``policyd.pool.scrape_child``) does the work on the child's only thread,
 keeping its kept-alive connections and per-pod parser hints across rounds.
-Each round the serving process sends the address list and gets the
-``ScrapeResult`` list back: length-prefixed pickles over a Unix socket
-pair, read by an asyncio protocol, so the serving loop never waits on the
-child. Everything else of the pool (datastore, snapshots, in-flight counters,
+Each round the serving process asks for a round and gets one result per
+pod back, in the order of the round's addresses: length-prefixed pickles
+over a Unix socket pair, read by an asyncio protocol, so the serving loop
+never waits on the child. The addresses go over only when they differ from
+the last round's, and the results do not repeat them: the two ends would
+otherwise pickle and unpickle a hundred addresses each way every round.
+Everything else of the pool (datastore, snapshots, in-flight counters,
 staleness, statistics) stays in the serving process.
 
 When the child fails, the pods look exactly as if they had stopped answering:
@@ -78,8 +81,10 @@ class Setup(NamedTuple):
 
 
 class ScrapeRequest(NamedTuple):
+    """Scrape ``addresses``, or with ``None`` the addresses of the request before."""
+
     round: int
-    addresses: list[str]
+    addresses: list[str] | None
 
 
 class RetainRequest(NamedTuple):
@@ -94,7 +99,7 @@ class Ready(NamedTuple):
 
 class RoundAnswer(NamedTuple):
     round: int
-    results: list[WireResult]  # ``to_wire``
+    results: list[WireResult]  # ``to_wire``, in the order of the round's addresses
 
 
 # A round's results as they cross the socket: plain tuples. Pickle takes a
@@ -103,24 +108,27 @@ class RoundAnswer(NamedTuple):
 # tuples again without their Python-level constructors. For 100 results that
 # is ~55 us instead of ~300 in the child, and ~50-55 instead of ~80-90 in
 # the serving process (``timeit`` on these machines).
-WireResult = tuple[str, tuple[Any, ...] | None, str | None, float]
+WireResult = tuple[tuple[Any, ...] | None, str | None, float]
 
 
 def to_wire(results: list[ScrapeResult]) -> list[WireResult]:
     return [
-        (address, None if metrics is None else tuple(metrics), error, latency)
-        for address, metrics, error, latency in results
+        (None if metrics is None else tuple(metrics), error, latency)
+        for _, metrics, error, latency in results
     ]
 
 
-def from_wire(results: list[WireResult]) -> list[ScrapeResult]:
+def from_wire(addresses: Sequence[str], results: list[WireResult]) -> list[ScrapeResult]:
+    """The results of a round that scraped ``addresses``, one each, in order."""
+    if len(results) != len(addresses):
+        raise ValueError(f"{len(results)} scrape results for {len(addresses)} pods")
     new = tuple.__new__
     return [
         new(
             ScrapeResult,
             (address, None if metrics is None else new(PodMetrics, metrics), error, latency),
         )
-        for address, metrics, error, latency in results
+        for address, (metrics, error, latency) in zip(addresses, results, strict=True)
     ]
 
 
@@ -296,7 +304,8 @@ class ProcessScraper:
         self._ready = asyncio.Event()  # the current child said Ready
         self._ever_ready = False
         self._round = 0
-        self._waiting: tuple[int, asyncio.Future[list[ScrapeResult]]] | None = None
+        self._waiting: tuple[int, asyncio.Future[list[WireResult]]] | None = None
+        self._sent: list[str] | None = None  # the addresses the current child last got
         self._missed = 0  # rounds in a row without any answer from the current child
         self.restarts = 0  # children started after the first
         self._supervisor = self._loop.create_task(self._supervise(), name="pool-scrape-process")
@@ -313,7 +322,7 @@ class ProcessScraper:
         started = self._loop.time()
         first = not self._ever_ready
         deadline = started + (START_TIMEOUT if first else self.answer_timeout)
-        answer: asyncio.Future[list[ScrapeResult]] | None = None
+        answer: asyncio.Future[list[WireResult]] | None = None
         try:
             async with asyncio.timeout_at(deadline):
                 await self._ready.wait()
@@ -322,11 +331,11 @@ class ProcessScraper:
                 self._round += 1
                 answer = self._loop.create_future()
                 self._waiting = (self._round, answer)
-                child.link.send(ScrapeRequest(self._round, list(addresses)))
-                return await answer
+                child.link.send(ScrapeRequest(self._round, self._addresses_to_send(addresses)))
+                return from_wire(addresses, await answer)
         except TimeoutError:
             if answer is not None and _has_result(answer):
-                return answer.result()  # it came in the loop turn of the deadline
+                return from_wire(addresses, answer.result())  # came in the deadline's turn
             if answer is None:
                 reason = (
                     f"the scraper process did not start within {START_TIMEOUT:.0f} s"
@@ -343,6 +352,13 @@ class ProcessScraper:
             self._waiting = None
         latency = self._loop.time() - started
         return [ScrapeResult(address, None, reason, latency) for address in addresses]
+
+    def _addresses_to_send(self, addresses: Sequence[str]) -> list[str] | None:
+        """``addresses``, or ``None`` when the child has them from the last round."""
+        if self._sent is not None and self._sent == addresses:
+            return None
+        self._sent = list(addresses)
+        return self._sent
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Pass the pod set on (a child started later has no connections to close)."""
@@ -371,7 +387,7 @@ class ProcessScraper:
             self._missed = 0  # late or not, the child is alive: killing it would not help
             waiting = self._waiting
             if waiting is not None and waiting[0] == message.round and not waiting[1].done():
-                waiting[1].set_result(from_wire(message.results))
+                waiting[1].set_result(message.results)
             # else: the answer to a round that already gave up
         elif isinstance(message, LogLine):
             logging.getLogger(message.logger).log(
@@ -413,6 +429,7 @@ class ProcessScraper:
     def _forget(self) -> None:
         """The child is gone: no round can be sent to it or answered by it."""
         self._child = None
+        self._sent = None  # the next child starts with no addresses
         self._ready.clear()
         waiting = self._waiting
         if waiting is not None and not waiting[1].done():
@@ -423,7 +440,7 @@ class _ChildGoneError(Exception):
     """The child's socket closed while a round waited for its answer."""
 
 
-def _has_result(future: asyncio.Future[list[ScrapeResult]]) -> bool:
+def _has_result(future: asyncio.Future[list[WireResult]]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is None
 
 

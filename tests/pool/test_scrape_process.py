@@ -222,6 +222,33 @@ async def test_a_late_answer_is_not_taken_for_the_next_round(
     assert scraper.pid == child
 
 
+async def test_rounds_the_child_skipped_still_change_the_pods_it_scrapes(
+    servers: list[MetricsServer], scraper: ProcessScraper
+) -> None:
+    # The addresses go to the child only when they change. Two rounds wait
+    # while the child is stopped: the first carries the new pod set, the
+    # second none (the same set), and the child, once woken, skips the first
+    # but must scrape the set it carried.
+    old = await serve(servers, vllm_text(waiting=1))
+    new = await serve(servers, vllm_text(waiting=2))
+    assert all_ok(await scraper.scrape([old.address]))
+    child = scraper.pid
+    assert child is not None
+    os.kill(child, signal.SIGSTOP)
+    try:
+        for _ in range(2):
+            (late,) = await scraper.scrape([new.address])
+            assert late.error == "the scraper process did not answer within 400 ms"
+    finally:
+        os.kill(child, signal.SIGCONT)
+    (answer,) = await scraper.scrape([new.address])
+    assert answer.metrics is not None, answer.error
+    assert (answer.address, answer.metrics.waiting_queue) == (new.address, 2)
+    both = await scraper.scrape([old.address, new.address])
+    assert [r.metrics.waiting_queue if r.metrics else r.error for r in both] == [1, 2]
+    assert scraper.pid == child
+
+
 async def test_retain_closes_the_connections_of_pods_that_left(scraper: ProcessScraper) -> None:
     closed = asyncio.Event()
     handler = answering_until_closed(closed)

@@ -42,7 +42,10 @@ concurrency 16 on these machines (gRPC handles more messages per wake-up),
 so a single level of 16 flattered policyd's share. (Past 128, the pods
 process, which serves every pod's metrics and the completions in one Python
 process, falls behind on the 2-core VMs and whole scrape rounds time out; policyd
-then routes on metrics up to ``--stale-after`` old, docs/pool.md "Panic".)
+then routes on metrics up to ``--stale-after`` old, docs/pool.md "Panic",
+and answers 503 once they are all older.) Answers other than 200 in the
+throughput phases are counted apart, printed, and left out of the
+throughput; in the latency phase and the warm-up they stop the run.
 Printed as differences and ratios against (b), since these shared machines
 drift, with the ratio at each level as well.
 
@@ -501,17 +504,21 @@ class SetUp:
     latencies_ms: list[float] = dataclasses.field(default_factory=list)
     loads: dict[int, Load] = dataclasses.field(default_factory=dict)  # by concurrency
 
-    async def one(self) -> None:
+    async def one(self) -> int:
+        """One request; its status."""
         assert self.session is not None
         async with self.session.post(self.url, data=BODY, headers=self.headers) as response:
             await response.read()
-            if response.status != 200:
-                raise RuntimeError(f"{self.name}: status {response.status}")
+            return response.status
+
+    async def one_ok(self) -> None:
+        if (status := await self.one()) != 200:
+            raise RuntimeError(f"{self.name}: status {status}")
 
     async def sequential(self, count: int) -> None:
         for _ in range(count):
             started = time.perf_counter()
-            await self.one()
+            await self.one_ok()
             self.latencies_ms.append((time.perf_counter() - started) * 1000)
 
     async def saturate(self, seconds: float, concurrency: int) -> None:
@@ -520,8 +527,10 @@ class SetUp:
 
         async def worker() -> None:
             while time.perf_counter() < deadline:
-                await self.one()
-                load.completed += 1
+                if await self.one() == 200:
+                    load.completed += 1
+                else:  # counted, not served: an error answer must not pass for throughput
+                    load.failed += 1
 
         pid = self.extproc_pid
         cpu = process_cpu_seconds(pid) if pid else 0.0
@@ -573,7 +582,8 @@ class SetUp:
 class Load:
     """A set-up's throughput phases at one concurrency, summed over the rounds."""
 
-    completed: int = 0
+    completed: int = 0  # answered 200
+    failed: int = 0  # answered otherwise (a 503 when every pod's metrics went stale)
     busy_seconds: float = 0.0
     extproc_cpu_seconds: float = 0.0  # the ext_proc process's CPU time
     children_cpu_seconds: float = 0.0  # its child processes' (policyd's scraper)
@@ -655,7 +665,7 @@ async def measure(set_ups: list[SetUp], arguments: argparse.Namespace) -> None:
         connector = aiohttp.TCPConnector(limit=max(arguments.concurrency))
         set_up.session = aiohttp.ClientSession(connector=connector)
         for _ in range(50):  # warm up connections and code paths
-            await set_up.one()
+            await set_up.one_ok()
     rounds = arguments.rounds
     for _ in range(rounds):
         for set_up in set_ups:
@@ -870,6 +880,13 @@ def report(set_ups: list[SetUp]) -> None:
     print("req/s by concurrency: " + ", ".join(map(str, levels)))
     for set_up in set_ups:
         print(f"{set_up.name:<30}" + "".join(f"{set_up.rate(level):>9.0f}" for level in levels))
+    for set_up in set_ups:
+        failed = {level: load.failed for level, load in sorted(set_up.loads.items()) if load.failed}
+        if failed:
+            print(
+                f"{set_up.name}: answers other than 200 in the throughput phases, not counted: "
+                + ", ".join(f"{count} at {level}" for level, count in failed.items())
+            )
     for label, base, more in (
         ("ext_proc floor (b)-(a)", "(a)", "(b)"),
         ("policyd extra  (c)-(b)", "(b)", "(c)"),

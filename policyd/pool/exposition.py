@@ -137,7 +137,7 @@ class MetricsParser:
         """
         page = _Page(body, start, len(body) if end is None else end, hints)
         if hints is not None and self._single_lines is not None:
-            metrics = self._parse_where_it_was(page, hints, self._single_lines)
+            metrics = self._parse_one_line_each(page, self._single_lines)
             if metrics is not None:
                 return metrics
         waiting = _count(page, self._waiting)
@@ -148,21 +148,21 @@ class MetricsParser:
         active, queued, max_loras = self._lora_state(page, self._lora)
         return PodMetrics(waiting, running, kv_cache, active, queued, max_loras)
 
-    def _parse_where_it_was(
-        self, page: _Page, hints: list[int], singles: tuple[_Family, _Family, _Family]
+    def _parse_one_line_each(
+        self, page: _Page, singles: tuple[_Family, _Family, _Family]
     ) -> PodMetrics | None:
         """The commonest page in the fewest steps, or ``None`` for the general path.
 
-        Waiting, running and KV cache (their first-choice names) each still
-        one line at or near where the pod's last page had it, the family's only line,
-        with values in range: the answer the general path would give, without
-        its layers. Anything else, including a value out of range, goes the
-        general path, which also explains errors.
+        Waiting, running and KV cache (their first-choice names) each one
+        line, found where the pod's hints say or near it, with values in
+        range: the answer the general path would give, without its layers.
+        Anything else, including a value out of range, goes the general
+        path, which also explains errors.
         """
         values: list[float] = []
         for family in singles:
-            samples = page.moved_a_little(family, hints)
-            if samples is None or len(samples) > 1:
+            samples = page.samples(family)
+            if len(samples) != 1:
                 return None
             values.append(samples[0][2])
         waiting, running, kv_cache = values
@@ -253,7 +253,7 @@ def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSp
 # which is then reported rather than overlooked).
 _AFTER_NAME = (b"{", b" ", b"\t", b"\r", b"\n", b"")
 _NEWLINE = ord("\n")
-_NEAR = 512  # bytes either side of a hint searched before the whole page
+_NEAR = 512  # bytes before a hint where the search for a family that moved starts
 
 
 class _Page:
@@ -300,31 +300,6 @@ class _Page:
 
     def line_of(self, offset: int) -> int:
         return self.data.count(b"\n", self.first, offset) + 1
-
-    def moved_a_little(self, family: _Family, hints: list[int]) -> list[_Sample] | None:
-        """The group where the hint says, or within ``_NEAR`` bytes of it (the
-        hint then moves there), else ``None``.
-
-        Values before a family change length from one scrape to the next (a
-        counter gains a digit, a float loses one), so a page's families
-        rarely sit at exactly last time's offsets, but close to them.
-        """
-        slot = family.slot
-        hint = hints[slot]
-        if hint < 0:
-            return None
-        at = self.first + hint
-        samples = self.where_it_was(family, at)
-        if samples is not None:
-            return samples
-        found = self._find(family, max(at - _NEAR, self.first), min(at + _NEAR, self.last))
-        if found < 0:
-            return None
-        found = self._group_start(family, found)
-        samples = self.where_it_was(family, found)
-        if samples is not None:
-            hints[slot] = found - self.first
-        return samples
 
     def where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
         """The group if it still starts exactly at ``at`` and is well formed, else
@@ -376,11 +351,7 @@ class _Page:
         found = self._find(family, near, last)
         if found < 0:
             return self._find(family, first, min(near + len(family.needle), last))
-        return self._group_start(family, found)
-
-    def _group_start(self, family: _Family, found: int) -> int:
-        """The first line of the group that the family's line at ``found`` is in."""
-        first, last = self.first, self.last
+        # The page may have shifted: step back to the first line of the group.
         data, name = self.data, family.name
         while found > first:
             newline = data.rfind(b"\n", first, found - 1)

@@ -6,6 +6,8 @@ never walks the page line by line: it goes to each wanted family (where it was
 in the pod's last page, else by ``bytes.find`` at C speed), reads that
 family's group of sample lines with one pattern match per line (the text
 format requires a family's samples to form one contiguous group) and stops.
+Once a pod's page has been read, the next one is usually read with one
+pattern search per family: the group's shape as last seen (see ``Hints``).
 Labels are decoded only where a spec matches on them or where the LoRA state
 lives. Lines of other families are never looked at, so their oddities cannot
 fail a scrape; a malformed line of a family that is read raises
@@ -57,6 +59,13 @@ _Sample = tuple[int, bytes | bytearray, float]
 # Active adapters, waiting adapters, max adapters: what a LoRA info series says.
 _LoraState = tuple[tuple[str, ...], tuple[str, ...], int]
 _LORA_STATES_KEPT = 256  # label sets remembered per parser (all pods of a scraper)
+_SHAPES_KEPT = 256  # compiled group shapes per parser (pods printing alike share them)
+_SHAPE_LINES = 32  # a longer group is read the general way (the simulator keeps 32)
+# Where a shape is looked for: from this many bytes before the group's last
+# offset (the line above it, and a page that shifted back a little), to
+# _NEAR bytes plus this many per line after it.
+_SHAPE_BEFORE = 320
+_SHAPE_LINE_BYTES = 512
 
 # The rest of a well-formed sample line after the family name: optional labels
 # (up to the line's last '}'), the value, an optional timestamp. Lines it does
@@ -73,22 +82,49 @@ class _Family:
     slot: int
     needle: bytes  # newline + name: where one of its lines starts
     line: re.Pattern[bytes]
+    shape_line: bytes  # pattern source of one sample line in a shape: (start)(labels)(value)
+    shape_end: bytes  # pattern source: the line after a group is not the family's
 
     @classmethod
     def of(cls, spec: MetricSpec, slot: int) -> _Family:
         name = spec.name.encode("ascii")
         line = re.escape(name) + _SAMPLE_REST
-        return cls(spec, name, slot, b"\n" + name, re.compile(line))
+        not_next = b"(?!" + re.escape(name) + rb"(?:[{ \t\r\n]|\Z))"
+        return cls(spec, name, slot, b"\n" + name, re.compile(line), b"()" + line, not_next)
+
+
+class Hints:
+    """What one pod's last page showed of each family, for reading its next one.
+
+    ``offsets[slot]`` is where the family's group of lines began, from the
+    body's start (-1: not seen). ``shapes[slot]`` is a pattern of the group
+    as it was: a newline, the line above the group (the same comment, or a
+    line of the same other family), as many sample lines of the family with
+    any labels and values, and then no further line of it. The next page
+    usually prints the same lines with new numbers, a few bytes further on
+    or back: one search near the offset then finds the whole group and its
+    values, and proves the group is whole (the line above and the line
+    below are not the family's), which is what the general path checks line
+    by line. Where the shape is not found, the general path reads the group
+    and leaves a new shape.
+    """
+
+    __slots__ = ("offsets", "shapes")
+
+    def __init__(self, families: int) -> None:
+        self.offsets: list[int] = [-1] * families
+        self.shapes: list[re.Pattern[bytes] | None] = [None] * families
 
 
 class MetricsParser:
     """Turns exposition bodies into ``PodMetrics`` for one set of ``MetricNames``.
 
-    ``parse(body, hints)`` may be given a list from ``new_hints()`` kept per
-    pod: it remembers where each family was found, and since a server prints
-    its page in the same order every time, the next parse looks there first
-    instead of scanning the page from the top (any answer is still checked,
-    so a moved or vanished family is found or missed exactly as without hints).
+    ``parse(body, hints)`` may be given the ``Hints`` from ``new_hints()``
+    kept per pod: they remember where each family was found and the shape of
+    its lines, and since a server prints its page in the same order every
+    time, the next parse looks there first instead of scanning the page from
+    the top (any answer is still checked, so a moved or vanished family is
+    found or missed exactly as without hints).
     """
 
     __slots__ = (
@@ -98,6 +134,7 @@ class MetricsParser:
         "_lora_states",
         "_names",
         "_running",
+        "_shapes",
         "_single_lines",
         "_waiting",
     )
@@ -119,15 +156,16 @@ class MetricsParser:
         # picks series by label needs the general path).
         self._single_lines = None if any(f.spec.labels for f in firsts) else firsts
         self._lora_states: dict[bytes, _LoraState] = {}  # by the label text they were read from
+        self._shapes: dict[bytes, re.Pattern[bytes]] = {}  # by their pattern source
 
-    def new_hints(self) -> list[int]:
-        """Per-pod memory of where each family was (see the class docstring)."""
-        return [-1] * self._families
+    def new_hints(self) -> Hints:
+        """Per-pod memory of where each family was and how it looked (see the class docstring)."""
+        return Hints(self._families)
 
     def parse(
         self,
         body: bytes | bytearray,
-        hints: list[int] | None = None,
+        hints: Hints | None = None,
         start: int = 0,
         end: int | None = None,
     ) -> PodMetrics:
@@ -135,7 +173,7 @@ class MetricsParser:
 
         Raises ``ExpositionError`` naming the line (counted from ``start``) and what is wrong.
         """
-        page = _Page(body, start, len(body) if end is None else end, hints)
+        page = _Page(body, start, len(body) if end is None else end, hints, self._shapes)
         if hints is not None and self._single_lines is not None:
             metrics = self._parse_one_line_each(page, self._single_lines)
             if metrics is not None:
@@ -252,38 +290,51 @@ def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSp
 # What may follow a family name on one of its sample lines (a bare name has no value,
 # which is then reported rather than overlooked).
 _AFTER_NAME = (b"{", b" ", b"\t", b"\r", b"\n", b"")
-_NEWLINE = ord("\n")
 _NEAR = 512  # bytes before a hint where the search for a family that moved starts
 
 
 class _Page:
-    """The body being parsed (``data[first:last]``) and where its families were last time.
+    """The body being parsed (``data[first:last]``) and what the pod's last page showed.
 
     Every look at ``data`` stays within ``first:last``: the body may be a
     slice of a connection's receive buffer, with other bytes around it.
     """
 
-    __slots__ = ("data", "first", "hints", "last")
+    __slots__ = ("data", "first", "hints", "last", "shapes")
 
     def __init__(
-        self, data: bytes | bytearray, first: int, last: int, hints: list[int] | None
+        self,
+        data: bytes | bytearray,
+        first: int,
+        last: int,
+        hints: Hints | None,
+        shapes: dict[bytes, re.Pattern[bytes]],
     ) -> None:
         self.data = data
         self.first = first
         self.last = last
-        self.hints = hints  # offsets from ``first``, -1 for "not seen"
+        self.hints = hints
+        self.shapes = shapes  # the parser's, shared by all its pods
 
     def samples(self, family: _Family) -> list[_Sample]:
         """The family's samples whose labels carry every value its spec asks for."""
         spec, slot = family.spec, family.slot
         hints = self.hints
-        hint = -1 if hints is None or hints[slot] < 0 else self.first + hints[slot]
-        samples = None if hint < 0 else self.where_it_was(family, hint)
+        samples: list[_Sample] | None = None
+        if hints is None:
+            start = self._find(family, self.first, self.last)
+        else:
+            hint = hints.offsets[slot]
+            hint = -1 if hint < 0 else self.first + hint
+            shape = hints.shapes[slot]
+            if shape is not None:
+                samples = self._by_shape(family, shape, hint)
+            start = self._locate(family, hint) if samples is None else samples[0][0]
+            hints.offsets[slot] = -1 if start < 0 else start - self.first
         if samples is None:
-            start = self._locate(family, hint)
-            if hints is not None:
-                hints[slot] = -1 if start < 0 else start - self.first
             samples = self._group(family, start) if start >= 0 else []
+            if hints is not None:
+                hints.shapes[slot] = self._shape(family, start, len(samples)) if samples else None
         if not spec.labels or not samples:
             return samples
         return [
@@ -301,44 +352,53 @@ class _Page:
     def line_of(self, offset: int) -> int:
         return self.data.count(b"\n", self.first, offset) + 1
 
-    def where_it_was(self, family: _Family, at: int) -> list[_Sample] | None:
-        """The group if it still starts exactly at ``at`` and is well formed, else
-        ``None`` (then the general path finds it, or explains what is wrong).
-
-        The common case, made cheap: one pattern match per line; a family's
-        only line (the commonest case of all) is told by a look at the start
-        of the next line, so it takes one match.
-        """
-        data, first, last = self.data, self.first, self.last
-        if at > last or (at > first and data[at - 1] != _NEWLINE):
+    def _by_shape(
+        self, family: _Family, shape: re.Pattern[bytes], hint: int
+    ) -> list[_Sample] | None:
+        """The group, read in one search for its shape near ``hint``; ``None``
+        where the shape is not there (the general path then finds the group,
+        or explains what is wrong with it)."""
+        first, last = self.first, self.last
+        lines = shape.groups // 3
+        end = min(last, hint + _NEAR + _SHAPE_LINE_BYTES * lines)
+        match = shape.search(self.data, max(first, hint - _SHAPE_BEFORE), end)
+        if match is None:
             return None
-        match, name = family.line.match, family.name
-        line = match(data, at, last)
-        if line is None:
+        if end < last and match.end() + len(family.name) >= end:
+            # The search stopped short of the body's end: the last line may be
+            # cut there, or the next one, which must not be the family's, unseen.
             return None
-        if at > first:  # the line above must not belong to the family too
-            newline = data.rfind(b"\n", first, at - 1)
-            if data.startswith(name, first if newline < 0 else newline + 1, at):
-                return None
         samples: list[_Sample] = []
-        try:
-            samples.append((at, line[1] or b"", float(line[2])))
-        except ValueError:
-            return None
-        at = line.end()
-        if not data.startswith(name, at, last):
-            return samples  # the family's only line
-        line = match(data, at, last)
-        while line is not None:
+        for group in range(1, shape.groups, 3):
             try:
-                samples.append((at, line[1] or b"", float(line[2])))
+                value = float(match[group + 2])
             except ValueError:
                 return None
-            at = line.end()
-            line = match(data, at, last)
-        if data.startswith(name, at, last):
-            return None  # a line of the family the pattern refused
+            samples.append((match.start(group), match[group + 1] or b"", value))
         return samples
+
+    def _shape(self, family: _Family, start: int, count: int) -> re.Pattern[bytes] | None:
+        """The shape of the family's group of ``count`` lines at ``start``, for the
+        next page (see ``Hints``); ``None`` for a group a shape cannot tell."""
+        data, first = self.data, self.first
+        if count > _SHAPE_LINES or start <= first:
+            return None
+        newline = data.rfind(b"\n", first, start - 1)
+        if newline < 0:
+            return None  # the line above is the body's first: no newline to find it by
+        above = bytes(data[newline + 1 : start])
+        if above.startswith(b"#") or above.strip() == b"":
+            head = re.escape(above)  # a comment (or a blank line) stays as it was
+        else:  # a sample line of another family: any labels and value
+            name = above.split(b"{", 1)[0].split(None, 1)[0]
+            head = re.escape(name) + rb"(?:[{ \t][^\n]*)?\n"
+        source = b"\n" + head + family.shape_line * count + family.shape_end
+        shape = self.shapes.get(source)
+        if shape is None:
+            if len(self.shapes) >= _SHAPES_KEPT:
+                self.shapes.clear()
+            shape = self.shapes[source] = re.compile(source)
+        return shape
 
     def _locate(self, family: _Family, hint: int) -> int:
         """Where the family's group of lines starts, or -1."""

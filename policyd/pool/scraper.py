@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from policyd.pool.discovery import split_address
-from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
+from policyd.pool.exposition import ExpositionError, Hints, MetricsParser, PodMetrics
 from policyd.pool.metric_names import VLLM, MetricNames
 from policyd.pool.metrics_client import MetricsClient, MetricsEndpoint
 
@@ -146,7 +146,7 @@ class ScrapeLoop:
         self._whole_page = config.metrics.path
         self._client = MetricsClient(config.max_body_bytes)
         self._endpoints: dict[str, MetricsEndpoint] = {}
-        self._hints: dict[str, list[int]] = {}  # where each pod prints each family
+        self._hints: dict[str, Hints] = {}  # where and how each pod prints each family
         self._lock = threading.Lock()  # guards the two fields below
         self._running = False
         self._keep: set[str] | None = None  # a retain that came while a round ran

@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics, parse_labels
+from policyd.pool.exposition import (
+    ExpositionError,
+    Hints,
+    MetricsParser,
+    PodMetrics,
+    parse_labels,
+)
 from policyd.pool.metric_names import PRESETS, SGLANG, TRITON_TRTLLM, VLLM, MetricSpec
 
 from .model_server import VLLM_SAMPLE
@@ -313,7 +319,7 @@ def test_hints_find_families_that_moved_or_vanished() -> None:
     )
     first = "# padding\n" * 50 + BASE + lora  # the newest series ("a") is the first line
     assert vllm.parse(first.encode(), hints).active_loras == ("a",)
-    assert all(hint > 0 for hint in hints[:3])
+    assert all(hint > 0 for hint in hints.offsets[:3])
     # Moved left by less than a line: looking from the hint lands inside the LoRA group.
     shifted = "# padding\n" * 49 + BASE + lora
     assert vllm.parse(shifted.encode(), hints).active_loras == ("a",)
@@ -334,18 +340,18 @@ def test_hints_follow_families_that_shifted_a_few_bytes() -> None:
 
     hints = vllm.new_hints()
     assert vllm.parse(page("0.5"), hints).kv_cache == 0.5
-    before = hints[:3]
+    before = hints.offsets[:3]
     longer = page("0.6900000000000001")
     assert vllm.parse(longer, hints) == vllm.parse(longer)
-    assert [hint - 15 for hint in hints[:3]] == before
+    assert [hint - 15 for hint in hints.offsets[:3]] == before
     names = (
         b"vllm:num_requests_waiting",
         b"vllm:num_requests_running",
         b"vllm:kv_cache_usage_perc",
     )
-    assert hints[:3] == [longer.index(name) for name in names]
+    assert hints.offsets[:3] == [longer.index(name) for name in names]
     assert vllm.parse(page("1"), hints) == vllm.parse(page("1"))  # and back, 17 bytes earlier
-    assert [hint + 2 for hint in hints[:3]] == before
+    assert [hint + 2 for hint in hints.offsets[:3]] == before
 
 
 def test_a_family_that_gains_series_around_its_hinted_line_counts_them_all() -> None:
@@ -405,7 +411,7 @@ def page_of(lines: list[tuple[str, int]]) -> bytes:
     return ("\n".join(line for group in order.values() for line in group) + "\n").encode()
 
 
-def outcome(body: bytes, hints: list[int] | None) -> object:
+def outcome(body: bytes, hints: Hints | None) -> object:
     try:
         return vllm.parse(body, hints)
     except ExpositionError as error:
@@ -423,6 +429,69 @@ def test_parsing_with_hints_from_another_page_gives_the_same_answer(
     hints = vllm.new_hints()
     outcome(page_of(before), hints)
     assert outcome(page_of(after), hints) == outcome(page_of(after), None)
+
+
+def structure_of(lines: list[tuple[str, int]]) -> list[str]:
+    """The page's line templates in page order: its shape, whatever its numbers."""
+    return list(dict.fromkeys(template for template, _ in lines))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(family_line, st.integers(0, 9)), min_size=1, max_size=20),
+    st.lists(st.integers(0, 9), min_size=20, max_size=20),
+    st.integers(0, 40),
+    st.integers(0, 40),
+)
+def test_the_next_page_with_the_same_lines_and_new_numbers_reads_as_without_hints(
+    lines: list[tuple[str, int]], numbers: list[int], padding_before: int, padding_after: int
+) -> None:
+    # What a busy pod does from scrape to scrape: the same lines with other
+    # values, shifted by what changed above them. The second parse reads each
+    # family by the shape the first one left.
+    hints = vllm.new_hints()
+    outcome(("# pad\n" * padding_before).encode() + page_of(lines), hints)
+    again = [(template, numbers[i]) for i, (template, _) in enumerate(lines)]
+    assert structure_of(again) == structure_of(lines)
+    body = ("# pad\n" * padding_after).encode() + page_of(again)
+    assert outcome(body, hints) == outcome(body, None)
+
+
+def test_a_line_cut_by_the_end_of_the_shape_search_is_read_whole() -> None:
+    # The shape of a one-line group is looked for up to _NEAR + _SHAPE_LINE_BYTES
+    # bytes past its offset. A line that long, its value cut there, must still
+    # be read whole: 2468, not 24.
+    from policyd.pool.exposition import _NEAR, _SHAPE_LINE_BYTES
+
+    window = _NEAR + _SHAPE_LINE_BYTES
+    above = "vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
+    above += "# TYPE vllm:num_requests_waiting gauge\n"
+    start = 'vllm:num_requests_waiting{note="'
+    padding = "x" * (window - 2 - len(start) - len('"} '))
+
+    def page(value: int) -> bytes:
+        return (above + start + padding + f'"}} {value}\n' + "# after\n" * 20).encode()
+
+    hints = vllm.new_hints()
+    assert vllm.parse(page(1357), hints).waiting_queue == 1357
+    assert hints.offsets[0] == len(above) and hints.shapes[0] is not None
+    body = page(2468)
+    assert body[len(above) + window - 2 : len(above) + window] == b"24"
+    assert vllm.parse(body, hints).waiting_queue == 2468
+
+
+def test_a_family_that_gains_a_line_below_its_shape_counts_it() -> None:
+    hints = vllm.new_hints()
+    page = "vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
+    page += "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 2\n# x\n"
+    assert vllm.parse(page.encode(), hints).waiting_queue == 2
+    assert hints.shapes[0] is not None
+    grown = page.replace(
+        "vllm:num_requests_waiting 2\n",
+        'vllm:num_requests_waiting 2\nvllm:num_requests_waiting{engine="1"} 3\n',
+    )
+    assert vllm.parse(grown.encode(), hints).waiting_queue == 5
+    assert vllm.parse(grown.encode(), hints).waiting_queue == 5  # by the new shape
 
 
 @settings(max_examples=200, deadline=None)

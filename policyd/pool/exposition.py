@@ -387,6 +387,8 @@ class _Page:
         if newline < 0:
             return None  # the line above is the body's first: no newline to find it by
         above = bytes(data[newline + 1 : start])
+        if len(above) > _SHAPE_BEFORE // 2:
+            return None  # a search from _SHAPE_BEFORE bytes back might start inside it
         if above.startswith(b"#") or above.strip() == b"":
             head = re.escape(above)  # a comment (or a blank line) stays as it was
         else:  # a sample line of another family: any labels and value

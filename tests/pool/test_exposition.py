@@ -480,6 +480,18 @@ def test_a_line_cut_by_the_end_of_the_shape_search_is_read_whole() -> None:
     assert vllm.parse(body, hints).waiting_queue == 2468
 
 
+def test_a_group_below_a_long_line_is_read_without_a_shape() -> None:
+    # A shape is looked for from a few hundred bytes before the group: one whose
+    # line above is longer could not be found, so none is kept for it.
+    page = BASE + "# HELP vllm:lora_requests_info " + "a long help text " * 20 + "\n"
+    page += 'vllm:lora_requests_info{running_lora_adapters="a"} 1\n# x\n'
+    hints = vllm.new_hints()
+    for _ in range(2):
+        assert vllm.parse(page.encode(), hints).active_loras == ("a",)
+        assert hints.shapes[-1] is None
+        assert hints.shapes[2] is not None  # the KV cache, under a short line
+
+
 def test_a_family_that_gains_a_line_below_its_shape_counts_it() -> None:
     hints = vllm.new_hints()
     page = "vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -504,6 +506,42 @@ def test_a_family_that_gains_a_line_below_its_shape_counts_it() -> None:
     )
     assert vllm.parse(grown.encode(), hints).waiting_queue == 5
     assert vllm.parse(grown.encode(), hints).waiting_queue == 5  # by the new shape
+
+
+def test_the_simulators_changing_pages_read_alike_and_mostly_by_shape() -> None:
+    # A busy simulated vLLM pod: requests come and go, adapters load, the LoRA
+    # family grows to the simulator's 32 series. Each page reads the same with
+    # the hints the last one left as without, and nearly every family read
+    # by the shape the page before left.
+    from policyd.sim.engine import Engine, SimRequest
+    from policyd.sim.exposition import EngineCollector, metrics_registry, render
+    from policyd.sim.profile import PROFILES
+
+    engine = Engine(PROFILES["l4-llama2-7b"], seed=1)
+    registry = metrics_registry(EngineCollector(lambda: engine, "m", lambda now: 1.7e9 + now))
+    rng = random.Random(3)
+    parser = MetricsParser(VLLM)
+    hints = parser.new_hints()
+    now, kept, reads = 0.0, 0, 0
+    for step in range(400):
+        for n in range(rng.randrange(3)):
+            prompt = tuple(range(rng.randrange(5, 200)))
+            adapter = f"adapter-{rng.randrange(12)}"
+            engine.add(SimRequest(f"r{step}-{n}", prompt, rng.randrange(1, 64), adapter), now)
+        if engine.has_work and (took := engine.start_step(now)) is not None:
+            now += took
+            engine.finish_step(now)
+        now += 0.01
+        page = render(registry)
+        shapes = list(hints.shapes)
+        # A group read the general way now gets a newly compiled pattern object.
+        parser._shapes.clear()
+        re.purge()
+        assert parser.parse(page, hints) == parser.parse(page)
+        kept += sum(1 for old, new in zip(shapes, hints.shapes, strict=True) if old and old is new)
+        reads += sum(1 for shape in shapes if shape)
+    assert page.count(b"\nvllm:lora_requests_info{") > 8
+    assert reads > 1000 and kept > 0.95 * reads
 
 
 @settings(max_examples=200, deadline=None)

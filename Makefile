@@ -4,13 +4,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The hot path compiled with mypyc in place (setup.py), rebuilt when its sources change.
-COMPILED := $(VENV)/.compiled
-COMPILED_SOURCES := $(shell sed -n '/^compiled = \[/,/^\]/s/.*"\(policyd\/[^"]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: demo test lint typecheck unit bench install clean
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -20,20 +17,10 @@ $(STAMP): pyproject.toml setup.py
 		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
-# The old libraries go first, or a module taken off the list would keep its
-# own. setuptools rebuilds only a library whose C changed and copies the rest
-# from build/ with their old dates, so they are dated now, once built from the
-# current sources (tests/test_compiled.py checks the dates).
-$(COMPILED): $(STAMP) $(COMPILED_SOURCES)
-	find policyd -name '*.so' -delete
-	POLICYD_COMPILE=1 $(BIN)/python setup.py --quiet build_ext --inplace
-	find policyd -name '*.so' -exec touch {} +
-	touch $(COMPILED)
-
-install: $(COMPILED)
+install: $(STAMP)
 
 ## The main job on an embedded default: Envoy + policyd + a simulated pool.
-demo: $(COMPILED)
+demo: $(STAMP)
 	$(BIN)/policyd demo
 
 ## The whole suite: lint, types, then every test (Envoy end-to-end included).
@@ -46,13 +33,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(COMPILED)
+unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## Every benchmark script in turn; each prints its figures as ratios to a baseline.
-bench: $(COMPILED)
+bench: $(STAMP)
 	set -e; for script in benchmarks/*.py; do echo "== $$script"; $(BIN)/python $$script; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build policyd.egg-info
-	find . -path ./.git -prune -o -name '*.so' -print -exec rm -f {} +

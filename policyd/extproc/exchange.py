@@ -12,12 +12,6 @@ raises, a telemetry bug) ends as an answer for that request alone, and
 ``handle`` never raises. The in-flight count of the chosen pod goes up when a
 request is routed and down exactly once when its exchange ends, however it
 ends.
-
-``make install`` compiles this module with mypyc (``setup.py``), with the
-rest of the hot path: it runs for every message, and compiled, a request's
-messages cost about a quarter less (``benchmarks/cold_cache.py``). Nothing in
-it may rely on being interpreted (no monkeypatching, no subclassing of its
-classes elsewhere).
 """
 
 from __future__ import annotations

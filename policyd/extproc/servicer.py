@@ -2,9 +2,7 @@
 
 The servicer only moves messages: each one goes to the request's
 ``Exchange`` (``policyd.extproc.exchange``), which answers it, and the answer
-goes back to gRPC. It stays interpreted Python, apart from the compiled
-exchange, because its ``Process`` is an async generator, which mypyc does
-not compile; it costs nothing measurable per message (``benchmarks/RESULTS.md``).
+goes back to gRPC.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ The work is split by what the live reply needs:
   decision-log entry.
 - ``response_headers`` / ``end``: the response's status, time to first token,
   token usage and duration; then the span ends, the response is counted and
-  the log entry is written.
+  the log entry is written. The span's end time is the exchange's end (the
+  decision plus ``duration_seconds``), not the time ``end`` is called: the
+  serving path calls it when it settles, a few milliseconds later.
 
 An error reply ends the exchange before it is sent: ``end`` then keeps its
 figures and the span is finished by ``after_reply``, so shadows still never
@@ -413,7 +415,9 @@ class RequestRecord:
         response = _Response(
             completed, duration_seconds, first_body_seconds, prompt_tokens, completion_tokens
         )
-        self._end_ns = time.time_ns()
+        # The span ends when the exchange did, as the serving path measured it, not
+        # now: ``end`` is called when the request is settled, milliseconds later.
+        self._end_ns = self._decided_ns + round(duration_seconds * 1e9)
         if not self._deferred_done:
             if completed:  # an error reply not sent yet: finish once it is (after_reply)
                 self._pending_end = response

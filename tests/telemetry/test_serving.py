@@ -29,6 +29,7 @@ from extproc_support import (
 from telemetry_support import Spans, pods, router_for
 
 from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.settlement import Settlement
 from policyd.policy import Router
 from policyd.policy.decision import Decision, ShadowTrial
 from policyd.policy.request import Request
@@ -101,6 +102,29 @@ async def test_one_exchange_makes_one_complete_span(rig: Rig, spans: Spans) -> N
     registry = rig.metrics.registry
     routed = {"policy": "live", "outcome": "routed", "pod": "a"}
     assert registry.get_sample_value("policyd_decisions_total", routed) == 1
+
+
+async def test_the_span_ends_when_the_response_ended_not_when_it_was_settled(
+    rig: Rig, spans: Spans
+) -> None:
+    # Settle well after the replies, so a span ended at settlement could not pass.
+    rig.server.processor.settlement = Settlement(delay_seconds=0.2)
+    call = rig.envoy.open(metadata=[CARRIER])
+    for message in (chat_headers(), request_body(BODY), response_headers(200)):
+        await call.write(message)
+        await call.read()
+    before_end = time.time_ns()
+    await call.write(response_body(b"{}", end_of_stream=True))
+    await call.read()
+    after_end = time.time_ns()
+    await call.done_writing()
+    await settled(rig.server)
+    span = spans.only()
+    assert span.start_time is not None and span.end_time is not None
+    assert span.start_time < before_end <= span.end_time <= after_end
+    duration = dict(span.attributes or {})[a.RESPONSE_DURATION]
+    decision = dict(span.attributes or {})[a.DECISION_DURATION]
+    assert span.end_time - span.start_time == pytest.approx((decision + duration) * 1e9, abs=1e4)
 
 
 async def test_stream_errors_reach_the_metrics(rig: Rig, spans: Spans) -> None:

@@ -168,6 +168,37 @@ def test_the_response_closes_the_loop_when_it_ends(tmp_path: Path, spans: Spans)
     assert attributes[a.GEN_AI_OUTPUT_TOKENS] == 7
 
 
+def test_the_span_ends_when_the_response_ended_not_when_end_is_called(
+    tmp_path: Path, spans: Spans
+) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    before = time.time_ns()
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.25)
+    after = time.time_ns()
+    record.after_reply()
+    # The serving path reports the end when it settles, after the response ended.
+    routed_end(record, duration_seconds=0.5)
+    span = spans.only()
+    assert span.start_time is not None and span.end_time is not None
+    assert span.end_time - span.start_time == 750_000_000  # the decision, then the response
+    assert before + 500_000_000 <= span.end_time <= after + 500_000_000
+
+
+def test_an_error_replys_span_ends_with_the_exchange_not_with_its_settlement(
+    tmp_path: Path, spans: Spans
+) -> None:
+    busy = [Pod("c", "10.0.0.3:8000", waiting_queue=30)]
+    decision = router_for(tmp_path).decide(request(), busy)
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.response_headers(429, 0.0)
+    routed_end(record, first_body_seconds=None, duration_seconds=0.002)
+    time.sleep(0.01)  # the reply goes out, the settlement comes later
+    record.after_reply()
+    span = spans.only()
+    assert span.start_time is not None and span.end_time is not None
+    assert span.end_time - span.start_time == 3_000_000  # the decision and its answer only
+
+
 def test_a_server_error_from_the_pod_marks_the_span(tmp_path: Path, spans: Spans) -> None:
     decision = router_for(tmp_path).decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)

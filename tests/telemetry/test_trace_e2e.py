@@ -136,7 +136,12 @@ async def test_one_request_is_one_trace_from_envoy_through_policyd_to_the_pod(
     ingress = [s for s in envoy_spans if s.span.kind == SPAN_KIND_SERVER]
     assert len(ingress) == 1, [s.span.name for s in envoy_spans]
     # policyd's decision span descends from Envoy's ingress span.
-    assert _ancestors(decision, [*envoy_spans, decision])[-1].span_id == ingress[0].span_id
+    ancestors = _ancestors(decision, [*envoy_spans, decision])
+    assert ancestors[-1].span_id == ingress[0].span_id
+    # ... and lies within its parent (Envoy's ext_proc call) and the request's span: it
+    # ends when the response ended, not when policyd settled its bookkeeping after.
+    for enclosing in ancestors:
+        assert _within(decision, enclosing), _times(decision, enclosing)
 
     # The pod saw a traceparent of that same trace.
     received = gateway.upstreams[served_by].received[-1]
@@ -165,6 +170,28 @@ async def test_one_request_is_one_trace_from_envoy_through_policyd_to_the_pod(
     assert attributes[a.GEN_AI_OUTPUT_TOKENS] == SSE_USAGE["completion_tokens"]
     assert attributes[a.RESPONSE_COMPLETED] is True
     assert 0 < attributes[a.TIME_TO_FIRST_TOKEN] < attributes[a.RESPONSE_DURATION]
+
+
+def _within(inner: ReceivedSpan, outer: ReceivedSpan) -> bool:
+    """Whether ``inner`` starts no earlier and ends no later than ``outer``."""
+    return (
+        outer.span.start_time_unix_nano <= inner.span.start_time_unix_nano
+        and inner.span.end_time_unix_nano <= outer.span.end_time_unix_nano
+    )
+
+
+def _times(inner: ReceivedSpan, outer: ReceivedSpan) -> str:
+    """How ``inner`` lies against ``outer``, in microseconds from ``outer``'s start."""
+    origin = outer.span.start_time_unix_nano
+
+    def us(ns: int) -> str:
+        return f"{(ns - origin) / 1000:+.0f} us"
+
+    return (
+        f"{inner.span.name}: {us(inner.span.start_time_unix_nano)}"
+        f" .. {us(inner.span.end_time_unix_nano)};"
+        f" {outer.span.name}: +0 us .. {us(outer.span.end_time_unix_nano)}"
+    )
 
 
 def _ancestors(span: ReceivedSpan, spans: list[ReceivedSpan]) -> list[ReceivedSpan]:

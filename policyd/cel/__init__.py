@@ -10,7 +10,8 @@ Public API::
 
 ``Environment.compile`` raises ``CelCompileError`` (syntax, types, names, cost
 bound); ``Program.evaluate`` raises only ``CelEvalError``. ``Program.lowered``
-and ``Program.report`` say how the expression runs. Values are plain Python,
+and ``Program.report`` say how the expression runs; ``Program.reads`` what
+it refers to. Values are plain Python,
 with the small types of ``values.py`` where Python has no exact match.
 
 Inside: ``environment`` (the pipeline), ``cost`` (load-time bound),
@@ -18,18 +19,20 @@ Inside: ``environment`` (the pipeline), ``cost`` (load-time bound),
 / ``chrono`` (CEL semantics), ``fallback`` (cel-expr-python), ``schema``.
 """
 
-from policyd.cel.environment import Activation, Environment, Program
+from policyd.cel.environment import DYN, Activation, DeclaredType, Environment, Program
 from policyd.cel.errors import CelCompileError, CelEvalError
 from policyd.cel.schema import POD_FIELDS, REQUEST_FIELDS, cel_type_of, pod_type, request_type
 from policyd.cel.values import CelType, Duration, Timestamp, UInt
 
 __all__ = [
+    "DYN",
     "POD_FIELDS",
     "REQUEST_FIELDS",
     "Activation",
     "CelCompileError",
     "CelEvalError",
     "CelType",
+    "DeclaredType",
     "Duration",
     "Environment",
     "Program",

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeAlias
 
 from cel.expr import checked_pb2, syntax_pb2
 from cel_expr_python import cel
@@ -31,11 +31,15 @@ from google.protobuf import any_pb2, message
 from policyd.cel import codegen, cost, lowering
 from policyd.cel.errors import CelCompileError
 from policyd.cel.fallback import FallbackEvaluator
+from policyd.cel.reads import reads_of
 from policyd.cel.schema import descriptor_pool_for_schema
 from policyd.cel.values import Duration, Timestamp, UInt
 
 Activation = Mapping[str, Any]
 Evaluator = Callable[[Activation], Any]
+# A declared variable's type, as the checker knows it (``cel_type_of``, ``Program.value_type``).
+DeclaredType: TypeAlias = cel.Type
+DYN: DeclaredType = cel.Type.DYN
 
 _POSITION = re.compile(r"<input>:(\d+):(\d+): (.*)")
 _CHECKED_URL = "type.googleapis.com/cel.expr.CheckedExpr"
@@ -49,11 +53,15 @@ class Program:
     other exception escapes it. ``lowered`` says whether it runs as generated
     Python (True) or through cel-expr-python (False); ``report`` says why and
     what was done (constants folded, cost estimate). ``python_source`` is the
-    generated function, for ``explain`` output and for review.
+    generated function, for ``explain`` output and for review. ``reads``
+    names what the expression refers to (``policyd.cel.reads``);
+    ``value_type`` is its checked type, to declare a variable that holds it.
     """
 
     source: str
     return_type: str
+    value_type: DeclaredType
+    reads: frozenset[str]
     evaluate: Evaluator
     lowered: bool
     report: tuple[str, ...] = field(default=())
@@ -99,7 +107,9 @@ class Environment:
             source_info=tree.source_info,
             constants=folded_constants,
         )
-        return_type = expression.return_type().name()
+        value_type = expression.return_type()
+        return_type = value_type.name()
+        reads = reads_of(tree.expr, reference_map, frozenset(self._variables))
         try:
             lowered = lowering.lower(
                 tree.expr,
@@ -118,6 +128,8 @@ class Environment:
             return Program(
                 source=source,
                 return_type=return_type,
+                value_type=value_type,
+                reads=reads,
                 evaluate=FallbackEvaluator(expression, self._variables, folded_constants),
                 lowered=False,
                 report=(*notes, estimate.describe()),
@@ -125,6 +137,8 @@ class Environment:
         return Program(
             source=source,
             return_type=return_type,
+            value_type=value_type,
+            reads=reads,
             evaluate=evaluate,
             lowered=True,
             report=(

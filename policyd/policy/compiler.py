@@ -24,19 +24,17 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
-from cel.expr import checked_pb2
-from cel_expr_python import cel
-from google.protobuf import any_pb2
-
 from policyd.cel import (
+    DYN,
     POD_FIELDS,
     REQUEST_FIELDS,
     CelCompileError,
+    DeclaredType,
     Environment,
     Program,
     cel_type_of,
@@ -171,13 +169,13 @@ class _Compiler:
         self.source = spec.source
         self.diagnostics: list[Diagnostic] = []
         self.referenced: set[str] = set()
-        self.param_types: dict[str, cel.Type] = {
+        self.param_types: dict[str, DeclaredType] = {
             f"params.{p.name}": cel_type_of(p.type) for p in spec.params
         }
         self.constants: dict[str, Any] = {
             f"params.{p.name}": p.value for p in spec.params if p.valid
         }
-        self.variable_types: dict[str, cel.Type] = {}
+        self.variable_types: dict[str, DeclaredType] = {}
         self.variable_needs: dict[str, Needs] = {}
         self.variable_reads: dict[str, frozenset[str]] = {}  # with their dependencies'
         self.tree_reads: set[str] = set()  # fields of pod / request the filter tree reads
@@ -245,21 +243,20 @@ class _Compiler:
         what: str,
         want: tuple[str, ...],
         per_request: str = _IF_SEES,
-    ) -> tuple[Program, frozenset[str], cel.Type] | None:
+    ) -> tuple[Program, frozenset[str], DeclaredType] | None:
         """Check and compile one expression; report errors at their place in the file.
 
         ``per_request`` says why a pod is out of reach, for expressions compiled
         in the request-only environment.
         """
         try:
-            checked = env.check(expression.source)
             program = env.compile(expression.source, constants=self.constants)
         except CelCompileError as error:
             at = expression.locate(error.line, error.column)
             explained = self._explain(error.message, env, per_request)
             self.diagnostics.append(self.source.diagnostic(at, explained))
             return None
-        names = _references(checked)
+        names = program.reads
         self.referenced |= names
         if want and program.return_type not in want:
             expected = " or ".join(w.lower() for w in want)
@@ -268,7 +265,7 @@ class _Compiler:
                 f"{what} must be {expected}, but this expression is {program.return_type.lower()}",
             )
             return None
-        return program, names, checked.return_type()
+        return program, names, program.value_type
 
     def _explain(self, message: str, env: Environment, per_request: str) -> str:
         """The checker's message, plus what the policy author most likely meant."""
@@ -310,7 +307,7 @@ class _Compiler:
                 env, variable.expression, what=f"variable '{variable.name}'", want=()
             )
             if compiled is None:
-                self.variable_types[full_name] = cel.Type.DYN  # checked on, reported once
+                self.variable_types[full_name] = DYN  # checked on, reported once
                 self.variable_needs[full_name] = ()
                 continue
             program, names, return_type = compiled
@@ -507,62 +504,6 @@ def _reachable(start: str, specs: Mapping[str, NodeSpec]) -> set[str]:
                 seen.add(link.name)
                 stack.append(link.name)
     return seen
-
-
-def _references(checked: cel.Expression) -> frozenset[str]:
-    """Names an expression refers to, from the checker.
-
-    Variables, params, ``pod`` and ``request``, plus the fields of ``pod`` and
-    ``request`` it selects (``request.model``); ``pod.*`` / ``request.*`` when
-    the object is used whole (``dyn(pod)``), so any field may be read.
-    """
-    wrapped = any_pb2.Any.FromString(checked.serialize())
-    expression = checked_pb2.CheckedExpr()
-    wrapped.Unpack(expression)
-    names = {
-        reference.name
-        for reference in expression.reference_map.values()
-        if not reference.overload_id
-    }
-    return frozenset(names | set(_field_reads(expression.expr, expression.reference_map)))
-
-
-def _field_reads(expr: Any, references: Any) -> Iterator[str]:
-    """``pod.<field>`` / ``request.<field>`` for each selection of a schema object's field."""
-    kind = expr.WhichOneof("expr_kind")
-    if kind == "select_expr":
-        operand = expr.select_expr.operand
-        if operand.WhichOneof("expr_kind") == "ident_expr" and _is_object(operand, references):
-            yield f"{references[operand.id].name}.{expr.select_expr.field}"
-            return
-        yield from _field_reads(operand, references)
-    elif kind == "ident_expr":
-        if _is_object(expr, references):
-            yield f"{references[expr.id].name}.*"
-    elif kind == "call_expr":
-        call = expr.call_expr
-        if call.HasField("target"):
-            yield from _field_reads(call.target, references)
-        for argument in call.args:
-            yield from _field_reads(argument, references)
-    elif kind == "list_expr":
-        for element in expr.list_expr.elements:
-            yield from _field_reads(element, references)
-    elif kind == "struct_expr":
-        for entry in expr.struct_expr.entries:
-            if entry.HasField("map_key"):
-                yield from _field_reads(entry.map_key, references)
-            yield from _field_reads(entry.value, references)
-    elif kind == "comprehension_expr":
-        loop = expr.comprehension_expr
-        for part in (loop.iter_range, loop.accu_init, loop.loop_condition, loop.loop_step):
-            yield from _field_reads(part, references)
-        yield from _field_reads(loop.result, references)
-
-
-def _is_object(ident: Any, references: Any) -> bool:
-    """An identifier that names the ``pod`` or ``request`` variable (not a loop variable)."""
-    return ident.id in references and references[ident.id].name in ("pod", "request")
 
 
 def _walk_key(reads: set[str]) -> WalkKey | None:

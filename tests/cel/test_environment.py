@@ -68,3 +68,41 @@ def test_runtime_errors_are_cel_errors_and_or_absorbs_them(environment: Environm
     assert absorbed.evaluate({"pod": pod}) is True
     age = environment.compile("pod.metrics_age < duration('300ms')")
     assert age.evaluate({"pod": pod}) is True
+
+
+@pytest.mark.parametrize(
+    ("source", "reads"),
+    [
+        (
+            "pod.waiting_queue < params.queue_limit && request.model in pod.active_loras",
+            {
+                "pod",
+                "request",
+                "params.queue_limit",
+                "pod.waiting_queue",
+                "pod.active_loras",
+                "request.model",
+            },
+        ),
+        # a loop variable named like a field is not a read of the schema object
+        ("pod.active_loras.exists(model, model == 'x')", {"pod", "pod.active_loras"}),
+        # the object used whole may read any field
+        ("dyn(pod) != null", {"pod", "pod.*"}),
+        ("1 + 2 == 3", set()),
+    ],
+)
+def test_a_program_says_what_it_reads(
+    environment: Environment, source: str, reads: set[str]
+) -> None:
+    program = environment.compile(source, constants={"params.queue_limit": 50})
+    assert program.reads == frozenset(reads)
+
+
+def test_a_program_s_value_type_declares_a_variable_that_holds_it(
+    environment: Environment,
+) -> None:
+    program = environment.compile("pod.active_loras")
+    holder = Environment({"variables.loras": program.value_type})
+    assert holder.compile("variables.loras.size() > 0").return_type == "BOOL"
+    with pytest.raises(CelCompileError):
+        holder.compile("variables.loras + 1")

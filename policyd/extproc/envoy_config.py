@@ -25,7 +25,17 @@ What it sets up, and why:
 - cluster ``model_servers``: ORIGINAL_DST keyed on
   ``x-gateway-destination-endpoint``; a route only sends there when the header
   is present (policyd always sets it), anything else gets a JSON 503 instead of
-  Envoy's fallback to the downstream connection's own destination.
+  Envoy's fallback to the downstream connection's own destination. ORIGINAL_DST
+  takes exactly one address, so the route does not retry: a retry would go to
+  the same pod. With ``model_servers`` listed (``--model-servers``) the cluster
+  holds those endpoints and picks with Envoy's override-host policy instead:
+  the first address of the header (or ``envoy.lb`` metadata) policyd set, and on
+  each retry the next one (``policyd serve --send-fallbacks``), then, past the
+  list, the pod with the fewest requests other than those tried. The route then
+  retries a request whose pod refused the connection or the stream, or reset
+  it before the request was sent (``RETRY_ON``), up to ``retries`` times: a
+  killed pod costs the requests it was serving, not those sent to it before
+  policyd noticed.
 - per-connection buffer limit (default 4 MiB) on the listener and the model
   cluster: it caps a BUFFERED request body (Envoy answers 413 past it), so it
   must fit real prompts.
@@ -61,6 +71,11 @@ _TYPE: Final = "type.googleapis.com/"
 GRACEFUL_CLOSE_FLAG: Final = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
 # Envoy runtime flags the bootstrap sets (see the module docstring).
 RUNTIME_FLAGS: Final = {GRACEFUL_CLOSE_FLAG: True}
+# What the inference route retries, on another pod (only with the override-host
+# cluster): a pod that refused the connection or the stream, or a connection
+# reset before the request went out. Never ``reset`` after the request was
+# sent: a request that crashes its pod must not be sent to two more.
+RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request"
 _NO_ROUTE_BODY: Final = (
     '{"error":{"message":"policyd did not route this request",'
     '"type":"service_unavailable","code":"no_destination"}}'
@@ -97,6 +112,13 @@ class EnvoyConfigOptions:
     # policyd before its circuit breaker answers 503.
     policyd_max_streams: int = 50_000
     policyd_tls: PolicydTls | None = None
+    # The model servers as ``ip:port`` (a STATIC cluster) or one ``name:port``
+    # (STRICT_DNS, e.g. a headless Service). Empty: ORIGINAL_DST on the
+    # destination header, one address per request and no retries.
+    model_servers: tuple[str, ...] = ()
+    # Retries of a request whose pod failed it before it was sent, each to the
+    # next address policyd named, then another pod; only with model_servers.
+    retries: int = 2
     # host:port of an OTLP/gRPC collector: Envoy then traces every request and
     # passes its traceparent to policyd and the model server.
     otlp_endpoint: str = ""
@@ -208,11 +230,7 @@ def _routes(options: EnvoyConfigOptions) -> dict[str, Any]:
                             "prefix": "/",
                             "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
                         },
-                        "route": {
-                            "cluster": "model_servers",
-                            "timeout": "0s",
-                            "idle_timeout": f"{options.stream_idle_timeout_s}s",
-                        },
+                        "route": _chosen_pod_route(options),
                     },
                     {
                         "name": "unrouted",
@@ -225,6 +243,78 @@ def _routes(options: EnvoyConfigOptions) -> dict[str, Any]:
                 ],
             }
         ],
+    }
+
+
+def _chosen_pod_route(options: EnvoyConfigOptions) -> dict[str, Any]:
+    route: dict[str, Any] = {
+        "cluster": "model_servers",
+        "timeout": "0s",
+        "idle_timeout": f"{options.stream_idle_timeout_s}s",
+    }
+    if options.model_servers and options.retries > 0:
+        route["retry_policy"] = retry_policy(options.retries)
+    return route
+
+
+def retry_policy(retries: int) -> dict[str, Any]:
+    """The inference route's retries (what Istio makes of a VirtualService's
+    ``retries: {attempts: N, retryOn: RETRY_ON}``): each to a host not tried yet."""
+    return {
+        "retry_on": RETRY_ON,
+        "num_retries": retries,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": _TYPE
+                    + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+
+
+def override_host_policy() -> dict[str, Any]:
+    """Envoy's override-host load balancing: the addresses policyd named, in order
+    (one per attempt; an address not among the cluster's endpoints is skipped),
+    then the endpoint with the fewest active requests."""
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": _TYPE + "envoy.extensions.load_balancing_policies.override_host"
+                        ".v3.OverrideHost",
+                        "override_host_sources": [
+                            {"header": DESTINATION_HEADER},
+                            {
+                                "metadata": {
+                                    "key": LB_METADATA_NAMESPACE,
+                                    "path": [{"key": DESTINATION_HEADER}],
+                                }
+                            },
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.least_request",
+                                        "typed_config": {
+                                            "@type": _TYPE
+                                            + "envoy.extensions.load_balancing_policies"
+                                            ".least_request.v3.LeastRequest"
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
     }
 
 
@@ -315,13 +405,45 @@ def _policyd_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
 
 
 def _model_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
-    return {
+    cluster: dict[str, Any] = {
         "name": "model_servers",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": f"{options.upstream_connect_timeout_s:g}s",
         "per_connection_buffer_limit_bytes": options.buffer_limit_bytes,
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+    }
+    if not options.model_servers:
+        return {
+            **cluster,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {
+                "use_http_header": True,
+                "http_header_name": DESTINATION_HEADER,
+            },
+        }
+    addresses = [address.rpartition(":") for address in options.model_servers]
+    endpoints = [{"endpoint": {"address": _socket(host, int(port))}} for host, _, port in addresses]
+    # Every request in flight holds an upstream request, and each retry a retry:
+    # Envoy's defaults (1024 and 3) would fail the 1025th generation and the
+    # fourth concurrent retry.
+    limit = options.policyd_max_streams
+    return {
+        **cluster,
+        "type": "STATIC" if all(_is_ip(host) for host, _, _ in addresses) else "STRICT_DNS",
+        "load_balancing_policy": override_host_policy(),
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_connections": limit,
+                    "max_pending_requests": limit,
+                    "max_requests": limit,
+                    "max_retries": limit,
+                }
+            ]
+        },
+        "load_assignment": {
+            "cluster_name": "model_servers",
+            "endpoints": [{"lb_endpoints": endpoints}],
+        },
     }
 
 
@@ -376,6 +498,19 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policyd-tls-cert", type=Path, help="Envoy's client cert (mTLS)")
     parser.add_argument("--policyd-tls-key", type=Path, help="Envoy's client key (mTLS)")
     parser.add_argument("--policyd-tls-server-name", default="", help="SNI for policyd")
+    parser.add_argument(
+        "--model-servers",
+        default="",
+        help="the model servers, ip:port,ip:port,... or one name:port (a headless Service): "
+        "Envoy then retries a refused request on the next pod policyd named "
+        "(default: none, ORIGINAL_DST on the destination header, no retries)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=defaults.retries,
+        help="retries on another pod, with --model-servers (default %(default)s)",
+    )
     parser.add_argument("--otlp-endpoint", default="", help="host:port of an OTLP/gRPC collector")
     parser.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     parser.set_defaults(run=run)
@@ -400,6 +535,14 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         raise ValueError("--buffer-limit-mib must be positive")
     if arguments.policyd_streams_per_connection < 1 or arguments.policyd_max_streams < 1:
         raise ValueError("--policyd-streams-per-connection and --policyd-max-streams must be >= 1")
+    model_servers = tuple(a.strip() for a in arguments.model_servers.split(",") if a.strip())
+    for address in model_servers:
+        if not address.rpartition(":")[2].isdigit():
+            raise ValueError(f"--model-servers takes host:port addresses, not {address!r}")
+    if len(model_servers) > 1 and not all(_is_ip(a.rpartition(":")[0]) for a in model_servers):
+        raise ValueError("--model-servers takes ip:port addresses or one name:port")
+    if arguments.retries < 0:
+        raise ValueError("--retries must be >= 0")
     return EnvoyConfigOptions(
         listen_address=arguments.listen_address,
         port=arguments.port,
@@ -412,6 +555,8 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         policyd_streams_per_connection=arguments.policyd_streams_per_connection,
         policyd_max_streams=arguments.policyd_max_streams,
         policyd_tls=tls,
+        model_servers=model_servers,
+        retries=arguments.retries,
         otlp_endpoint=arguments.otlp_endpoint,
     )
 

@@ -188,3 +188,96 @@ def test_inconsistent_options_are_refused_with_a_reason(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("policyd envoy-config: ")
+
+
+# -- the model servers' cluster and the inference route's retries -------------------------
+
+
+def chosen_pod_route(config: dict[str, Any]) -> dict[str, Any]:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    routes = manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    (route,) = [r["route"] for r in routes if r["name"] == "to_chosen_pod"]
+    assert isinstance(route, dict)
+    return route
+
+
+def test_with_original_dst_the_route_never_retries() -> None:
+    """ORIGINAL_DST takes one address: a retry could only go to the pod that failed."""
+    config = bootstrap(EnvoyConfigOptions(retries=5))
+    assert cluster(config, "model_servers")["type"] == "ORIGINAL_DST"
+    assert "retry_policy" not in chosen_pod_route(config)
+
+
+def test_listed_model_servers_get_override_host_and_retries_on_another_pod() -> None:
+    config = bootstrap(EnvoyConfigOptions(model_servers=("10.0.0.5:8000", "10.0.0.7:8000")))
+    pods = cluster(config, "model_servers")
+    assert pods["type"] == "STATIC"
+    assert "lb_policy" not in pods and "original_dst_lb_config" not in pods
+    (policy,) = pods["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    assert override["override_host_sources"] == [
+        {"header": "x-gateway-destination-endpoint"},
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}},
+    ]
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"].endswith(".least_request")
+    (lb_endpoints,) = pods["load_assignment"]["endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"] for e in lb_endpoints["lb_endpoints"]] == [
+        {"address": "10.0.0.5", "port_value": 8000},
+        {"address": "10.0.0.7", "port_value": 8000},
+    ]
+    (thresholds,) = pods["circuit_breakers"]["thresholds"]
+    assert thresholds["max_retries"] > 3 and thresholds["max_requests"] > 1024  # Envoy's defaults
+    retry = chosen_pod_route(config)["retry_policy"]
+    # Only failures before the request reached a pod: never one a pod died serving.
+    assert retry["retry_on"] == "connect-failure,refused-stream,reset-before-request"
+    assert retry["num_retries"] == 2
+    assert [p["name"] for p in retry["retry_host_predicate"]] == [
+        "envoy.retry_host_predicates.previous_hosts"
+    ]
+    assert "per_try_timeout" not in retry  # generations run for minutes
+    assert "retry_policy" not in chosen_pod_route(
+        bootstrap(EnvoyConfigOptions(model_servers=("10.0.0.5:8000",), retries=0))
+    )
+
+
+def test_a_model_server_name_resolves_every_address_of_a_headless_service(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    arguments = ["envoy-config", "--model-servers", "vllm.inference.svc.cluster.local:8000"]
+    assert main([*arguments, "--retries", "3"]) == 0
+    text = capsys.readouterr().out
+    config = yaml.safe_load(text)
+    assert cluster(config, "model_servers")["type"] == "STRICT_DNS"
+    assert chosen_pod_route(config)["retry_policy"]["num_retries"] == 3
+    (tmp_path / "envoy.yaml").write_text(text)
+    result = envoy_validates(tmp_path / "envoy.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_model_server_flags_reach_the_cluster_and_envoy_accepts_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    addresses = "127.0.0.1:18101, 127.0.0.1:18102"
+    assert main(["envoy-config", "--model-servers", addresses]) == 0
+    text = capsys.readouterr().out
+    pods = cluster(yaml.safe_load(text), "model_servers")
+    assert len(pods["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+    (tmp_path / "envoy.yaml").write_text(text)
+    result = envoy_validates(tmp_path / "envoy.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["--model-servers", "10.0.0.5"],
+        ["--model-servers", "a.svc:8000,b.svc:8000"],
+        ["--model-servers", "10.0.0.5:8000", "--retries", "-1"],
+    ],
+)
+def test_model_server_lists_that_envoy_could_not_use_are_refused(
+    arguments: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["envoy-config", *arguments]) == 2
+    assert capsys.readouterr().err.startswith("policyd envoy-config: ")

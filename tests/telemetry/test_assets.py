@@ -120,25 +120,39 @@ def test_the_dashboard_is_grafana_json_with_unique_panel_ids() -> None:
     assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in graphs)
 
 
+def documents(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((ASSETS / name).read_text()) if d is not None]
+
+
+def jaeger_config() -> dict[str, Any]:
+    """Jaeger's own configuration, from the ConfigMap in ``jaeger.yaml``."""
+    config_map = next(d for d in documents("jaeger.yaml") if d["kind"] == "ConfigMap")
+    (text,) = config_map["data"].values()
+    loaded: dict[str, Any] = yaml.safe_load(text)
+    return loaded
+
+
 def test_the_kubernetes_and_istio_manifests_parse_and_fit_together() -> None:
-    collector_docs = list(yaml.safe_load_all((ASSETS / "otel-collector.yaml").read_text()))
+    collector_docs = documents("otel-collector.yaml")
     config_map = next(d for d in collector_docs if d["kind"] == "ConfigMap")
     standalone = yaml.safe_load((ASSETS / "otel-collector-config.yaml").read_text())
     assert yaml.safe_load(config_map["data"]["config.yaml"]) == standalone
     pipeline = standalone["service"]["pipelines"]["traces"]
     assert pipeline["receivers"] == ["otlp"] and "otlp/jaeger" in pipeline["exporters"]
 
-    jaeger_docs = list(yaml.safe_load_all((ASSETS / "jaeger.yaml").read_text()))
-    services = {d["metadata"]["name"]: d for d in jaeger_docs if d["kind"] == "Service"}
+    services = {
+        d["metadata"]["name"]: d for d in documents("jaeger.yaml") if d["kind"] == "Service"
+    }
     jaeger_endpoint = standalone["exporters"]["otlp/jaeger"]["endpoint"]
     host, port = jaeger_endpoint.rsplit(":", 1)
     assert host.split(".")[0] in services
     assert int(port) in [p["port"] for p in services[host.split(".")[0]]["spec"]["ports"]]
 
-    istio_docs = list(yaml.safe_load_all((ASSETS / "istio-telemetry.yaml").read_text()))
-    operator = next(d for d in istio_docs if d["kind"] == "IstioOperator")
+    (operator,) = documents("istio-mesh-tracing.yaml")
+    assert operator["kind"] == "IstioOperator"
     (provider,) = operator["spec"]["meshConfig"]["extensionProviders"]
-    telemetry = next(d for d in istio_docs if d["kind"] == "Telemetry")
+    (telemetry,) = documents("istio-telemetry.yaml")
+    assert telemetry["kind"] == "Telemetry"
     assert telemetry["apiVersion"] == "telemetry.istio.io/v1"
     assert telemetry["spec"]["tracing"][0]["providers"] == [{"name": provider["name"]}]
     collector_service = next(d for d in collector_docs if d["kind"] == "Service")
@@ -146,3 +160,88 @@ def test_the_kubernetes_and_istio_manifests_parse_and_fit_together() -> None:
     namespace = collector_service["metadata"]["namespace"]
     assert provider["opentelemetry"]["service"] == f"{name}.{namespace}.svc.cluster.local"
     assert provider["opentelemetry"]["port"] == 4317
+
+
+def test_jaeger_is_v2_run_by_its_own_configuration() -> None:
+    docs = documents("jaeger.yaml")
+    config = jaeger_config()
+    (container,) = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    # Jaeger v2 (the v1 all-in-one image and its environment variables are gone).
+    image, tag = container["image"].rsplit(":", 1)
+    assert image == "jaegertracing/jaeger" and tag.startswith("2.")
+    assert "env" not in container
+    # It reads the ConfigMap's file.
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    (key,) = config_map["data"]
+    (mount,) = container["volumeMounts"]
+    (volume,) = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "volumes"
+    ]
+    assert volume["name"] == mount["name"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert container["args"] == [f"--config={mount['mountPath']}/{key}"]
+
+    # OTLP in, into the store the query extension reads.
+    service = config["service"]
+    assert {"jaeger_storage", "jaeger_query"} <= set(service["extensions"])
+    assert set(service["extensions"]) <= set(config["extensions"])
+    traces = service["pipelines"]["traces"]
+    assert traces["receivers"] == ["otlp"]
+    assert traces["exporters"] == ["jaeger_storage_exporter"]
+    store = config["exporters"]["jaeger_storage_exporter"]["trace_storage"]
+    assert store in config["extensions"]["jaeger_storage"]["backends"]
+    assert config["extensions"]["jaeger_query"]["storage"]["traces"] == store
+
+    # Every port the config listens on is the container's, and the Services reach them.
+    listening = {
+        "otlp-grpc": config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"],
+        "otlp-http": config["receivers"]["otlp"]["protocols"]["http"]["endpoint"],
+        "query": config["extensions"]["jaeger_query"]["http"]["endpoint"],
+        "query-grpc": config["extensions"]["jaeger_query"]["grpc"]["endpoint"],
+        "health": config["extensions"]["healthcheckv2"]["http"]["endpoint"],
+    }
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for name, endpoint in listening.items():
+        host, port = endpoint.rsplit(":", 1)
+        assert host == "0.0.0.0", f"{name} must listen beyond the pod's loopback"
+        assert ports[name] == int(port)
+    assert container["readinessProbe"]["httpGet"]["port"] in ports
+    for service_doc in (d for d in docs if d["kind"] == "Service"):
+        for port in service_doc["spec"]["ports"]:
+            assert port["targetPort"] in ports
+
+
+ISTIOCTL_INSTALL = re.compile(r"istioctl install((?: -f [\w./-]+)+)")
+KUBECTL_APPLY = re.compile(r"kubectl apply((?: -f [\w./-]+)+)")
+
+
+def documented_commands() -> Iterator[tuple[str, str, str]]:
+    """(source, command, file) for every telemetry file the docs and the assets'
+    comments tell to ``istioctl install -f`` or ``kubectl apply -f``."""
+    sources = [ASSETS.parent / "docs" / "observability.md", ASSETS / "README.md"]
+    sources += sorted(ASSETS.glob("*.yaml"))
+    for source in sources:
+        text = source.read_text()
+        for command, pattern in (("istioctl", ISTIOCTL_INSTALL), ("kubectl", KUBECTL_APPLY)):
+            for match in pattern.finditer(text):
+                for path in match.group(1).split(" -f ")[1:]:
+                    if path.startswith("telemetry/"):
+                        yield source.name, command, path.removeprefix("telemetry/")
+
+
+def test_the_documented_istio_and_kubectl_commands_take_their_files_as_written() -> None:
+    seen = set()
+    for source, command, name in documented_commands():
+        seen.add((command, name))
+        assert (ASSETS / name).is_file(), f"{source}: {command} names a missing {name}"
+        kinds = [d["kind"] for d in documents(name)]
+        if command == "istioctl":
+            # istioctl install takes IstioOperator CRs, one per file.
+            assert kinds == ["IstioOperator"], f"{source}: istioctl install -f {name}: {kinds}"
+        else:
+            assert "IstioOperator" not in kinds, f"{source}: kubectl apply -f {name}"
+    assert ("istioctl", "istio-mesh-tracing.yaml") in seen
+    assert ("kubectl", "istio-telemetry.yaml") in seen
+    assert ("kubectl", "jaeger.yaml") in seen

@@ -6,7 +6,8 @@ an HTTP status plus an OpenAI-style JSON body
 OpenAI API surface the message instead of choking on an HTML page. The status
 mapping follows the Gateway API Inference Extension endpoint-picker protocol:
 bad request 400, unknown model 404, shed 429, no ready endpoint 503,
-internal 500.
+internal 500; policyd's own size limits add 413 (body), 414 (path), 431
+(headers) and 429 with ``Retry-After`` (too many body bytes held at once).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from policyd.policy.decision import Decision, Outcome
 _ERROR_TYPE: Final[dict[int, str]] = {
     400: "invalid_request_error",
     404: "not_found_error",
+    413: "invalid_request_error",
+    414: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "internal_error",
     503: "service_unavailable",
@@ -44,11 +48,15 @@ _DEFAULT_MESSAGE: Final[dict[Outcome, str]] = {
 class RequestError(Exception):
     """A request that gets an error answer instead of being forwarded."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(
+        self, status: int, message: str, code: str, *, retry_after: int | None = None
+    ) -> None:
+        """``retry_after``: seconds for a ``Retry-After`` header (a busy server's 429)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after = retry_after
 
     @property
     def error_type(self) -> str:

@@ -12,13 +12,25 @@ raises, a telemetry bug) ends as an answer for that request alone, and
 ``handle`` never raises. The in-flight count of the chosen pod goes up when a
 request is routed and down exactly once when its exchange ends, however it
 ends.
+
+Memory is bounded per request and per server (``ServingSettings``): a request
+whose header block, path, body or model name is over its limit gets a
+413/414/431/400 before anything is built from it, and the request-body bytes
+a server holds at once are capped (``BodyBudget``; a 429 with
+``Retry-After`` past it), reserved from the ``content-length`` at the
+headers phase, before Envoy sends the body. A routed request that sees no
+response headers within ``in_flight_expiry_seconds`` stops counting in its
+pod's in-flight (``ResponseWatch``), so streams that never reach a response
+cannot steer ``pod.in_flight`` for long.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -35,7 +47,7 @@ from policyd.extproc.interfaces import (
     SnapshotSource,
     Telemetry,
 )
-from policyd.extproc.openai import InferenceBody, parse_body, rewrite_model
+from policyd.extproc.openai import MAX_MODEL_BYTES, InferenceBody, parse_body, rewrite_model
 from policyd.extproc.settlement import Settlement
 from policyd.extproc.usage import UsageReader
 from policyd.policy.decision import Decision, Outcome
@@ -60,7 +72,125 @@ class ServingSettings:
     """
 
     send_fallbacks: bool = False
+    # One request body (413 past it; Envoy's own buffer limit is 4 MiB by default).
     max_body_bytes: int = 16 * 1024 * 1024
+    # Request-body bytes held at once over all of a server's exchanges (429 past it).
+    max_buffered_body_bytes: int = 64 * 1024 * 1024
+    # The request-headers message, all headers with names (431 past it; Envoy's
+    # own limit is 60 KiB by default), and the path without its query (414).
+    max_header_bytes: int = 64 * 1024
+    max_path_bytes: int = 2048
+    # The body's model name (400 past it): no real model name is longer.
+    max_model_bytes: int = MAX_MODEL_BYTES
+    # A routed request with no response headers after this long stops counting
+    # in its pod's in-flight (0: never). Above Envoy's stream idle timeout
+    # (300 s in the generated config), after which no response can come.
+    in_flight_expiry_seconds: float = 330.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0 or self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                "the body limits must be positive, and the buffered total at least one body"
+            )
+        if self.in_flight_expiry_seconds < 0:
+            raise ValueError("in_flight_expiry_seconds must not be negative")
+
+
+RETRY_AFTER_SECONDS: Final = 1  # a 429 for a full body budget: bodies are held for milliseconds
+
+
+class BodyBudget:
+    """The request-body bytes a server's exchanges hold at once, against a limit.
+
+    Used from the event loop only (no lock). An exchange takes the body's
+    ``content-length`` at the headers phase (the body is on its way: gRPC
+    will hold it), tops it up when more arrives, and gives it all back once
+    the request is routed or answered.
+    """
+
+    __slots__ = ("held", "limit", "refused")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refused = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            self.refused += 1
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+class ResponseWatch:
+    """Routed exchanges still waiting for response headers, oldest first.
+
+    An exchange past ``seconds`` without response headers is released from
+    its pod's in-flight count (``Exchange.expire``): an ext_proc stream held
+    open without a response (a client of the gRPC port that never sends
+    one, an upstream that never answers) must not steer ``pod.in_flight``
+    forever. Checked on a timer every tenth of ``seconds`` (at most every
+    5 s) while anything waits; adding and removing are O(1).
+    """
+
+    __slots__ = ("_timer", "_waiting", "expired", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.expired = 0
+        self._waiting: OrderedDict[Exchange, float] = OrderedDict()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def watch(self, exchange: Exchange, now: float) -> bool:
+        """Start watching ``exchange`` (routed at ``now``, ``perf_counter``); whether it is."""
+        if self.seconds <= 0:
+            return False
+        self._waiting[exchange] = now + self.seconds
+        if self._timer is None:
+            self._schedule()
+        return True
+
+    def forget(self, exchange: Exchange) -> None:
+        self._waiting.pop(exchange, None)
+
+    def _schedule(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (a benchmark): no expiry
+            return
+        interval = min(max(self.seconds / 10, 0.01), 5.0)
+        self._timer = loop.call_later(interval, self.sweep)
+
+    def sweep(self) -> None:
+        """Release the exchanges past their time; run by the timer."""
+        self._timer = None
+        now = time.perf_counter()
+        waiting = self._waiting
+        released = 0
+        while waiting:
+            exchange, due = next(iter(waiting.items()))
+            if due > now:
+                break
+            del waiting[exchange]
+            if exchange.expire():
+                released += 1
+        if released:
+            self.expired += released
+            log.warning(
+                "%d routed request(s) saw no response headers within %.0f s: "
+                "no longer counted in their pods' in-flight",
+                released,
+                self.seconds,
+            )
+        if waiting:
+            self._schedule()
 
 
 class ServingContext(Protocol):
@@ -80,6 +210,10 @@ class ServingContext(Protocol):
     def settlement(self) -> Settlement: ...
     @property
     def rng(self) -> random.Random: ...
+    @property
+    def body_budget(self) -> BodyBudget: ...
+    @property
+    def response_watch(self) -> ResponseWatch: ...
 
 
 class _TraceCarrier(Mapping[str, str]):
@@ -135,6 +269,7 @@ class Exchange:
         "_ended",
         "_first_body_at",
         "_headers",  # regular request headers: what policies see as request.headers
+        "_held",  # bytes taken from the server's body budget
         "_load",
         "_metadata",
         "_method",
@@ -147,6 +282,7 @@ class Exchange:
         "_status",
         "_to_headers",
         "_usage",
+        "_watched",
         "answered",
     )
 
@@ -163,6 +299,8 @@ class Exchange:
         self._span: RequestSpan | None = None
         self._replied = True  # False from the decision until its reply has gone out
         self._load: InFlight | None = None
+        self._watched = False  # in the server's ResponseWatch
+        self._held = 0
         self._decided_at = 0.0
         self._first_body_at: float | None = None
         self._usage: UsageReader | None = None
@@ -240,6 +378,14 @@ class Exchange:
     def _on_request_headers(self, message: pb.HttpHeaders) -> bytes:
         # Pseudo-headers (:path, :method, ...) are not part of what policies see,
         # nor is a client's destination header.
+        settings = self._server.settings
+        if message.ByteSize() > settings.max_header_bytes:
+            raise RequestError(
+                431,
+                f"the request headers are larger than policyd accepts"
+                f" ({settings.max_header_bytes} bytes)",
+                "headers_too_large",
+            )
         headers = self._headers
         for header in message.headers.headers:
             name = header.key.lower()  # Envoy's are already; other clients' may not be
@@ -254,6 +400,13 @@ class Exchange:
                 headers[name] += "," + value
             elif name != replies.DESTINATION_HEADER:
                 headers[name] = value
+        if len(self._path) > settings.max_path_bytes:
+            raise RequestError(
+                414,
+                f"the request path is longer than policyd accepts"
+                f" ({settings.max_path_bytes} bytes)",
+                "path_too_long",
+            )
         if message.end_of_stream:
             if self._method in bodyless.METHODS:
                 return self._route_without_body()
@@ -261,7 +414,38 @@ class Exchange:
                 "the request has no body: policyd routes OpenAI requests with a JSON body",
                 "missing_body",
             )
+        length = headers.get("content-length")
+        if length is not None and length.isdigit():
+            self._hold(int(length))  # the body is on its way: gRPC will hold it
         return replies.REQUEST_HEADERS_CONTINUE
+
+    def _hold(self, size: int) -> None:
+        """Hold ``size`` bytes of body in all (from the budget); raises 413 or 429."""
+        settings = self._server.settings
+        if size > settings.max_body_bytes:
+            raise RequestError(
+                413,
+                f"the request body is larger than policyd accepts"
+                f" ({settings.max_body_bytes} bytes)",
+                "body_too_large",
+            )
+        more = size - self._held
+        if more <= 0:
+            return
+        if not self._server.body_budget.take(more):
+            raise RequestError(
+                429,
+                "policyd holds as many request-body bytes as it may right now; retry shortly",
+                "too_many_body_bytes",
+                retry_after=RETRY_AFTER_SECONDS,
+            )
+        self._held = size
+
+    def _let_go(self) -> None:
+        """Give the body's bytes back to the budget: the body is no longer held."""
+        if self._held:
+            self._server.body_budget.give(self._held)
+            self._held = 0
 
     def _on_request_body(self, message: pb.HttpBody) -> bytes:
         if self._span is not None:
@@ -273,12 +457,12 @@ class Exchange:
         else:
             self._body += chunk
             body = self._body
-        if len(body) > self._server.settings.max_body_bytes:
-            raise RequestError(
-                413, "the request body is larger than policyd accepts", "body_too_large"
-            )
+        self._hold(len(body))
         if whole:
-            return self._route(bytes(body))  # BUFFERED: one message, even when trailers follow
+            try:
+                return self._route(bytes(body))  # BUFFERED: one message, even with trailers
+            finally:
+                self._let_go()
         if self._body_mode == _BodyMode.BUFFERED_PARTIAL:
             raise RequestError(
                 413, "the request body exceeds the proxy's buffer limit", "body_too_large"
@@ -296,7 +480,7 @@ class Exchange:
         return replies.REQUEST_TRAILERS_CONTINUE
 
     def _route(self, document: bytes) -> bytes:
-        body = parse_body(document, self._path)
+        body = parse_body(document, self._path, self._server.settings.max_model_bytes)
         if self._body:
             self._body = bytearray()  # gathered from several messages: let it go
         request = self._build_request(body)
@@ -310,7 +494,7 @@ class Exchange:
             reason = f"the routing policy failed on this request ({type(error).__name__})"
             decision = Decision(Outcome.ERROR, "", "", request.model, reason=reason)
         span = self._decided(request, decision, started)
-        self._load = _claim(decision, candidates)
+        self._claim(decision, candidates)
         settings = self._server.settings
         destination = replies.destination_value(
             decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
@@ -329,8 +513,26 @@ class Exchange:
         candidates = self._server.snapshots().candidates
         decision = bodyless.least_busy_pod(candidates, self._server.rng)
         span = self._decided(request, decision, started)
-        self._load = _claim(decision, candidates)
+        self._claim(decision, candidates)
         return replies.route_headers(decision.endpoint, self._upstream_headers(span))
+
+    def _claim(self, decision: Decision, candidates: Sequence[Pod]) -> None:
+        load = self._load = _claim(decision, candidates)
+        if load is not None:
+            self._watched = self._server.response_watch.watch(self, self._decided_at)
+
+    def expire(self) -> bool:
+        """No response headers in time: stop counting in the pod's in-flight (``ResponseWatch``).
+
+        Whether the count was released (the exchange may have moved on).
+        """
+        self._watched = False
+        if self._load is None or self._ended:
+            return False
+        self._load.count -= 1
+        self._load = None
+        self._report("expired", "no_response_headers")
+        return True
 
     def _decided(self, request: Request, decision: Decision, started: float) -> RequestSpan:
         """Open the decision's span; a decision that did not route becomes its error."""
@@ -407,6 +609,9 @@ class Exchange:
             if status and content_type:
                 break
         self._usage = UsageReader(content_type)
+        if self._watched:
+            self._watched = False
+            self._server.response_watch.forget(self)
         if self._span is not None:
             self._status, self._to_headers = status, self._elapsed()
         if message.end_of_stream:
@@ -428,6 +633,10 @@ class Exchange:
         if self._ended:
             return
         self._ended = True
+        self._let_go()
+        if self._watched:
+            self._watched = False
+            self._server.response_watch.forget(self)
         if not completed:
             self._report("aborted", "decided" if self._span is not None else "undecided")
         if self._load is not None:

@@ -25,6 +25,8 @@ from policyd.extproc.errors import RequestError
 CHARS_PER_TOKEN: Final = 4
 TOKENS_PER_MESSAGE: Final = 4  # role, separators and the turn delimiter of chat templates
 
+MAX_MODEL_BYTES: Final = 1024  # the default limit on a model name (ServingSettings)
+
 CHAT_SUFFIX: Final = "/chat/completions"
 COMPLETIONS_SUFFIX: Final = "/completions"
 
@@ -45,8 +47,12 @@ def estimate_text_tokens(text: str) -> int:
     return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
-def parse_body(raw: bytes, path: str) -> InferenceBody:
+def parse_body(raw: bytes, path: str, max_model_bytes: int = MAX_MODEL_BYTES) -> InferenceBody:
     """Parse and check a request body; raises :class:`RequestError` (400).
+
+    A model name over ``max_model_bytes`` (UTF-8) is a 400 too: the model is
+    kept for the whole request (the span, the decision log, caches keyed on
+    it), and no real model name is kilobytes long.
 
     ``path`` picks the API: ``.../chat/completions`` requires ``messages``,
     ``.../completions`` requires ``prompt``; other paths (embeddings, a
@@ -70,6 +76,12 @@ def parse_body(raw: bytes, path: str) -> InferenceBody:
     if not isinstance(model, str) or not model:
         raise RequestError.bad_request(
             "the request body has no 'model' (a non-empty string is required)", "missing_model"
+        )
+    if len(model) > max_model_bytes or (
+        not model.isascii() and len(model.encode("utf-8", "surrogatepass")) > max_model_bytes
+    ):
+        raise RequestError.bad_request(
+            f"the request body's 'model' is longer than {max_model_bytes} bytes", "model_too_long"
         )
 
     if path.endswith(CHAT_SUFFIX):

@@ -266,11 +266,22 @@ def _set_header_head(name: str, value_size: int) -> bytes:
 
 
 def immediate(error: RequestError) -> bytes:
-    """An error answered by Envoy directly; the request never reaches a pod."""
+    """An error answered by Envoy directly; the request never reaches a pod.
+
+    A ``retry_after`` on the error becomes a ``Retry-After`` header.
+    """
+    headers = _JSON_CONTENT_TYPE
+    if error.retry_after is not None:
+        headers = pb.HeaderMutation(
+            set_headers=[
+                *_JSON_CONTENT_TYPE.set_headers,
+                _header("retry-after", str(error.retry_after)),
+            ]
+        )
     reply: bytes = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.status),
-            headers=_JSON_CONTENT_TYPE,
+            headers=headers,
             body=error.json_body(),
             details=f"policyd_{error.code}",
         )

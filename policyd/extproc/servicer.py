@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import replies
 from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG
-from policyd.extproc.exchange import Exchange, ServingSettings
+from policyd.extproc.exchange import BodyBudget, Exchange, ResponseWatch, ServingSettings
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
 from policyd.extproc.settlement import Settlement
 
@@ -45,6 +45,8 @@ class ExternalProcessor:
         self.route_replies = replies.RouteReplies()
         self.settlement = Settlement()
         self.rng = random.Random()  # ties among pods for body-less requests
+        self.body_budget = BodyBudget(settings.max_buffered_body_bytes)
+        self.response_watch = ResponseWatch(settings.in_flight_expiry_seconds)
         self._reset_reported = False
 
     async def Process(  # noqa: N802 (the gRPC method name)
@@ -53,7 +55,11 @@ class ExternalProcessor:
         exchange = Exchange(self, context.invocation_metadata)
         try:
             async for message in request_iterator:
-                yield exchange.handle(message)  # resumes once gRPC has taken the reply
+                reply = exchange.handle(message)
+                # Not kept while the stream waits (a request body can be megabytes,
+                # and the next message may be a whole generation away).
+                del message
+                yield reply  # resumes once gRPC has taken the reply
                 exchange.after_reply()
                 if exchange.answered:  # an ImmediateResponse ends the exchange
                     return

@@ -21,9 +21,10 @@ Each pod the router sees is a ``policyd.pool.pod.Pod`` built from the
 simulator's router view (``pod_from_view``): metrics as last scraped, at most
 100 ms old, and policyd's own live in-flight count. Every request carries
 ``x-gateway-inference-criticality: critical``, as the upstream project's
-multi-LoRA regression setup declares its adapters (``criticality: Critical``),
-and because the experiment has no path for a 429 (a standard request under
-``default.yaml`` needs a nearly idle pod and is shed otherwise).
+multi-LoRA regression setup declares its adapters (``criticality: Critical``);
+under ``default.yaml`` a request without the header (standard, what the
+published client sends) takes the same path and gives the same figures. The
+experiment has no path for a 429: a policy that sheds stops the run.
 
 Figures are means +- standard deviations over seeds; the ratios divide by the
 random and default policies measured on the same seeds in the same run (each

@@ -134,6 +134,18 @@ def test_a_short_run_with_the_shipped_default_policy_routes_and_completes() -> N
     assert result.output_tokens_per_s > 0
 
 
+def test_the_default_policy_serves_the_published_clients_unmarked_requests() -> None:
+    # The published client sends no criticality header. 100 connections at
+    # once load every pod past the spare-capacity node of the sheddable branch,
+    # so a default.yaml that treated unmarked requests as sheddable would shed
+    # (NotRoutedError) from about the 101st request on.
+    burst = SeedWorkload(requests=150, connections=100, max_tokens=120)
+    route = quality.PolicyRouting(REPO / "rules" / "default.yaml", seed=1, headers={})
+    result = run_experiment(route, workload=burst, seed=1)
+    assert route.decisions == burst.requests
+    assert result.completed == burst.requests
+
+
 def test_a_policy_that_sheds_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
     policy = tmp_path / "shed-all.yaml"
     policy.write_text("filters:\n  nobody:\n    shed: closed for maintenance\n")

@@ -31,8 +31,8 @@ policy    default  ({RULES}/default.yaml, version VERSION)
 request   model=sql-lora target_model=sql-lora criticality=critical
 pods      3 candidates
 
-1. critical request  [condition]  request.criticality == "critical"
-   true -> then: low queueing
+1. sheddable request  [condition]  request.criticality == "sheddable"
+   false -> else: low queueing
 
 2. low queueing  [filter]  pod.waiting_queue < params.queueing_threshold_lora
    a  true     kept
@@ -106,7 +106,8 @@ def test_shed_is_explained_with_its_status_and_reason(
 ) -> None:
     busy = '[{"name": "hot", "waiting_queue": 9}]'
     pods = write(tmp_path, busy, "busy.json")
-    request = write(tmp_path, '{"model": "m"}', "request.json")
+    sheddable = '{"model": "m", "headers": {"x-gateway-inference-criticality": "sheddable"}}'
+    request = write(tmp_path, sheddable, "request.json")
     policy = str(RULES / "default.yaml")
     code = main(["explain", "--policy", policy, "--pods", str(pods), "--request", str(request)])
     out = capsys.readouterr().out
@@ -131,7 +132,7 @@ def test_json_carries_nodes_values_scores_and_the_pick(
         "criticality": "critical",
     }
     assert [n["node"] for n in data["nodes"]] == [
-        "critical request",
+        "sheddable request",
         "low queueing",
         "lora affinity",
         "least queuing",

@@ -44,6 +44,7 @@ POD_FIELDS: Final[tuple[Field, ...]] = (
     Field("active_loras", "list<string>"),  # LoRA adapters with running requests
     Field("waiting_loras", "list<string>"),  # LoRA adapters with waiting requests
     Field("max_loras", "int"),  # adapters the server can run at once (max_lora label)
+    Field("lora_info_known", "bool"),  # false until the pod's LoRA info series is scraped
     Field("in_flight", "int"),  # requests policyd routed to the pod that have not finished
     Field("metrics_age", "duration"),  # time since the pod's metrics were last scraped
 )

@@ -36,6 +36,7 @@ class StaticPod:
     active_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    lora_info_known: bool = True
     in_flight: int = 0
     metrics_age: Duration = ZERO_DURATION
 

@@ -229,6 +229,7 @@ class Datastore:
                     active_loras=metrics.active_loras,
                     waiting_loras=metrics.waiting_loras,
                     max_loras=metrics.max_loras,
+                    lora_info_known=metrics.lora_info_known,
                     # Just scraped, the commonest case: no Duration to make.
                     metrics_age=ZERO_DURATION if age == 0.0 else Duration.from_seconds(age),
                     load=member.load,
@@ -299,6 +300,7 @@ def _unchanged(pod: Pod, identity: PodIdentity, metrics: PodMetrics, age: float)
             pod.active_loras,
             pod.waiting_loras,
             pod.max_loras,
+            pod.lora_info_known,
         )
         == metrics
     )

@@ -41,6 +41,11 @@ class PodMetrics(NamedTuple):
 
     A named tuple rather than a frozen dataclass: a thousand are made a
     second, and a tuple is built several times faster.
+
+    ``lora_info_known`` says the page carried a LoRA info series: without
+    one (a model server that has not logged its stats yet, one without LoRA,
+    a preset that reads none) the adapter lists are empty and ``max_loras``
+    is 0 because nothing is known, not because the pod has no free slot.
     """
 
     waiting_queue: int
@@ -49,6 +54,7 @@ class PodMetrics(NamedTuple):
     active_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    lora_info_known: bool = False
 
 
 NO_METRICS = PodMetrics(waiting_queue=0, running=0, kv_cache=0.0)
@@ -56,8 +62,12 @@ NO_METRICS = PodMetrics(waiting_queue=0, running=0, kv_cache=0.0)
 # One sample line: where it starts in the data, its raw label text, its value.
 _Sample = tuple[int, bytes | bytearray, float]
 
-# Active adapters, waiting adapters, max adapters: what a LoRA info series says.
-_LoraState = tuple[tuple[str, ...], tuple[str, ...], int]
+# Active adapters, waiting adapters, max adapters, whether a series said so.
+_LoraState = tuple[tuple[str, ...], tuple[str, ...], int, bool]
+_NO_LORA_STATE: _LoraState = ((), (), 0, False)
+# The CEL pod fields are int64: a count or a slot number beyond it is no count.
+_INT64_LIMIT = 2.0**63  # the first float that does not fit
+_INT64_MAX = 2**63 - 1
 _LORA_STATES_KEPT = 256  # label sets remembered per parser (all pods of a scraper)
 _SHAPES_KEPT = 256  # compiled group shapes per parser (pods printing alike share them)
 _SHAPE_LINES = 32  # a longer group is read the general way (the simulator keeps 32)
@@ -183,8 +193,7 @@ class MetricsParser:
         kv_cache = _fraction(page, self._kv_cache)
         if self._lora is None:
             return PodMetrics(waiting, running, kv_cache)
-        active, queued, max_loras = self._lora_state(page, self._lora)
-        return PodMetrics(waiting, running, kv_cache, active, queued, max_loras)
+        return PodMetrics(waiting, running, kv_cache, *self._lora_state(page, self._lora))
 
     def _parse_one_line_each(
         self, page: _Page, singles: tuple[_Family, _Family, _Family]
@@ -204,23 +213,37 @@ class MetricsParser:
                 return None
             values.append(samples[0][2])
         waiting, running, kv_cache = values
-        if not (0.0 <= waiting < math.inf and 0.0 <= running < math.inf and 0.0 <= kv_cache <= 1.0):
+        if not (
+            0.0 <= waiting < _INT64_LIMIT
+            and 0.0 <= running < _INT64_LIMIT
+            and 0.0 <= kv_cache <= 1.0
+        ):
             return None
         if self._lora is None:
             return PodMetrics(round(waiting), round(running), kv_cache)
-        active, queued, max_loras = self._lora_state(page, self._lora)
-        return PodMetrics(round(waiting), round(running), kv_cache, active, queued, max_loras)
+        return PodMetrics(
+            round(waiting), round(running), kv_cache, *self._lora_state(page, self._lora)
+        )
 
     def _lora_state(self, page: _Page, family: _Family) -> _LoraState:
         """The adapters of the newest ``lora_requests_info`` series.
 
         Each series' value is the Unix time it was last set; old label sets
         linger with old times, so the largest value is the current state (on
-        a tie the first such series wins). No series means no adapters.
+        a tie the first such series wins). No series means nothing is known
+        (a vLLM sets its first one when it first logs its stats, up to
+        ``VLLM_LOG_STATS_INTERVAL`` after it starts). A value that is no time
+        (NaN, infinite) cannot say which series is current: the page is bad.
         """
         samples = page.samples(family)
         if not samples:
-            return (), (), 0
+            return _NO_LORA_STATE
+        for offset, _, value in samples:
+            if not math.isfinite(value):
+                raise ExpositionError(
+                    f"{family.spec.name}: {value} is not the time a series was set",
+                    page.line_of(offset),
+                )
         newest = samples[0]
         for sample in samples[1:]:
             if sample[2] > newest[2]:
@@ -245,10 +268,18 @@ class MetricsParser:
                 f"{spec.name}: {names.lora_max_label}={max_text!r} is not a whole number",
                 page.line_of(newest[0]),
             )
+        max_loras = int(max_text) if max_text else 0
+        if max_loras > _INT64_MAX:
+            raise ExpositionError(
+                f"{spec.name}: {names.lora_max_label}={max_text!r} is out of range"
+                " (more than a 64-bit integer holds)",
+                page.line_of(newest[0]),
+            )
         return (
             _adapter_list(labels.get(names.lora_running_label, "")),
             _adapter_list(labels.get(names.lora_waiting_label, "")),
-            int(max_text) if max_text else 0,
+            max_loras,
+            True,
         )
 
 
@@ -261,7 +292,18 @@ def _count(page: _Page, families: tuple[_Family, ...]) -> int:
             raise ExpositionError(
                 f"{spec.name}: {value} is not a request count", page.line_of(offset)
             )
+        if value >= _INT64_LIMIT:
+            raise ExpositionError(
+                f"{spec.name}: {value} is out of range (more than a 64-bit integer holds)",
+                page.line_of(offset),
+            )
         total += value
+    if total >= _INT64_LIMIT:
+        raise ExpositionError(
+            f"{spec.name}: the series add up to {total}, out of range"
+            " (more than a 64-bit integer holds)",
+            page.line_of(samples[0][0]),
+        )
     return round(total)
 
 

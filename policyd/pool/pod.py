@@ -56,6 +56,10 @@ class Pod:
     active_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    # False while the pod's LoRA state is unknown (no LoRA info series scraped
+    # yet): the adapter lists are then empty and max_loras 0 for want of
+    # knowledge. A Pod made by hand describes a known state unless told.
+    lora_info_known: bool = True
     metrics_age: Duration = ZERO_DURATION
     load: InFlight = field(default_factory=InFlight, compare=False, repr=False)
 

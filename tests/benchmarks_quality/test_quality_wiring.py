@@ -68,15 +68,21 @@ def test_every_field_of_the_view_is_carried_over() -> None:
     assert pod.active_loras == ("adapter-1", "adapter-5")
     assert pod.waiting_loras == ("adapter-9",)
     assert pod.max_loras == 4
+    assert pod.lora_info_known is True  # a simulated pod's view always carries max_loras
     assert pod.metrics_age == Duration(75_000_000)
     assert pod.in_flight == 31
 
 
 def test_no_pod_field_is_left_at_an_idle_pods_value() -> None:
     # Every field of the CEL pod schema differs from a bare Pod's: none was forgotten.
+    # (lora_info_known is true for both: a view always knows the pod's LoRA state.)
     pod = quality.pod_from_view(VIEW, labels={"pool": "sim"})
     bare = Pod(name="", address="")
-    forgotten = [f.name for f in POD_FIELDS if getattr(pod, f.name) == getattr(bare, f.name)]
+    forgotten = [
+        f.name
+        for f in POD_FIELDS
+        if f.name != "lora_info_known" and getattr(pod, f.name) == getattr(bare, f.name)
+    ]
     assert forgotten == []
     assert pod.labels == {"pool": "sim"}
 

@@ -70,11 +70,35 @@ def test_empty_lora_label_values_mean_no_adapters() -> None:
     )
     metrics = parse(text)
     assert (metrics.active_loras, metrics.waiting_loras, metrics.max_loras) == ((), (), 4)
+    assert metrics.lora_info_known
 
 
-def test_no_lora_series_means_no_adapters() -> None:
-    metrics = parse(BASE)
-    assert (metrics.active_loras, metrics.waiting_loras, metrics.max_loras) == ((), (), 0)
+def test_no_lora_series_means_the_lora_state_is_unknown() -> None:
+    # A vLLM that has not logged its stats yet prints no series: nothing is
+    # known, which is not the same as a pod with no free adapter slot.
+    for hints in (None, vllm.new_hints(), vllm.new_hints()):
+        metrics = vllm.parse(BASE.encode(), hints)
+        assert (metrics.active_loras, metrics.waiting_loras, metrics.max_loras) == ((), (), 0)
+        assert metrics.lora_info_known is False
+    assert MetricsParser(SGLANG).parse(
+        b"sglang:num_queue_reqs 1\nsglang:num_running_reqs 2\nsglang:token_usage 0.5\n"
+    ) == PodMetrics(1, 2, 0.5, lora_info_known=False)
+
+
+def test_a_lora_series_makes_the_state_known_on_the_hinted_path_too() -> None:
+    hints = vllm.new_hints()
+    lora = (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",waiting_lora_adapters=""}'
+    )
+    assert vllm.parse(BASE.encode(), hints).lora_info_known is False
+    for _ in range(2):  # the general path, then the pattern of the page as last seen
+        metrics = vllm.parse((BASE + lora + " 1.7e9\n").encode(), hints)
+        assert (metrics.active_loras, metrics.max_loras, metrics.lora_info_known) == (
+            ("a",),
+            2,
+            True,
+        )
+    assert vllm.parse(BASE.encode(), hints).lora_info_known is False  # the series went away
 
 
 def test_kv_cache_falls_back_to_the_older_vllm_name() -> None:
@@ -147,6 +171,9 @@ def test_a_missing_kv_cache_names_both_spellings() -> None:
         ("vllm:num_requests_waiting -1", "is not a request count"),
         ("vllm:kv_cache_usage_perc 1.5", "not a fraction from 0 to 1"),
         ("vllm:kv_cache_usage_perc NaN", "not a fraction from 0 to 1"),
+        ("vllm:num_requests_waiting +Inf", "is not a request count"),
+        ("vllm:num_requests_waiting 1e19", "out of range"),
+        ("vllm:num_requests_running 9.3e18", "out of range"),
     ],
 )
 def test_a_malformed_line_of_a_read_family_is_reported_with_its_line(
@@ -184,6 +211,67 @@ def test_a_malformed_current_lora_series_is_reported(labels: str, reason: str) -
         parse(text)
     assert error.value.line == 4
     assert reason in str(error.value)
+
+
+@pytest.mark.parametrize("hinted", [False, True])
+@pytest.mark.parametrize(
+    ("lines", "line", "reason"),
+    [
+        # Values a CEL int (int64) cannot hold are no counts: the pod is unusable.
+        (["vllm:num_requests_waiting 1e19"], 2, "1e+19 is out of range"),
+        (["vllm:num_requests_running 9223372036854775808"], 1, "out of range"),
+        (
+            [
+                'vllm:num_requests_waiting{engine="0"} 5e18',
+                'vllm:num_requests_waiting{engine="1"} 5e18',
+            ],
+            2,
+            "the series add up to 1e+19, out of range",
+        ),
+        (
+            [
+                'vllm:lora_requests_info{max_lora="100000000000000000000",'
+                'running_lora_adapters="",waiting_lora_adapters=""} 1.7e9'
+            ],
+            4,
+            "max_lora='100000000000000000000' is out of range",
+        ),
+        (
+            [
+                'vllm:lora_requests_info{max_lora="1e20",'
+                'running_lora_adapters="",waiting_lora_adapters=""} 1.7e9'
+            ],
+            4,
+            "max_lora='1e20' is not a whole number",
+        ),
+        (
+            [
+                'vllm:lora_requests_info{max_lora="2",'
+                'running_lora_adapters="a",waiting_lora_adapters=""} 1.7e9',
+                'vllm:lora_requests_info{max_lora="2",'
+                'running_lora_adapters="b",waiting_lora_adapters=""} NaN',
+            ],
+            5,
+            "nan is not the time a series was set",
+        ),
+    ],
+)
+def test_values_out_of_range_fail_the_scrape_with_the_line(
+    lines: list[str], line: int, reason: str, hinted: bool
+) -> None:
+    # The first page is good (and leaves hints); the bad one is refused by both paths.
+    base = BASE.splitlines()
+    family = lines[0].partition("{")[0].partition(" ")[0]
+    kept = [text for text in base if not text.startswith(family + " ")]
+    at = next((i for i, text in enumerate(base) if text.startswith(family + " ")), len(base))
+    page = "\n".join([*kept[:at], *lines, *kept[at:]]) + "\n"
+    hints = vllm.new_hints() if hinted else None
+    if hints is not None:
+        vllm.parse(BASE.encode(), hints)
+    with pytest.raises(ExpositionError) as error:
+        vllm.parse(page.encode(), hints)
+    assert reason in str(error.value)
+    assert error.value.line == line
 
 
 def test_malformed_lines_of_families_that_are_not_read_do_not_matter() -> None:

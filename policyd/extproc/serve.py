@@ -43,6 +43,7 @@ from policyd.telemetry import PoolCollector, build_telemetry, start_metrics_serv
 
 log = logging.getLogger("policyd.extproc.serve")
 
+MIB = 1024 * 1024
 EXIT_RUNTIME_ERROR = 1
 EXIT_USAGE = 2
 
@@ -100,6 +101,31 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="append the fallback endpoints to the destination (only for an Envoy cluster "
         "that takes a list; ORIGINAL_DST does not)",
+    )
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=16.0,
+        metavar="MIB",
+        help="largest request body policyd reads; 413 past it (default 16)",
+    )
+    limits.add_argument(
+        "--max-buffered-body-mib",
+        type=float,
+        default=64.0,
+        metavar="MIB",
+        help="request-body bytes a worker holds at once, counted from content-length when "
+        "the headers arrive; a request past it gets a 429 with Retry-After (default 64: "
+        "see docs/serving.md for sizing against the container's memory)",
+    )
+    limits.add_argument(
+        "--in-flight-expiry-seconds",
+        type=float,
+        default=330.0,
+        metavar="SECONDS",
+        help="a routed request without response headers after this long stops counting in "
+        "its pod's in-flight; 0: never (default 330, above Envoy's 300 s stream idle timeout)",
     )
     add_pool_arguments(parser)
     telemetry = parser.add_argument_group("telemetry")
@@ -194,6 +220,12 @@ def check_arguments(arguments: argparse.Namespace) -> None:
         arguments.monitoring_port + arguments.workers
     ):
         raise UsageError("--monitoring-port and --port must not overlap")
+    if not arguments.max_body_mib > 0:
+        raise UsageError("--max-body-mib must be positive")
+    if not arguments.max_buffered_body_mib >= arguments.max_body_mib:
+        raise UsageError("--max-buffered-body-mib must be at least --max-body-mib")
+    if not arguments.in_flight_expiry_seconds >= 0:
+        raise UsageError("--in-flight-expiry-seconds must not be negative")
     if not 0 <= arguments.decision_log_sample_rate <= 1:
         raise UsageError("--decision-log-sample-rate must be from 0 to 1")
     if not arguments.policy.exists():
@@ -215,7 +247,12 @@ def server_options(arguments: argparse.Namespace) -> ServerOptions:
         tls=tls,
         grace_seconds=arguments.grace_seconds,
         reuse_port=arguments.workers > 1,
-        settings=ServingSettings(send_fallbacks=arguments.send_fallbacks),
+        settings=ServingSettings(
+            send_fallbacks=arguments.send_fallbacks,
+            max_body_bytes=int(arguments.max_body_mib * MIB),
+            max_buffered_body_bytes=int(arguments.max_buffered_body_mib * MIB),
+            in_flight_expiry_seconds=arguments.in_flight_expiry_seconds,
+        ),
     )
 
 

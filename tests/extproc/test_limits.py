@@ -87,7 +87,8 @@ def body_of(size: int, model: str = "m") -> bytes:
 def retry_after(reply: pb.ProcessingResponse) -> str | None:
     for option in reply.immediate_response.headers.set_headers:
         if option.header.key == "retry-after":
-            return option.header.raw_value.decode()
+            value: str = option.header.raw_value.decode()
+            return value
     return None
 
 

@@ -11,6 +11,7 @@ snapshots point to.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ from policyd.pool.pod import InFlight, Pod
 from policyd.pool.scraper import ScrapeResult
 
 log = logging.getLogger(__name__)
+
+# A failing pod's reason is logged at most once per this many seconds.
+FAILURE_LOG_INTERVAL: Final = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +81,18 @@ class ScrapeStats:
 class _Member:
     """What the datastore keeps per pod address between snapshots."""
 
-    __slots__ = ("discovered_at", "identity", "last_ok", "load", "metrics", "pod", "stats")
+    __slots__ = (
+        "discovered_at",
+        "identity",
+        "last_ok",
+        "load",
+        "logged_at",
+        "logged_error",
+        "metrics",
+        "pod",
+        "stats",
+        "unlogged",
+    )
 
     def __init__(self, identity: PodIdentity, now: float) -> None:
         self.identity = identity
@@ -87,6 +102,12 @@ class _Member:
         self.discovered_at = now
         self.stats = ScrapeStats()
         self.pod: Pod | None = None  # as last published
+        # The failure log of this pod (``Datastore._log_failure``): the reason
+        # last logged while it fails (None: not failing as far as the log
+        # said), when that line was, failed scrapes since that were not logged.
+        self.logged_error: str | None = None
+        self.logged_at = -math.inf
+        self.unlogged = 0
 
 
 class Datastore:
@@ -100,8 +121,10 @@ class Datastore:
         panic: bool = True,
         clock: Callable[[], float] = time.monotonic,
         on_publish: Callable[[PoolSnapshot], None] | None = None,
+        failure_log_interval: float = FAILURE_LOG_INTERVAL,
     ) -> None:
         self._stale_after = stale_after
+        self._failure_log_interval = failure_log_interval
         self._include_stale = include_stale
         self._panic_allowed = panic
         self._clock = clock
@@ -145,8 +168,6 @@ class Datastore:
         """Take in one scrape round and publish the snapshot it makes."""
         now = self._clock()
         self._round += 1
-        failed: list[str] = []  # pods whose scrapes began failing this round
-        recovered: list[str] = []  # pods that answer again after failing
         for result in results:
             member = self._members.get(result.address)
             if member is None:  # left while the round ran
@@ -154,8 +175,14 @@ class Datastore:
             stats = member.stats
             stats.last_latency = result.latency
             if result.metrics is not None:
-                if stats.consecutive_failures:
-                    recovered.append(f"{member.identity.name} ({result.address})")
+                if member.logged_error is not None:
+                    log.info(
+                        "pod %s (%s) answers its metrics scrape again, after %d failed",
+                        member.identity.name,
+                        result.address,
+                        stats.consecutive_failures,
+                    )
+                    member.logged_error = None
                 member.metrics = result.metrics
                 member.last_ok = True
                 stats.successes += 1
@@ -168,23 +195,38 @@ class Datastore:
                 stats.failures += 1
                 stats.consecutive_failures += 1
                 stats.last_error = result.error
-                if stats.consecutive_failures == 1:
-                    failed.append(
-                        f"{member.identity.name} ({result.address}) failed: {result.error}"
-                    )
-        _log_pods(
-            logging.WARNING,
-            failed,
-            "metrics scrape of pod %s",
-            "metrics scrapes of %d pods failed, among them: %s",
-        )
-        _log_pods(
-            logging.INFO,
-            recovered,
-            "pod %s answers its metrics scrape again",
-            "%d pods answer their metrics scrapes again, among them: %s",
-        )
+                self._log_failure(member, result.error or "no reason given", now)
         self._publish(now)
+
+    def _log_failure(self, member: _Member, reason: str, now: float) -> None:
+        """Log a failed scrape of one pod: when it starts failing, when its
+        reason changes, never more than once per ``failure_log_interval``.
+
+        Each pod is logged on its own, so that no pod's reason goes unseen
+        when many fail at once; the interval keeps a pod that flaps or whose
+        reason keeps changing to a line (and a recovery) per interval. The
+        failures not logged are counted in the next line.
+        """
+        if reason == member.logged_error or now - member.logged_at < self._failure_log_interval:
+            member.unlogged += 1
+            return
+        identity = member.identity
+        if member.unlogged:
+            log.warning(
+                "metrics scrape of pod %s (%s) failed: %s (%d failed scrapes not logged since"
+                " the last line about it)",
+                identity.name,
+                identity.address,
+                reason,
+                member.unlogged,
+            )
+        else:
+            log.warning(
+                "metrics scrape of pod %s (%s) failed: %s", identity.name, identity.address, reason
+            )
+        member.logged_error = reason
+        member.logged_at = now
+        member.unlogged = 0
 
     def _publish(self, now: float) -> None:
         """Publish the pool as of ``now``.
@@ -268,23 +310,6 @@ class Datastore:
         )
         if self._on_publish is not None:
             self._on_publish(self.snapshot)
-
-
-LOGGED_ONE_BY_ONE: Final = 3  # pods of a round's failures (or recoveries) logged a line each
-
-
-def _log_pods(level: int, pods: list[str], one: str, many: str) -> None:
-    """A line per pod (``one % pod``) for a few pods, one line (``many``) for more.
-
-    A round that every pod fails (a network blip, a starved scraper) would
-    otherwise log a line per pod when it fails and another when it answers
-    again: 2,000 lines for a pool of 1,000.
-    """
-    if len(pods) <= LOGGED_ONE_BY_ONE:
-        for pod in pods:
-            log.log(level, one, pod)
-    else:
-        log.log(level, many, len(pods), "; ".join(pods[:LOGGED_ONE_BY_ONE]))
 
 
 def _unchanged(pod: Pod, identity: PodIdentity, metrics: PodMetrics, age: float) -> bool:

@@ -119,35 +119,87 @@ def test_when_no_pod_answers_a_round_those_recently_heard_stay_candidates_until_
     assert [r.levelname for r in caplog.records if "panic over" in r.message] == ["INFO"]
 
 
-def test_failures_and_recoveries_of_many_pods_in_one_round_are_logged_in_one_line(
+def pool_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if "panic" not in r.message]
+
+
+def test_every_failing_pod_is_logged_with_its_reason_even_when_many_fail_at_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    pods = [PodIdentity.of(f"p{i}", f"10.0.1.{i}:8000") for i in range(6)]
-    data = store(Clock())
+    # 17 pods failing in one round, each for its own reason: every reason is
+    # seen (a summary line naming three of them hid the other fourteen).
+    pods = [PodIdentity.of(f"p{i}", f"10.0.1.{i}:8000") for i in range(20)]
+    clock = Clock()
+    data = store(clock)
     data.set_pods(pods)
     data.record([ok(p) for p in pods])
     with caplog.at_level("INFO", logger="policyd.pool.datastore"):
-        data.record([failed(p) for p in pods[:2]] + [ok(p) for p in pods[2:]])
-        data.record([ok(p) for p in pods[:2]] + [failed(p) for p in pods[2:]])
+        clock.now += 0.1
+        data.record(
+            [failed(p, f"reason {i}") for i, p in enumerate(pods[:17])] + [ok(p) for p in pods[17:]]
+        )
+        clock.now += 0.1
         data.record([ok(p) for p in pods])
-    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "panic" not in r.message]
-    error = "failed: no answer within 75 ms"
-    assert lines == [
-        ("WARNING", f"metrics scrape of pod p0 (10.0.1.0:8000) {error}"),
-        ("WARNING", f"metrics scrape of pod p1 (10.0.1.1:8000) {error}"),
+    assert pool_lines(caplog) == [
+        ("WARNING", f"metrics scrape of pod p{i} (10.0.1.{i}:8000) failed: reason {i}")
+        for i in range(17)
+    ] + [
+        ("INFO", f"pod p{i} (10.0.1.{i}:8000) answers its metrics scrape again, after 1 failed")
+        for i in range(17)
+    ]
+
+
+def test_a_failing_pod_is_logged_again_when_its_reason_changes_at_most_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    data = store(clock, failure_log_interval=30.0)
+    data.set_pods([A, B])  # B answers throughout: no panic
+    data.record([ok(A), ok(B)])
+    pod = "metrics scrape of pod a (10.0.0.1:8000) failed"
+    rounds = [
+        # (seconds later, reason or None for an answer) -> line logged
+        ((0.1, "connection refused"), ("WARNING", f"{pod}: connection refused")),
+        ((0.1, "connection refused"), None),  # the same reason: said already
+        ((10.0, "no answer within 75 ms"), None),  # a new reason, but within the interval
+        ((10.0, "no answer within 75 ms"), None),
         (
-            "WARNING",
-            f"metrics scrapes of 4 pods failed, among them: p2 (10.0.1.2:8000) {error};"
-            f" p3 (10.0.1.3:8000) {error}; p4 (10.0.1.4:8000) {error}",
+            (10.0, "no answer within 75 ms"),  # 30.2 s after the first line
+            (
+                "WARNING",
+                f"{pod}: no answer within 75 ms"
+                " (3 failed scrapes not logged since the last line about it)",
+            ),
         ),
-        ("INFO", "pod p0 (10.0.1.0:8000) answers its metrics scrape again"),
-        ("INFO", "pod p1 (10.0.1.1:8000) answers its metrics scrape again"),
+        ((40.0, "no answer within 75 ms"), None),  # unchanged: never repeated
         (
-            "INFO",
-            "4 pods answer their metrics scrapes again, among them: p2 (10.0.1.2:8000);"
-            " p3 (10.0.1.3:8000); p4 (10.0.1.4:8000)",
+            (0.1, None),
+            ("INFO", "pod a (10.0.0.1:8000) answers its metrics scrape again, after 6 failed"),
         ),
     ]
+    for (later, reason), line in rounds:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="policyd.pool.datastore"):
+            clock.now += later
+            data.record([ok(A) if reason is None else failed(A, reason), ok(B)])
+        assert pool_lines(caplog) == ([] if line is None else [line]), (later, reason)
+
+
+def test_a_flapping_pod_logs_a_failure_and_a_recovery_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    data = store(clock, failure_log_interval=30.0)
+    data.set_pods([A, B])
+    data.record([ok(A), ok(B)])
+    with caplog.at_level("INFO", logger="policyd.pool.datastore"):
+        for i in range(600):  # 60 s of a round every 0.1 s, A failing every other round
+            clock.now += 0.1
+            data.record([failed(A) if i % 2 == 0 else ok(A), ok(B)])
+    lines = pool_lines(caplog)
+    assert [level for level, _ in lines] == ["WARNING", "INFO", "WARNING", "INFO"]
+    assert lines[0][1] == "metrics scrape of pod a (10.0.0.1:8000) failed: no answer within 75 ms"
+    assert lines[2][1].endswith("(150 failed scrapes not logged since the last line about it)")
 
 
 def test_a_pod_that_never_answered_is_no_candidate_even_in_a_panic() -> None:

@@ -263,8 +263,22 @@ class Engine:
                 listener.on_progress(state, now)
 
     def snapshot(self) -> EngineSnapshot:
-        """The state as logged at the end of the last step."""
+        """The state as logged at the end of the last step (or by ``log_stats``)."""
         return self._snapshot
+
+    def log_stats(self, now: float) -> None:
+        """Log the state at ``now`` the way vLLM's periodic stats logging does.
+
+        vLLM's API server logs the engine's stats every
+        ``VLLM_LOG_STATS_INTERVAL`` seconds, busy or idle: that is when an idle
+        pod, one that has never served, sets its first
+        ``vllm:lora_requests_info`` series (empty adapter lists, ``max_lora``).
+        A busy engine logs after every step anyway, so only an idle one (no
+        step running, nothing waiting or running) logs here: no step can then
+        end at an earlier time than this log.
+        """
+        if self._step is None and not self.has_work:
+            self._log_state(now)
 
     # -- scheduling ---------------------------------------------------------------------------
 

@@ -52,6 +52,11 @@ class Profile:
     gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int = 512
     swap_space_bytes: int = 4 << 30
+    # vLLM's API server logs the engine's stats (and with them the
+    # vllm:lora_requests_info series) every VLLM_LOG_STATS_INTERVAL seconds,
+    # busy or idle, first that long after it starts; the engine also logs after
+    # every step. In simulated seconds here.
+    log_stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:
@@ -62,6 +67,8 @@ class Profile:
             raise ValueError("output lengths need 0 < output_tokens_min <= output_tokens_max")
         if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
             raise ValueError("LoRA slots need 1 <= max_loras <= max_cpu_loras")
+        if not self.log_stats_interval_s > 0:
+            raise ValueError("the stats logging interval must be positive")
 
     def decode_step_s(self, batch: int) -> float:
         """Duration of one decode step advancing ``batch`` sequences by a token each."""

@@ -35,6 +35,7 @@ class RealTimeDriver:
         self._wake = asyncio.Event()
         self._latest_arrival = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
 
     def now(self) -> float:
         """Simulated seconds since the driver was made."""
@@ -59,13 +60,17 @@ class RealTimeDriver:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="sim-engine")
             self._task.add_done_callback(_report_crash)
+            self._stats_task = asyncio.create_task(self._log_stats(), name="sim-stats")
+            self._stats_task.add_done_callback(_report_crash)
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        tasks = (self._task, self._stats_task)
+        self._task = self._stats_task = None
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _run(self) -> None:
         engine = self.engine
@@ -84,6 +89,20 @@ class RealTimeDriver:
             delay = self._origin + planned_end / self.time_scale - self._loop.time()
             await asyncio.sleep(max(delay, 0.0))
             engine.finish_step(planned_end)
+
+    async def _log_stats(self) -> None:
+        """vLLM's periodic stats logging: every ``log_stats_interval_s`` simulated
+        seconds from the start, on the planned timeline (``Engine.log_stats``)."""
+        interval = self.engine.profile.log_stats_interval_s
+        due = interval
+        while True:
+            delay = self._origin + due / self.time_scale - self._loop.time()
+            await asyncio.sleep(max(delay, 0.0))
+            now = self.now()
+            self.engine.log_stats(now)
+            due += interval
+            if due <= now:  # a loop that fell behind does not catch up in a burst
+                due = now + interval
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:

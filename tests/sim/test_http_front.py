@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from policyd.sim.profile import L4_LLAMA2_7B
 from policyd.sim.server import SimServer
 from policyd.sim.text import tokenize
 
@@ -278,6 +279,32 @@ async def test_metrics_show_a_running_request_and_its_adapter(
     request.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await request
+
+
+async def test_an_idle_pod_publishes_its_lora_state_each_time_it_logs_its_stats(
+    client: aiohttp.ClientSession,
+) -> None:
+    # vLLM's API server logs the engine's stats every VLLM_LOG_STATS_INTERVAL,
+    # busy or idle: a pod that never served shows its adapter slots from its
+    # first log on (here every 50 simulated seconds, 1 s of wall time).
+    profile = L4_LLAMA2_7B.with_changes(log_stats_interval_s=50.0)
+    pod = SimServer(profile, port=0, time_scale=TIME_SCALE)
+    await pod.start()
+    try:
+        assert "vllm:lora_requests_info" not in await metric_values(client, pod)
+
+        async def logged(after: float) -> bool:
+            series = (await metric_values(client, pod)).get("vllm:lora_requests_info", [])
+            return any(value > after for value, _ in series)
+
+        await eventually(lambda: logged(0.0))
+        [(first, labels)] = (await metric_values(client, pod))["vllm:lora_requests_info"]
+        assert labels == {"running_lora_adapters": "", "max_lora": "4", "waiting_lora_adapters": ""}
+        assert first > 1.7e9  # Unix time
+        await eventually(lambda: logged(first))  # set again at the next log, one series still
+        assert len((await metric_values(client, pod))["vllm:lora_requests_info"]) == 1
+    finally:
+        await pod.stop()
 
 
 async def test_a_client_that_goes_away_aborts_its_request(

@@ -153,3 +153,29 @@ def test_an_idle_pod_exports_every_family_with_zeros() -> None:
     assert families["vllm:num_requests_running"].samples[0].value == 0.0
     assert families["vllm:lora_requests_info"].samples == []
     assert families["vllm:e2e_request_latency_seconds"].samples[-1].value == 0.0
+
+
+def test_an_idle_pod_sets_its_lora_series_when_it_logs_its_stats() -> None:
+    # Before its first stats log a pod prints no series (policyd: state unknown);
+    # vLLM's periodic log sets one with no adapters and its max_lora.
+    pod = VirtualPod(VirtualLoop(), L4_LLAMA2_7B, name="idle")
+    pod.engine.log_stats(10.0)
+    _, families = scrape(pod)
+    [sample] = families["vllm:lora_requests_info"].samples
+    assert sample.labels == {
+        "running_lora_adapters": "",
+        "max_lora": "4",
+        "waiting_lora_adapters": "",
+    }
+    assert sample.value == EPOCH + 10.0
+
+
+def test_the_periodic_stats_log_leaves_a_busy_engine_to_its_steps() -> None:
+    # A busy engine logs after every step; a periodic log then would be stamped
+    # later than the end of the step running, and nothing new would show.
+    loop, pod = busy_pod()
+    before = pod.engine.snapshot()
+    series = dict(pod.engine.stats.lora_series)
+    pod.engine.log_stats(loop.now + 0.01)
+    assert pod.engine.snapshot() is before
+    assert pod.engine.stats.lora_series == series

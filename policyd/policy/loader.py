@@ -38,12 +38,23 @@ def policy_files(path: Path) -> list[Path]:
 
 
 def read_source(path: Path) -> Source:
-    """The file's text as a ``Source``; an unreadable file is a ``PolicyError``."""
+    """The file's text as a ``Source``; an unreadable file is a ``PolicyError``.
+
+    Bytes that are not UTF-8 are reported at the line and column of the first.
+    """
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) else str(error)
+        data = path.read_bytes()
+    except OSError as error:
+        reason = error.strerror or str(error)
         raise PolicyError([Diagnostic(str(path), 1, 1, f"cannot read file: {reason}")]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_start = data.rfind(b"\n", 0, error.start) + 1
+        line = data.count(b"\n", 0, line_start) + 1
+        column = len(data[line_start : error.start].decode("utf-8", errors="replace")) + 1
+        message = f"cannot read file: byte 0x{data[error.start]:02x} is not UTF-8 ({error.reason})"
+        raise PolicyError([Diagnostic(str(path), line, column, message)]) from None
     return Source(str(path), text)
 
 

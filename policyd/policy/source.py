@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import yaml
 
@@ -114,67 +114,139 @@ def kind_name(node: YNode) -> str:
     return "a string"
 
 
+MAX_NODES: Final = 100_000  # values in one document, counting each use of an alias
+
+
 def parse_yaml(source: Source) -> tuple[YNode | None, list[Diagnostic]]:
     """The document's root node (None for an empty file) and any problems.
 
-    Duplicate keys, which PyYAML would silently let the last one win, are an
-    error here: in a policy they are almost always a copy-paste mistake.
+    Never raises on bad input: a character YAML does not allow (a NUL or
+    other control byte, as in a file cut short or written as binary), bad
+    syntax, a value its tag cannot hold (``!!int abc``), a recursive alias,
+    nesting too deep or aliases that expand past ``MAX_NODES`` values all
+    become a diagnostic at their place. Duplicate keys, which PyYAML would
+    silently let the last one win, are an error here: in a policy they are
+    almost always a copy-paste mistake.
     """
-    loader = yaml.SafeLoader(source.text)
+    try:
+        loader = yaml.SafeLoader(source.text)
+    except yaml.reader.ReaderError as error:  # checked up front over the whole text
+        return None, [_unacceptable_character(source, error)]
     try:
         root = loader.get_single_node()
+        if root is None:
+            return None, []
+        diagnostics: list[Diagnostic] = []
+        return _Converter(source, loader, diagnostics).convert(root), diagnostics
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         at = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
         problem = error.problem or error.context or "invalid YAML"
         return None, [source.diagnostic(at, f"invalid YAML: {problem}")]
+    except yaml.reader.ReaderError as error:
+        return None, [_unacceptable_character(source, error)]
     except yaml.YAMLError as error:
         return None, [source.diagnostic((1, 1), f"invalid YAML: {error}")]
+    except RecursionError:
+        return None, [source.diagnostic((1, 1), "invalid YAML: nested too deeply")]
+    except _TooManyNodesError as error:
+        message = (
+            f"invalid YAML: more than {MAX_NODES} values once aliases are expanded "
+            "(aliases of aliases?)"
+        )
+        return None, [source.diagnostic(error.at, message)]
     finally:
         loader.dispose()
-    if root is None:
-        return None, []
-    diagnostics: list[Diagnostic] = []
-    return _convert(root, source, loader, diagnostics), diagnostics
 
 
-def _convert(
-    node: yaml.Node, source: Source, loader: yaml.SafeLoader, diagnostics: list[Diagnostic]
-) -> YNode:
-    at = (node.start_mark.line + 1, node.start_mark.column + 1)
-    if isinstance(node, yaml.MappingNode):
-        entries: dict[str, tuple[YScalar, YNode]] = {}
-        for key_node, value_node in node.value:
-            key = _convert(key_node, source, loader, diagnostics)
-            if not isinstance(key, YScalar) or not isinstance(key.value, str):
-                diagnostics.append(source.diagnostic(key.at, "keys must be plain names"))
-                continue
-            if key.value in entries:
-                first = entries[key.value][0].at
-                diagnostics.append(
-                    source.diagnostic(
-                        key.at, f"duplicate key '{key.value}' (first at line {first[0]})"
+def _unacceptable_character(source: Source, error: yaml.reader.ReaderError) -> Diagnostic:
+    """Where the character is and what it is: ``U+0000 (NUL)`` rather than ``#x0000``."""
+    index = error.position if isinstance(error.position, int) else 0
+    at = source.position(min(max(index, 0), len(source.text)))
+    code = error.character if isinstance(error.character, int) else 0
+    name = _CONTROL_NAMES.get(code, "")
+    described = f"U+{code:04X}" + (f" ({name})" if name else "")
+    hint = "; is the file complete, and text?" if code == 0 else ""
+    return source.diagnostic(at, f"invalid YAML: character {described} is not allowed{hint}")
+
+
+_CONTROL_NAMES: Final = {0: "NUL", 7: "BEL", 8: "backspace", 0x1B: "ESC", 0x7F: "DEL"}
+
+
+class _TooManyNodesError(Exception):
+    def __init__(self, at: tuple[int, int]) -> None:
+        super().__init__(at)
+        self.at = at
+
+
+class _Converter:
+    """PyYAML nodes to ``YNode``s, counting values and refusing recursive aliases."""
+
+    def __init__(
+        self, source: Source, loader: yaml.SafeLoader, diagnostics: list[Diagnostic]
+    ) -> None:
+        self.source = source
+        self.loader = loader
+        self.diagnostics = diagnostics
+        self.count = 0
+        self.open: set[int] = set()  # ids of the collections being converted
+
+    def convert(self, node: yaml.Node) -> YNode:
+        source = self.source
+        at = (node.start_mark.line + 1, node.start_mark.column + 1)
+        self.count += 1
+        if self.count > MAX_NODES:
+            raise _TooManyNodesError(at)
+        if id(node) in self.open:
+            self.diagnostics.append(
+                source.diagnostic(at, "invalid YAML: an alias used inside what it names")
+            )
+            return YScalar(source, at, None, None, node.start_mark.index, node.end_mark.index)
+        if isinstance(node, yaml.MappingNode):
+            self.open.add(id(node))
+            entries: dict[str, tuple[YScalar, YNode]] = {}
+            for key_node, value_node in node.value:
+                key = self.convert(key_node)
+                if not isinstance(key, YScalar) or not isinstance(key.value, str):
+                    self.diagnostics.append(source.diagnostic(key.at, "keys must be plain names"))
+                    continue
+                if key.value in entries:
+                    first = entries[key.value][0].at
+                    self.diagnostics.append(
+                        source.diagnostic(
+                            key.at, f"duplicate key '{key.value}' (first at line {first[0]})"
+                        )
                     )
-                )
-                continue
-            entries[key.value] = (key, _convert(value_node, source, loader, diagnostics))
-        return YMapping(source, at, entries)
-    if isinstance(node, yaml.SequenceNode):
-        items = tuple(_convert(item, source, loader, diagnostics) for item in node.value)
-        return YSequence(source, at, items)
-    assert isinstance(node, yaml.ScalarNode)
-    return YScalar(
-        source,
-        at,
-        _scalar_value(node, loader),
-        node.style,
-        node.start_mark.index,
-        node.end_mark.index,
-    )
+                    continue
+                entries[key.value] = (key, self.convert(value_node))
+            self.open.discard(id(node))
+            return YMapping(source, at, entries)
+        if isinstance(node, yaml.SequenceNode):
+            self.open.add(id(node))
+            items = tuple(self.convert(item) for item in node.value)
+            self.open.discard(id(node))
+            return YSequence(source, at, items)
+        assert isinstance(node, yaml.ScalarNode)
+        return YScalar(
+            source,
+            at,
+            self.scalar_value(node, at),
+            node.style,
+            node.start_mark.index,
+            node.end_mark.index,
+        )
 
-
-def _scalar_value(node: yaml.ScalarNode, loader: yaml.SafeLoader) -> Scalar:
-    value: Any = loader.construct_object(node)
-    if value is None or isinstance(value, str | bool | int | float):
-        return value
-    return str(node.value)  # dates, binary, ...: keep the text as written
+    def scalar_value(self, node: yaml.ScalarNode, at: tuple[int, int]) -> Scalar:
+        try:
+            value: Any = self.loader.construct_object(node)
+        except yaml.MarkedYAMLError as error:  # a tag SafeLoader refuses (!!python/...)
+            problem = error.problem or "cannot read this value"
+            self.diagnostics.append(self.source.diagnostic(at, f"invalid YAML: {problem}"))
+            return None
+        except (ValueError, TypeError, OverflowError) as error:  # !!int abc, !!timestamp 2020-13-45
+            message = f"invalid YAML: cannot read this {node.tag.rpartition(':')[2]}: {error}"
+            self.diagnostics.append(self.source.diagnostic(at, message))
+            return None
+        if value is None or isinstance(value, str | bool | int | float):
+            return value
+        return str(node.value)  # dates, binary, ...: keep the text as written

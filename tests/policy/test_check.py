@@ -343,3 +343,32 @@ def test_a_missing_file_is_an_error_not_a_crash(
     code, lines = check(tmp_path, capsys, str(tmp_path / "nope.yaml"))
     assert code == 1
     assert lines == ["nope.yaml:1:1: cannot read file: No such file or directory"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            b"name: cut\x00\x00\x00",
+            "policy.yaml:1:10: invalid YAML: character U+0000 (NUL) is not allowed; "
+            "is the file complete, and text?",
+        ),
+        (
+            b"name: x\nfilters:\n  a:\n    keep: pod.kv_cache < 0.5\x1b\n",
+            "policy.yaml:4:29: invalid YAML: character U+001B (ESC) is not allowed",
+        ),
+        (
+            b"name: x\ndescription: caf\xc3\xa9 \xff\n",
+            "policy.yaml:2:19: cannot read file: byte 0xff is not UTF-8 (invalid start byte)",
+        ),
+    ],
+)
+def test_a_bad_byte_is_an_error_at_its_place_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], raw: bytes, expected: str
+) -> None:
+    (tmp_path / "policy.yaml").write_bytes(raw)
+    code = main(["check", str(tmp_path / "policy.yaml")])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out.replace(str(tmp_path) + "/", "").splitlines() == [expected]
+    assert captured.err == ""

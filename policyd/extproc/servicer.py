@@ -3,6 +3,15 @@
 The servicer only moves messages: each one goes to the request's
 ``Exchange`` (``policyd.extproc.exchange``), which answers it, and the answer
 goes back to gRPC.
+
+policyd ends the stream itself, with status OK, as soon as its reply to the
+exchange's last message has gone out (the response's end, or an error policyd
+answered): no read is then left pending on the stream. Envoy (without the
+experimental ``ext_proc_graceful_grpc_close``, which crashed Envoy 1.40) ends a
+finished stream by resetting it, and grpcio's asyncio server never frees a
+read that a reset cancels (grpc/grpc#43360); with nothing pending there is
+nothing to leak. A reset that still arrives after the end is a normal end:
+counted (``stream_error("reset", "after_end")``), never logged above debug.
 """
 
 from __future__ import annotations
@@ -16,7 +25,6 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import replies
-from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG
 from policyd.extproc.exchange import BodyBudget, Exchange, ResponseWatch, ServingSettings
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
 from policyd.extproc.settlement import Settlement
@@ -47,7 +55,6 @@ class ExternalProcessor:
         self.rng = random.Random()  # ties among pods for body-less requests
         self.body_budget = BodyBudget(settings.max_buffered_body_bytes)
         self.response_watch = ResponseWatch(settings.in_flight_expiry_seconds)
-        self._reset_reported = False
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -61,8 +68,8 @@ class ExternalProcessor:
                 del message
                 yield reply  # resumes once gRPC has taken the reply
                 exchange.after_reply()
-                if exchange.answered:  # an ImmediateResponse ends the exchange
-                    return
+                if exchange.ended:  # the response is over, or policyd answered it
+                    return  # status OK now: no read left for Envoy's reset to cancel
         except asyncio.CancelledError:
             if exchange.ended:
                 self._reset_after_end()
@@ -71,22 +78,9 @@ class ExternalProcessor:
             exchange.close()
 
     def _reset_after_end(self) -> None:
-        """Envoy reset a stream whose exchange had ended, instead of closing it.
-
-        Envoy does so unless ``ext_proc_graceful_grpc_close`` is on, and grpcio
-        leaks the cancelled read's native memory each time (grpc/grpc#43360):
-        counted per stream, explained once per process.
-        """
+        """Envoy reset a stream whose exchange had ended: a normal end, counted."""
+        log.debug("ext_proc stream reset after its exchange ended")
         try:
             self.telemetry.stream_error("reset", "after_end")
         except Exception:
             log.exception("telemetry hook failed")
-        if not self._reset_reported:
-            self._reset_reported = True
-            log.warning(
-                "Envoy resets ext_proc streams instead of closing them; grpcio leaks "
-                "~100 bytes of memory per reset stream (grpc/grpc#43360). Set the Envoy "
-                "runtime flag %s to true (policyd envoy-config does; for Istio see "
-                "docs/deployment.md)",
-                GRACEFUL_CLOSE_FLAG,
-            )

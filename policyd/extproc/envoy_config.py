@@ -11,8 +11,12 @@ What it sets up, and why:
   response headers SEND, response body STREAMED (policyd acknowledges every
   chunk at once and reads ``usage`` on the side, so tokens still reach the
   client as they are generated; BUFFERED would hold a whole stream back).
-  ``failure_mode_allow: false``: without policyd nothing is routed, because
-  an unrouted request would reach whatever the client names.
+  ``failure_mode_allow: true``: when policyd fails (crash, restart, timeout)
+  Envoy carries on without it, so a generation already streaming is not cut.
+  Routing stays fail-closed all the same: only policyd's routing reply sets
+  the destination header, an early header mutation of the connection manager
+  removes any copy the client sent before a filter or route sees it, and a
+  request without the header matches only the ``unrouted`` route (a 503).
   ``allow_mode_override: false``: the server cannot widen what Envoy sends.
   ``metadata_options.receiving_namespaces.untyped: [envoy.lb]`` accepts the
   destination in dynamic metadata.
@@ -41,14 +45,14 @@ What it sets up, and why:
   must fit real prompts.
 - no route timeout and a 5-minute stream idle timeout: generations can run for
   minutes, and queue for a while before the first token.
-- the runtime flag ``envoy.reloadable_features.ext_proc_graceful_grpc_close``
-  (off by default in Envoy 1.40): Envoy then ends each ext_proc stream by
-  half-closing it and waiting for policyd's status, instead of half-closing
-  and resetting it at once. A reset cancels the stream while grpcio has a
-  read pending, and grpcio leaks that operation's native memory
-  (grpc/grpc#43360): ~115-180 bytes per request, without bound, measured
-  with ``benchmarks/soak.py``. Envoy reads the flag when it loads the
-  configuration. The admin runtime layer, which Envoy has by default, stays.
+- the experimental runtime guard
+  ``envoy.reloadable_features.ext_proc_graceful_grpc_close`` pinned off (its
+  default): with it on, Envoy 1.40 crashed (segmentation fault in the ext_proc
+  stream's close) under long generations ending together. Envoy then resets
+  each ext_proc stream as it ends; policyd ends the stream itself first, so
+  no read is pending when the reset comes (grpcio leaks a read a reset
+  cancels, grpc/grpc#43360; ``benchmarks/soak.py``). The admin runtime
+  layer, which Envoy has by default, stays.
 - the admin interface on loopback only.
 """
 
@@ -69,8 +73,9 @@ from policyd.extproc.replies import DESTINATION_HEADER, LB_METADATA_NAMESPACE
 MIB: Final = 1024 * 1024
 _TYPE: Final = "type.googleapis.com/"
 GRACEFUL_CLOSE_FLAG: Final = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
-# Envoy runtime flags the bootstrap sets (see the module docstring).
-RUNTIME_FLAGS: Final = {GRACEFUL_CLOSE_FLAG: True}
+# Envoy runtime flags the bootstrap sets (see the module docstring): the
+# experimental graceful close stays off, even where a mesh-wide default turns it on.
+RUNTIME_FLAGS: Final = {GRACEFUL_CLOSE_FLAG: False}
 # What the inference route retries, on another pod (only with the override-host
 # cluster): a pod that refused the connection or the stream, or a connection
 # reset before the request went out. Never ``reset`` after the request was
@@ -177,6 +182,7 @@ def _listener(options: EnvoyConfigOptions) -> dict[str, Any]:
         "stream_idle_timeout": f"{options.stream_idle_timeout_s}s",
         "request_timeout": "0s",
         "route_config": _routes(options),
+        "early_header_mutation_extensions": [_strip_destination()],
         "http_filters": [
             {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(options)},
             {
@@ -318,11 +324,29 @@ def override_host_policy() -> dict[str, Any]:
     }
 
 
+def _strip_destination() -> dict[str, Any]:
+    """Remove a client's destination header as the request arrives, before any
+    filter or route sees it (an early header mutation of the connection manager).
+
+    policyd removes it too, but ext_proc fails open (a policyd crash must not
+    cut streaming generations): a request policyd never answered must reach
+    the router without the header, which only policyd's reply may set.
+    """
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": _TYPE
+            + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [{"remove": DESTINATION_HEADER}],
+        },
+    }
+
+
 def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
     return {
         "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "policyd"}},
-        "failure_mode_allow": False,
+        "failure_mode_allow": True,
         "status_on_error": {"code": 503},
         "allow_mode_override": False,
         "message_timeout": f"{options.message_timeout_ms / 1000:g}s",

@@ -80,7 +80,7 @@ def test_the_config_asks_envoy_for_what_policyd_needs() -> None:
         "response_body_mode": "STREAMED",
         "response_trailer_mode": "SKIP",
     }
-    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["failure_mode_allow"] is True  # routing fails closed by its route: below
     assert ext_proc["allow_mode_override"] is False
     assert ext_proc["metadata_options"] == {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
     assert ext_proc["message_timeout"] == "1s"
@@ -96,16 +96,44 @@ def test_the_config_asks_envoy_for_what_policyd_needs() -> None:
     assert pods["per_connection_buffer_limit_bytes"] == 4 * 1024 * 1024
 
 
-def test_envoy_closes_ext_proc_streams_instead_of_resetting_them() -> None:
-    """Resets leak memory in grpcio (tests/e2e/test_stream_close.py shows the
-    flag's effect through the real Envoy); the admin layer Envoy has by default stays."""
+def test_no_experimental_runtime_guard_is_turned_on() -> None:
+    """Envoy 1.40 crashed with ``ext_proc_graceful_grpc_close`` on (issue 23): the
+    bootstrap pins it off; policyd ends its streams itself instead
+    (tests/e2e/test_stream_close.py). The admin layer Envoy has by default stays."""
     layers = bootstrap(EnvoyConfigOptions())["layered_runtime"]["layers"]
     assert layers[0]["static_layer"] == {
-        "envoy.reloadable_features.ext_proc_graceful_grpc_close": True
+        "envoy.reloadable_features.ext_proc_graceful_grpc_close": False
     }
+    assert not [value for value in layers[0]["static_layer"].values() if value is not False]
     assert [layer for layer in layers if "admin_layer" in layer] == [
         {"name": "admin", "admin_layer": {}}
     ]
+
+
+def test_a_policyd_failure_does_not_cut_a_response_but_nothing_unrouted_reaches_a_pod() -> None:
+    """ext_proc fails open (response phases must survive a policyd crash); a request
+    policyd did not route has no destination header, the client's is removed as
+    the request arrives, and without the header only the JSON 503 route matches."""
+    config = bootstrap(EnvoyConfigOptions())
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]
+    assert ext_proc_of(config)["failure_mode_allow"] is True
+    assert manager["early_header_mutation_extensions"] == [
+        {
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation"
+                ".header_mutation.v3.HeaderMutation",
+                "mutations": [{"remove": "x-gateway-destination-endpoint"}],
+            },
+        }
+    ]
+    to_pod, unrouted = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert to_pod["match"]["headers"] == [
+        {"name": "x-gateway-destination-endpoint", "present_match": True}
+    ]
+    assert unrouted["direct_response"]["status"] == 503
 
 
 def test_streams_to_policyd_spread_over_connections_and_are_not_capped_at_envoys_default() -> None:

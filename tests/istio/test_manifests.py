@@ -206,6 +206,23 @@ def test_the_ext_proc_filter_and_clusters_are_those_envoy_config_generates() -> 
     }
 
 
+def early_header_mutations() -> list[dict[str, Any]]:
+    (patch,) = patches("NETWORK_FILTER")
+    assert patch["patch"]["operation"] == "MERGE"
+    assert patch["match"]["listener"]["filterChain"]["filter"] == {
+        "name": "envoy.filters.network.http_connection_manager"
+    }
+    found: list[dict[str, Any]] = patch["patch"]["value"]["typed_config"][
+        "early_header_mutation_extensions"
+    ]
+    return found
+
+
+def test_a_client_destination_header_is_removed_before_any_filter_as_envoy_config_does() -> None:
+    """ext_proc fails open, so the header must be gone before policyd is asked."""
+    assert early_header_mutations() == generated_manager()["early_header_mutation_extensions"]
+
+
 def test_the_route_goes_to_the_chosen_pod_only_when_policyd_named_it() -> None:
     (patch,) = patches("HTTP_ROUTE")
     assert patch["match"]["routeConfiguration"]["vhost"]["route"]["name"] == "inference"
@@ -269,6 +286,7 @@ def gateway_bootstrap(ext_proc: dict[str, Any]) -> dict[str, Any]:
                 }
             ]
         },
+        "early_header_mutation_extensions": early_header_mutations(),
         "http_filters": [
             ext_proc,
             {

@@ -79,7 +79,7 @@ SHADOW_AGREES: Final = "policyd.shadow.agrees"
 
 MAX_LISTED_PODS: Final = 8  # pod names listed in one attribute (kept pods, scores)
 MAX_NODE_EVENTS: Final = 32  # node events per span; a longer walk is cut, and says so
-MAX_TEXT: Final = 256  # characters of a reason or CEL error message
+MAX_TEXT: Final = 256  # characters of any text value (model, request id, reason, ...)
 
 _OPERATIONS: Final = (
     ("/chat/completions", "chat"),
@@ -88,13 +88,21 @@ _OPERATIONS: Final = (
 )
 
 
-@functools.lru_cache(maxsize=1024)  # a gateway serves a handful of paths
 def operation_name(path: str) -> str:
     """``gen_ai.operation.name`` for an OpenAI-style path."""
+    if len(path) > MAX_TEXT:  # not kept in the cache: a client chose it
+        return _operation_name(path)
+    return _cached_operation_name(path)
+
+
+def _operation_name(path: str) -> str:
     for suffix, operation in _OPERATIONS:
         if path.endswith(suffix):
             return operation
     return "inference"
+
+
+_cached_operation_name: Final = functools.lru_cache(maxsize=1024)(_operation_name)  # few paths
 
 
 def span_name(operation: str, model: str) -> str:
@@ -102,10 +110,16 @@ def span_name(operation: str, model: str) -> str:
     return f"{operation} {model}" if model else operation
 
 
-@functools.lru_cache(maxsize=4096)  # paths times models: few
 def decision_span_name(path: str, model: str) -> str:
-    """The decision span's name for a request to ``path`` for ``model``."""
-    return span_name(operation_name(path), model)
+    """The decision span's name for a request to ``path`` for ``model`` (cut as ``clip``)."""
+    if len(path) > MAX_TEXT or len(model) > MAX_TEXT:  # not kept in the cache
+        return span_name(_operation_name(path), clip(model))
+    return _cached_decision_span_name(path, model)
+
+
+@functools.lru_cache(maxsize=4096)  # paths times models: few
+def _cached_decision_span_name(path: str, model: str) -> str:
+    return span_name(_cached_operation_name(path), model)
 
 
 @functools.lru_cache(maxsize=4096)  # one entry per pod
@@ -117,5 +131,16 @@ def split_endpoint(endpoint: str) -> tuple[str, int | None]:
     return host.strip("[]"), int(port) if port.isdigit() else None
 
 
-def clip(text: str) -> str:
-    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to at most ``limit`` characters, the cut marked with the length it had.
+
+    Every text a client can choose (model names, request ids, paths) goes on
+    spans and into the decision log through this: a value megabytes long
+    must not be kept, encoded or written whole.
+    """
+    if len(text) <= limit:
+        return text
+    marker = f"...[{len(text)} chars]"
+    if len(marker) >= limit:
+        return text[:limit]
+    return text[: limit - len(marker)] + marker

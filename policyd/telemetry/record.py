@@ -113,10 +113,10 @@ class DecisionTelemetry:
         if known is None:
             group: dict[str, Any] = {
                 a.GEN_AI_OPERATION: a.operation_name(request.path),
-                a.GEN_AI_REQUEST_MODEL: request.model,
+                a.GEN_AI_REQUEST_MODEL: a.clip(request.model),
                 a.POLICY: decision.policy,
                 a.POLICY_VERSION: decision.policy_version,
-                a.TARGET_MODEL: decision.target_model,
+                a.TARGET_MODEL: a.clip(decision.target_model),
                 a.CRITICALITY: criticality,
                 a.STREAM: request.stream,
                 a.OUTCOME: decision.outcome.value,
@@ -284,7 +284,7 @@ class RequestRecord:
             a.DECISION_DURATION: self._seconds,
         }
         if request.id:
-            attributes[a.REQUEST_ID] = request.id
+            attributes[a.REQUEST_ID] = a.clip(request.id)
         if request.max_tokens:
             attributes[a.GEN_AI_REQUEST_MAX_TOKENS] = request.max_tokens
         if decision.reason:
@@ -337,16 +337,16 @@ class RequestRecord:
         pods = decision.candidates
         return {
             "time": datetime.fromtimestamp(self._decided_ns / 1e9, UTC).isoformat(),
-            "request_id": request.id,
+            "request_id": a.clip(request.id),
             "trace_id": trace_id,
             "span_id": span_id,
             "policy": decision.policy,
             "policy_version": decision.policy_version,
             "request": {
-                "model": request.model,
-                "target_model": decision.target_model,
+                "model": a.clip(request.model),
+                "target_model": a.clip(decision.target_model),
                 "criticality": decision.criticality or request.criticality,
-                "path": request.path,
+                "path": a.clip(request.path),
                 "stream": request.stream,
                 "prompt_tokens": request.prompt_tokens,
                 "max_tokens": request.max_tokens,
@@ -360,10 +360,10 @@ class RequestRecord:
                     "kind": step.kind,
                     "in": step.candidates_in,
                     "kept": list(step.kept),
-                    "errors": [{"pod": pod, "error": error} for pod, error in step.errors],
+                    "errors": [{"pod": pod, "error": a.clip(error)} for pod, error in step.errors],
                     "branch": step.branch,
                     "next": step.next,
-                    "note": step.note,
+                    "note": a.clip(step.note),
                 }
                 for step in decision.trace
             ],
@@ -371,7 +371,7 @@ class RequestRecord:
             "scores": [{"pod": pod, "score": score} for pod, score in decision.scores],
             "outcome": decision.outcome.value,
             "status": decision.outcome.http_status,
-            "reason": decision.reason,
+            "reason": a.clip(decision.reason),
             "pod": decision.pod,
             "endpoint": decision.endpoint,
             "fallbacks": list(decision.fallbacks),

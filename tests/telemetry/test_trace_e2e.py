@@ -1,118 +1,47 @@
 """One request, one trace: the real Envoy, policyd and a pod, joined in the test's collector.
 
-Envoy runs with its OpenTelemetry tracer (``policyd envoy-config
---otlp-endpoint``) and policyd exports OTLP/gRPC (``build_telemetry``), both
-to ``OtlpCollector``, a real OTLP trace receiver inside the test. The router
-is the real ``Router`` over a real policy file with a shadow policy; the pods
-are the e2e harness's test upstreams (real HTTP on loopback), which record the
-``traceparent`` they receive.
+Envoy and policyd both export OTLP/gRPC to ``OtlpCollector``, a real OTLP
+trace receiver inside the test (the gateway: ``traced_gateway.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import aiohttp
 import pytest
 import pytest_asyncio
-import yaml
-from e2e_support import SSE_USAGE, TestUpstream, free_port
-from extproc_support import Snapshot, settled
+from e2e_support import SSE_USAGE
 from otlp_collector import OtlpCollector, ReceivedSpan
-from telemetry_support import write_policies
+from traced_gateway import ENVOY_SERVICE, TracedGateway, traced_gateway
 
-from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
-from policyd.extproc.envoy_process import EnvoyProcess
-from policyd.extproc.server import ExtProcServer, ServerOptions
-from policyd.policy import PolicyStore, Router
-from policyd.pool.pod import Pod
-from policyd.telemetry import DecisionTelemetry, build_telemetry
 from policyd.telemetry import attributes as a
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
-ENVOY_SERVICE = "envoy-inference-gateway"
 SPAN_KIND_SERVER = 2
 
 
 @dataclass
-class TracedGateway:
-    url: str
+class Rig:
+    gateway: TracedGateway
     collector: OtlpCollector
-    upstreams: dict[str, TestUpstream]
-    telemetry: DecisionTelemetry
-    client: aiohttp.ClientSession
-    server: ExtProcServer
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TracedGateway]:
-    tmp = tmp_path_factory.mktemp("traced")
+async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     collector = OtlpCollector()
     await collector.start()
-    upstreams = {name: TestUpstream(name) for name in ("pod-a", "pod-b")}
-    for upstream in upstreams.values():
-        await upstream.start()
-    snapshot = Snapshot(tuple(Pod(name, u.address) for name, u in upstreams.items()))
-    router = Router(PolicyStore.open(write_policies(tmp)))
-    telemetry = build_telemetry(otlp_endpoint=collector.endpoint)
-    server = ExtProcServer(
-        lambda: router,
-        lambda: snapshot,
-        telemetry=telemetry,
-        options=ServerOptions(port=0, grace_seconds=0.5),
-    )
-    await server.start()
-    listen, admin = free_port(), free_port()
-    options = EnvoyConfigOptions(
-        port=listen, admin_port=admin, policyd_port=server.port, otlp_endpoint=collector.endpoint
-    )
-    config = bootstrap(options)
-    # Envoy batches spans for 5 s by default; the test wants them at once.
-    config["layered_runtime"] = {
-        "layers": [
-            {
-                "name": "test",
-                "static_layer": {
-                    "tracing.opentelemetry.flush_interval_ms": 100,
-                    "tracing.opentelemetry.min_flush_spans": 1,
-                },
-            }
-        ]
-    }
-    (tmp / "envoy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    envoy = EnvoyProcess(tmp / "envoy.yaml", admin, log_file=tmp / "envoy.log")
-    envoy.start()
-    client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     try:
-        await envoy.wait_ready()
-        yield TracedGateway(
-            f"http://127.0.0.1:{listen}", collector, upstreams, telemetry, client, server
-        )
+        async with traced_gateway(tmp_path_factory.mktemp("traced"), collector.endpoint) as gateway:
+            yield Rig(gateway, collector)
     finally:
-        envoy.stop()
-        await client.close()
-        await server.stop(0)
-        telemetry.shutdown()
-        for upstream in upstreams.values():
-            await upstream.stop()
         await collector.stop()
 
 
-async def flush(gateway: TracedGateway) -> None:
-    """Export policyd's finished spans now (off the loop: the collector runs on it)."""
-    tracer = gateway.telemetry.tracer
-    assert tracer is not None
-    await settled(gateway.server)  # spans end a few milliseconds after the response
-    await asyncio.to_thread(tracer.force_flush)
-
-
-async def test_one_request_is_one_trace_from_envoy_through_policyd_to_the_pod(
-    gateway: TracedGateway,
-) -> None:
+async def test_one_request_is_one_trace_from_envoy_through_policyd_to_the_pod(rig: Rig) -> None:
+    gateway, collector = rig.gateway, rig.collector
     for upstream in gateway.upstreams.values():
         upstream.release_stream.clear()
     body = {"model": "llama", "prompt": "hello", "stream": True, "max_tokens": 3}
@@ -122,17 +51,17 @@ async def test_one_request_is_one_trace_from_envoy_through_policyd_to_the_pod(
         first = await response.content.readuntil(b"\n\n")
         assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == "Hel"
         # The response is still streaming: the decision span is not finished yet.
-        await flush(gateway)
-        assert gateway.collector.of("policyd") == []
+        await gateway.flush()
+        assert collector.of("policyd") == []
         gateway.upstreams[served_by].release_stream.set()
         rest = await response.read()
     assert rest.endswith(b"data: [DONE]\n\n")
 
-    await flush(gateway)
-    (decision,) = gateway.collector.of("policyd")
-    await gateway.collector.wait_for(ENVOY_SERVICE)
+    await gateway.flush()
+    (decision,) = collector.of("policyd")
+    await collector.wait_for(ENVOY_SERVICE)
     trace_id = decision.trace_id
-    envoy_spans = [s for s in gateway.collector.of(ENVOY_SERVICE) if s.trace_id == trace_id]
+    envoy_spans = [s for s in collector.of(ENVOY_SERVICE) if s.trace_id == trace_id]
     ingress = [s for s in envoy_spans if s.span.kind == SPAN_KIND_SERVER]
     assert len(ingress) == 1, [s.span.name for s in envoy_spans]
     # policyd's decision span descends from Envoy's ingress span.

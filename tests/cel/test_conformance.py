@@ -3,23 +3,24 @@
 Every test of the eleven core files runs. The ones that do not pass are listed,
 with the reason, in ``conformance_exclusions.yaml``; this module fails when an
 unlisted test fails *or* a listed one passes, so the list stays exact.
+
+The data lives outside the repository (``cel_conformance.DATA``). When it is
+missing, the tests that need it are skipped (``conftest.py``) with one line in
+the summary (``-ra``: "SKIPPED [4] ... CEL conformance NOT RUN: ..."), so a
+fresh clone passes ``make test``; with ``CI=true`` they fail instead.
 """
 
 from __future__ import annotations
 
 import pytest
-from cel_conformance import DATA, FILES, Outcome, load_exclusions, run_all, summary
+from cel_conformance import Outcome, load_exclusions, missing_data, run_all, summary
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> list[Outcome]:
-    missing = [name for name in FILES if not (DATA / f"{name}.textproto").is_file()]
-    if missing:
-        pytest.fail(
-            f"CEL conformance data missing in {DATA}: {', '.join(missing)}. "
-            "Put the cel-spec tests/simple/testdata files at ../shared/cel-spec-tests "
-            "from the repository root."
-        )
+    missing = missing_data()
+    if missing is not None:  # only under CI=true: elsewhere conftest.py skips these tests
+        pytest.fail(f"{missing}; CI=true, so this is a failure")
     return run_all()
 
 

@@ -2,8 +2,11 @@
 
 - :class:`TestUpstream`: a *test upstream*, a small real HTTP server on
   loopback answering OpenAI-shaped JSON and SSE, which records every request
-  it receives and says who served it. It stands in for a model server until
-  the simulator lands; it is a real HTTP peer for Envoy.
+  it receives (headers and body, as Envoy forwarded them) and says who served
+  it. The wire-path tests (``e2e_rig.start_gateway``) use it as the model
+  server for that record, which the simulated vLLM pods (``policyd.sim``,
+  used by ``start_policyd_gateway``) do not keep; it is a real HTTP peer for
+  Envoy.
 - :class:`ScriptedRouter`: a test double of ``policy.Router`` with the same
   ``decide(request, candidates) -> Decision`` contract. The request's
   ``x-test-*`` headers script its decision, so one long-lived server can

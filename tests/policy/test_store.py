@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from policyd.policy import PolicyError, PolicyStore, Reload, Router
+from policyd.policy import PolicyError, PolicySet, PolicyStore, Reload, Router
+from policyd.policy import store as store_module
+from policyd.policy.loader import load_policy_set
 
 from .helpers import pod, request, write
 
@@ -125,3 +128,256 @@ def test_decisions_during_swaps_each_see_one_whole_policy(tmp_path: Path) -> Non
         stop.set()
         swapper.join(timeout=5)
     assert seen == {one.version, other.version}
+
+
+# -- a reload never silently stops, nor loads a fragment (issue 23, item 4) ---------------
+
+GUARDED = """\
+name: live
+params:
+  max_queue: {type: int, value: 50}
+filters:
+  short:
+    keep: pod.waiting_queue < params.max_queue
+    on_failure: busy
+  busy:
+    shed: every pod is busy
+"""
+
+
+def _outcome(store: PolicyStore, waiting_queue: int = 20) -> str:
+    return Router(store).decide(request(), [pod("a", waiting_queue=waiting_queue)]).outcome.value
+
+
+def test_a_change_loads_only_once_the_file_stopped_changing(tmp_path: Path) -> None:
+    """A file caught mid-number (``value: 5`` of ``value: 50``) is valid, but never served."""
+    path = write(tmp_path, GUARDED)
+    store = PolicyStore.open(path, settle_seconds=1.0)
+    serving = store.current
+    path.write_text(GUARDED.replace("value: 50", "value: 5"))  # the writer is still at it
+    assert store.poll(now=100.0) is None
+    assert store.poll(now=100.4) is None
+    path.write_text(GUARDED.replace("every pod is busy", "all busy"))  # done
+    assert store.poll(now=100.6) is None  # changed again since 100.0: start over
+    assert store.poll(now=101.5) is None  # stable for 0.9 s only
+    assert store.current is serving
+    result = store.poll(now=101.7)
+    assert result is not None and result.changed and result.error is None
+    assert _outcome(store) == "routed"  # 20 < 50: not the fragment's 5
+    assert Router(store).decide(request(), [pod("a", waiting_queue=60)]).reason == "all busy"
+    assert store.poll(now=103.0) is None  # loaded: nothing new
+
+
+def test_a_load_during_which_the_file_changed_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, GUARDED)
+    store = PolicyStore.open(path, settle_seconds=1.0)
+    serving = store.current
+    path.write_text(GUARDED.replace("value: 50", "value: 5"))
+    real = load_policy_set
+
+    def load_while_written(where: Path) -> PolicySet:
+        loaded = real(where)
+        path.write_text(GUARDED.replace("value: 50", "value: 51"))  # mid-write, after reading
+        return loaded
+
+    monkeypatch.setattr(store_module, "load_policy_set", load_while_written)
+    assert store.poll(now=0.0) is None
+    assert store.poll(now=1.5) is None  # loaded "5", but the file moved on: not swapped
+    assert store.current is serving
+    monkeypatch.setattr(store_module, "load_policy_set", real)
+    assert store.poll(now=2.0) is None  # "51" settles from 1.5 on
+    result = store.poll(now=2.6)
+    assert result is not None and result.changed
+    assert Router(store).decide(request(), [pod("a", waiting_queue=50)]).outcome.value == "routed"
+
+
+async def test_the_watcher_waits_for_a_file_being_written(tmp_path: Path) -> None:
+    path = write(tmp_path, GUARDED)
+    store = PolicyStore.open(path, settle_seconds=1.0)
+    reports: list[Reload] = []
+    task = asyncio.create_task(store.watch(interval=0.02, on_reload=reports.append))
+    try:
+        half = GUARDED.index("    on_failure")
+        path.write_text(GUARDED[:half].replace("value: 50", "value: 5"))
+        await asyncio.sleep(0.2)  # polled ten times meanwhile
+        path.write_text(GUARDED.replace("every pod is busy", "all busy"))
+        await _until(lambda: len(reports) == 1)
+        await asyncio.sleep(0.1)
+        assert len(reports) == 1  # the fragment was never loaded, nor rejected
+        assert reports[0].changed
+        assert _outcome(store) == "routed"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+CUT_BEFORE_FILTERS = GUARDED[: GUARDED.index("filters:")]
+
+
+def test_a_file_cut_before_filters_is_refused_and_loads_only_when_accepted(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, GUARDED)
+    store = PolicyStore.open(path, refuse_new_warnings=True)
+    serving = store.current
+    path.write_text(CUT_BEFORE_FILTERS)  # loads on its own: no filters, an unused param
+    result = store.reload()
+    assert not result.changed and result.current is serving and store.current is serving
+    assert result.error is not None
+    assert [str(d) for d in result.error.errors] == [
+        f"{path}:1:1: reload refused: 3 warnings that the policy serving now does not have "
+        "(listed here); fix the file, or let reloads accept new warnings "
+        "(policyd serve --accept-policy-warnings)"
+    ]
+    assert [str(d) for d in result.error.diagnostics if d.severity == "warning"] == [
+        f"{path}:1:1: warning: policy 'live' had 1 shed node and now has none: "
+        "is the file complete?",
+        f"{path}:1:1: warning: policy 'live' had 2 filter nodes and now has none: "
+        "is the file complete?",
+        f"{path}:3:3: warning: param 'max_queue' is never used",
+    ]
+    assert _outcome(store, waiting_queue=60) == "shed"
+    assert store.reload().error is None  # reported once
+
+    store.refuse_new_warnings = False  # the operator's opt-in
+    path.write_text(CUT_BEFORE_FILTERS + "\n")
+    accepted = store.reload()
+    assert accepted.changed and accepted.error is None
+    assert _outcome(store, waiting_queue=60) == "routed"  # what the operator asked for
+    assert [d.message for d in accepted.warnings] == [
+        "policy 'live' had 1 shed node and now has none: is the file complete?",
+        "policy 'live' had 2 filter nodes and now has none: is the file complete?",
+        "param 'max_queue' is never used",
+    ]
+    assert _outcome(store) == "routed"
+
+
+def test_a_new_warning_is_refused_one_the_policy_had_already_is_not(tmp_path: Path) -> None:
+    path = write(tmp_path, SHORT)
+    store = PolicyStore.open(path, refuse_new_warnings=True)
+    unused = SHORT.replace("filters:", "params:\n  spare: {type: int, value: 1}\nfilters:")
+    path.write_text(unused)
+    refused = store.reload()
+    assert refused.error is not None and not refused.changed
+    assert [str(d) for d in refused.error.diagnostics if d.severity == "warning"] == [
+        f"{path}:3:3: warning: param 'spare' is never used"
+    ]
+    assert store.current.policies[0].warnings == ()
+
+    store.refuse_new_warnings = False
+    path.write_text(unused + "\n")
+    assert store.reload().changed  # accepted: the policy serving now has this warning
+    store.refuse_new_warnings = True
+    path.write_text("# moved down a line\n" + unused)
+    moved = store.reload()
+    assert moved.changed and moved.error is None  # the same warning, not a new one
+    assert [str(d) for d in moved.warnings] == [f"{path}:4:3: warning: param 'spare' is never used"]
+
+
+def test_warnings_of_a_loaded_change_are_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, SHORT)
+    store = PolicyStore.open(path)
+    path.write_text(SHORT.replace("filters:", "params:\n  spare: {type: int, value: 1}\nfilters:"))
+
+    async def one_look() -> None:
+        task = asyncio.create_task(store.watch(interval=0.01))
+        await _until(lambda: store.current.warnings != ())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO, logger="policyd.policy.store"):
+        asyncio.run(one_look())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", f"policy {store.current.version} now serving"),
+        ("WARNING", f"policy: {path}:3:3: warning: param 'spare' is never used"),
+    ]
+
+
+async def test_a_nul_byte_is_rejected_at_its_place_and_the_watcher_goes_on(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, SHORT)
+    store = PolicyStore.open(path)
+    reports: list[Reload] = []
+    task = asyncio.create_task(store.watch(interval=0.01, on_reload=reports.append))
+    try:
+        for bad in (b"name: live\nfil\x00\x00\x00", b"name: live\x07\n"):
+            path.write_bytes(bad)
+            await _until(lambda: bool(reports) and reports[-1].error is not None)
+            assert not task.done()
+        assert reports[0].error is not None
+        assert [str(d) for d in reports[0].error.diagnostics] == [
+            f"{path}:2:4: invalid YAML: character U+0000 (NUL) is not allowed; "
+            "is the file complete, and text?"
+        ]
+        assert router_pick(store) == "a"
+        write(tmp_path, LONG)
+        await _until(lambda: reports[-1].changed)
+        assert router_pick(store) == "b"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def router_pick(store: PolicyStore) -> str | None:
+    return Router(store).decide(request(), PODS).pod
+
+
+def _raise(*_: object, **__: object) -> object:
+    raise RuntimeError("disk on fire")
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["policyd.policy.store.load_policy_set", "policyd.policy.store.watched_files",
+     "policyd.policy.store._stamp", "policyd.policy.store.new_warnings",
+     "policyd.policy.store._report", "on_reload"],
+)  # fmt: skip
+@pytest.mark.parametrize("settle", [0.0, 0.01])
+async def test_the_watcher_survives_an_exception_anywhere_in_a_reload(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+    settle: float,
+) -> None:
+    path = write(tmp_path, SHORT)
+    store = PolicyStore.open(path)
+    store.settle_seconds = settle
+    serving = store.current
+    reports: list[Reload] = []
+    listener = _raise if where == "on_reload" else reports.append
+    if where != "on_reload":
+        monkeypatch.setattr(where, _raise)
+    task = asyncio.create_task(store.watch(interval=0.01, on_reload=listener))  # type: ignore[arg-type]
+    try:
+        write(tmp_path, LONG)
+        with caplog.at_level(logging.ERROR, logger="policyd.policy.store"):
+            await _until(lambda: bool(caplog.records))
+            await asyncio.sleep(0.1)  # ten more looks: the same failure is logged once
+        assert not task.done()
+        (record,) = caplog.records
+        assert record.exc_info is not None
+        assert "disk on fire" in str(record.exc_info[1])
+        monkeypatch.undo()
+        if where in ("policyd.policy.store._report", "on_reload"):
+            assert store.current is not serving  # the reload itself went through
+            assert router_pick(store) == "b"
+            return
+        assert store.current is serving
+        assert reports and reports[0].error is not None
+        assert "reload failed: RuntimeError: disk on fire" in str(reports[0].error)
+        write(tmp_path, LONG + "\n")  # a later valid edit still loads
+        await _until(lambda: reports[-1].changed)
+        assert router_pick(store) == "b"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

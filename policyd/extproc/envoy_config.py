@@ -1,7 +1,7 @@
 """``policyd envoy-config``: an Envoy bootstrap that puts policyd in the request path.
 
     policyd envoy-config --port 8081 --policyd-port 9002 > envoy.yaml
-    envoy -c envoy.yaml
+    envoy -c envoy.yaml --disable-hot-restart   # as envoy_process.py runs it
 
 What it sets up, and why:
 

@@ -67,6 +67,20 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often the policy files are checked for changes (default 1)",
     )
+    parser.add_argument(
+        "--policy-settle-seconds",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="load a changed policy only once its files stayed the same this long "
+        "(default 1; 0 loads at once)",
+    )
+    parser.add_argument(
+        "--accept-policy-warnings",
+        action="store_true",
+        help="let a reload replace the policy even when it brings warnings the serving one "
+        "does not have, or loses all its filter nodes, shed nodes or scorers (default: refuse)",
+    )
     server = parser.add_argument_group("gRPC server")
     server.add_argument(
         "--host",
@@ -180,7 +194,7 @@ def run(arguments: argparse.Namespace) -> int:
         print(f"policyd serve: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        store = PolicyStore.open(arguments.policy)
+        store = open_policy(arguments)
     except PolicyError as error:
         print(f"policyd serve: the policy does not load:\n{error}", file=sys.stderr)
         return EXIT_RUNTIME_ERROR
@@ -190,6 +204,15 @@ def run(arguments: argparse.Namespace) -> int:
     if arguments.workers == 1:
         return asyncio.run(serve(arguments, store))
     return run_in_workers(arguments.workers, serve_worker, arguments)
+
+
+def open_policy(arguments: argparse.Namespace) -> PolicyStore:
+    """The policy store, with the reload guards the flags ask for (``PolicyError``)."""
+    return PolicyStore.open(
+        arguments.policy,
+        settle_seconds=arguments.policy_settle_seconds,
+        refuse_new_warnings=not arguments.accept_policy_warnings,
+    )
 
 
 def check_arguments(arguments: argparse.Namespace) -> None:
@@ -202,6 +225,8 @@ def check_arguments(arguments: argparse.Namespace) -> None:
         raise UsageError("--grace-seconds must not be negative")
     if not arguments.policy_poll_interval > 0:
         raise UsageError("--policy-poll-interval must be positive")
+    if not arguments.policy_settle_seconds >= 0:
+        raise UsageError("--policy-settle-seconds must not be negative")
     if (arguments.tls_cert is None) != (arguments.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together")
     if arguments.tls_client_ca is not None and arguments.tls_cert is None:
@@ -276,7 +301,7 @@ def serve_worker(arguments: argparse.Namespace, worker: int) -> int:
     """One worker process of ``--workers N`` (started with spawn: it sets itself up)."""
     configure_logging(arguments.log_level, arguments.log_format)
     try:
-        store = PolicyStore.open(arguments.policy)
+        store = open_policy(arguments)
     except PolicyError as error:  # changed since the parent checked it
         log.error("the policy does not load:\n%s", error)
         return EXIT_RUNTIME_ERROR

@@ -259,7 +259,7 @@ def new_warnings(old: PolicySet, new: PolicySet) -> list[Diagnostic]:
 
     A loader warning counts by file and message (an edit above it moves its
     line); so does a policy (same file) whose filter nodes, shed nodes or
-    scorers all went: the mark of a file cut short.
+    scorers all went, the mark of a file cut short (reported at its name).
     """
     known = {(w.path, w.message) for w in old.warnings}
     found = [w for w in new.warnings if (w.path, w.message) not in known]
@@ -275,7 +275,7 @@ def new_warnings(old: PolicySet, new: PolicySet) -> list[Diagnostic]:
                     f"policy '{policy.name}' had {_count(had, what)} and now has none: "
                     "is the file complete?"
                 )
-                found.append(Diagnostic(policy.path, 1, 1, message, "warning"))
+                found.append(Diagnostic(policy.path, *policy.name_at, message, "warning"))
     return found
 
 

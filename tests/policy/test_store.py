@@ -233,9 +233,9 @@ def test_a_file_cut_before_filters_is_refused_and_loads_only_when_accepted(
         "(policyd serve --accept-policy-warnings)"
     ]
     assert [str(d) for d in result.error.diagnostics if d.severity == "warning"] == [
-        f"{path}:1:1: warning: policy 'live' had 1 shed node and now has none: "
+        f"{path}:1:7: warning: policy 'live' had 1 shed node and now has none: "
         "is the file complete?",
-        f"{path}:1:1: warning: policy 'live' had 2 filter nodes and now has none: "
+        f"{path}:1:7: warning: policy 'live' had 2 filter nodes and now has none: "
         "is the file complete?",
         f"{path}:3:3: warning: param 'max_queue' is never used",
     ]

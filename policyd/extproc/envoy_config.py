@@ -245,6 +245,13 @@ def _routes(options: EnvoyConfigOptions) -> dict[str, Any]:
                             "status": 503,
                             "body": {"inline_string": _NO_ROUTE_BODY},
                         },
+                        # Envoy labels a direct response text/plain.
+                        "response_headers_to_add": [
+                            {
+                                "header": {"key": "content-type", "value": "application/json"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                            }
+                        ],
                     },
                 ],
             }

@@ -21,8 +21,10 @@ enforcing the NetworkPolicy.
 from __future__ import annotations
 
 import copy
+import json
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,8 @@ from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.extproc.serve import check_arguments
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore
+from policyd.policy.decision import Decision
+from policyd.policy.request import Request
 from policyd.pool.pod import Pod
 
 REPO = Path(__file__).resolve().parents[2]
@@ -312,9 +316,21 @@ def test_the_route_patch_and_the_virtual_service_are_envoy_configs_route() -> No
     chosen = generated_route()
     assert "cluster" not in value["route"]  # the VirtualService's destination stays
     assert value["route"] == {k: chosen[k] for k in ("timeout", "idle_timeout")}
-    (route,) = resource("VirtualService")["spec"]["http"]
+    route, unrouted = resource("VirtualService")["spec"]["http"]
     assert route["name"] == "inference"
     assert istio_retry_policy(route.get("retries")) == chosen["retry_policy"]
+    # What the header-matched route does not take gets envoy-config's JSON 503.
+    (expected,) = [
+        r
+        for r in generated_manager()["route_config"]["virtual_hosts"][0]["routes"]
+        if r["name"] == "unrouted"
+    ]
+    assert unrouted["match"] == route["match"]
+    assert unrouted["directResponse"] == {
+        "status": expected["direct_response"]["status"],
+        "body": {"string": expected["direct_response"]["body"]["inline_string"]},
+    }
+    assert unrouted["headers"] == {"response": {"set": {"content-type": "application/json"}}}
     gateway = resource("Gateway")
     assert resource("VirtualService")["spec"]["gateways"] == [gateway["metadata"]["name"]]
     assert (
@@ -428,16 +444,34 @@ def gateway_bootstrap(
     settings Istio gives its clusters (least-request, breakers at their maximum)."""
     (route_patch,) = patches("HTTP_ROUTE")
     (listener_patch,) = patches("LISTENER")
-    (route,) = resource("VirtualService")["spec"]["http"]
-    route_action: dict[str, Any] = {"cluster": ISTIO_MODEL_CLUSTER}
-    retry = istio_retry_policy(route.get("retries"))
-    if retry is not None:
-        route_action["retry_policy"] = retry
-    istio_route = {
-        "name": route["name"],
-        "match": {"prefix": route["match"][0]["uri"]["prefix"]},
-        "route": route_action,
-    }
+    routes = []
+    for route in resource("VirtualService")["spec"]["http"]:
+        istio_route: dict[str, Any] = {
+            "name": route["name"],
+            "match": {"prefix": route["match"][0]["uri"]["prefix"]},
+        }
+        if "directResponse" in route:
+            direct = route["directResponse"]
+            istio_route["direct_response"] = {
+                "status": direct["status"],
+                "body": {"inline_string": direct["body"]["string"]},
+            }
+            istio_route["response_headers_to_add"] = [
+                {
+                    "header": {"key": key, "value": value},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+                for key, value in route["headers"]["response"]["set"].items()
+            ]
+        else:
+            action: dict[str, Any] = {"cluster": ISTIO_MODEL_CLUSTER}
+            retry = istio_retry_policy(route.get("retries"))
+            if retry is not None:
+                action["retry_policy"] = retry
+            istio_route["route"] = action
+        if route["name"] == route_patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]:
+            istio_route = merge_patch(istio_route, route_patch["patch"]["value"])
+        routes.append(istio_route)
     inserted = [
         p["patch"]["value"]
         for p in patches("HTTP_FILTER")
@@ -455,7 +489,7 @@ def gateway_bootstrap(
                 {
                     "name": "gateway",
                     "domains": ["*"],
-                    "routes": [merge_patch(istio_route, route_patch["patch"]["value"])],
+                    "routes": routes,
                 }
             ],
         },
@@ -541,6 +575,15 @@ def gateway_bootstrap(
     }
 
 
+class StallingRouter(ScriptedRouter):
+    """``x-test-stall: <seconds>`` holds policyd's event loop that long first."""
+
+    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision:
+        if "x-test-stall" in request.headers:
+            time.sleep(float(request.headers["x-test-stall"]))
+        return super().decide(request, candidates)
+
+
 @dataclass
 class LiveGateway:
     url: str
@@ -571,7 +614,7 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveGa
         await upstream.start()
     dead = f"127.0.0.1:{free_port()}"
     pods = [Pod(name, u.address) for name, u in upstreams.items()] + [Pod("pod-dead", dead)]
-    router = ScriptedRouter()
+    router = StallingRouter()
     server = ExtProcServer(
         lambda: router,
         SwappablePool(pods).current,
@@ -624,7 +667,11 @@ async def complete(
         headers={"content-type": "application/json", **headers},
     ) as response:
         text = await response.text()
-        return response.status, {"body": text, "upstream": response.headers.get("x-test-upstream")}
+        return response.status, {
+            "body": text,
+            "upstream": response.headers.get("x-test-upstream"),
+            "content-type": response.headers.get("content-type"),
+        }
 
 
 @pytest.mark.e2e
@@ -744,3 +791,20 @@ def test_a_config_map_update_reloads_the_mounted_policy_directory(tmp_path: Path
     reload = store.reload()
     assert reload.changed and reload.error is None
     assert store.current.policies[0].name == "edited"
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_request_policyd_does_not_answer_in_time_gets_the_json_503(
+    live: LiveGateway,
+) -> None:
+    """ext_proc fails open: past the message timeout the request goes on without a
+    destination, misses the `inference` route and meets the VirtualService's
+    `unrouted` answer; no pod sees it."""
+    timeout = float(ext_proc_filter()["typed_config"]["message_timeout"].removesuffix("s"))
+    before = sum(len(u.received) for u in live.upstreams.values())
+    status, seen = await complete(live, {"x-test-stall": str(timeout + 0.5)})
+    assert status == 503
+    assert json.loads(seen["body"])["error"]["code"] == "no_destination"
+    assert seen["content-type"] == "application/json"
+    assert sum(len(u.received) for u in live.upstreams.values()) == before

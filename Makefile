@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench install clean
+.PHONY: demo test lint typecheck unit bench install clean test-real
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Checks against the real programs (tests/real: jaeger, istioctl, built by
+## ../shared/tools/real-tools.sh); not part of `make test`. A missing binary skips its tests.
+test-real: $(STAMP)
+	eval "$$(../shared/tools/real-tools.sh env)" && $(BIN)/python -m pytest tests/real $(PYTEST_ARGS)
 
 ## Every benchmark script in turn; each prints its figures as ratios to a baseline.
 bench: $(STAMP)

@@ -140,3 +140,52 @@ async def test_a_new_policy_routes_the_next_requests_and_open_streams_finish(
     finally:
         for stream in streams:
             stream.release()
+
+
+async def test_a_bad_byte_a_cut_file_or_one_still_being_written_never_replaces_the_policy(
+    gateway: PolicydGateway,
+) -> None:
+    """The guards ``policyd serve`` turns on: a NUL byte is rejected at its place, a file
+    cut before ``filters:`` is refused, one caught mid-number is never loaded, and the
+    watcher goes on to load the next good version."""
+    store = gateway.service.store
+    store.settle_seconds = 1.0
+    store.refuse_new_warnings = True
+    version = store.current.version
+    policy = gateway.policy_path
+
+    nul = SEED.index("filters:")
+    await replace_policy(gateway, SEED[:nul] + "\0" + SEED[nul + 1 :])
+    rejected = gateway.reloads[-1]
+    line = SEED[:nul].count("\n") + 1
+    assert str(rejected.error) == (
+        f"{policy}:{line}:1: invalid YAML: character U+0000 (NUL) is not allowed; "
+        "is the file complete, and text?"
+    )
+
+    await replace_policy(gateway, SEED[:nul])  # cut before filters: loads, but refused
+    refused = gateway.reloads[-1]
+    assert refused.error is not None and not refused.changed
+    assert "reload refused" in str(refused.error)
+    assert "had 10 filter nodes and now has none" in str(refused.error)
+    assert store.current.version == version
+    status, body = await complete(gateway, "after-cut")
+    assert status == 200, body
+    assert span(gateway, "after-cut").decision.policy_version == version
+
+    store.refuse_new_warnings = False  # only the settle interval keeps the next one out
+    seen = len(gateway.reloads)
+    cut = SEED.index("value: 50") + len("value: 5")
+    policy.write_text(SEED[:cut])  # the writer is still at it
+    await asyncio.sleep(0.3)  # polled three times meanwhile
+    edited = SEED.replace("final pick uniformly at random", "edited")
+    policy.write_text(edited)
+    await until(lambda: len(gateway.reloads) > seen, "policyd to load the finished file")
+    await asyncio.sleep(0.3)
+    assert len(gateway.reloads) == seen + 1  # the fragment was never loaded, nor rejected
+    assert gateway.reloads[-1].changed
+    (loaded,) = store.current.policies
+    assert loaded.description == "The seed LoRA-affinity filter tree; edited."
+    status, body = await complete(gateway, "after-edit")
+    assert status == 200, body
+    assert span(gateway, "after-edit").decision.policy_version == loaded.version

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from e2e_rig import (
     until,
 )
 from e2e_support import RecordedSpan
+
+from policyd.extproc.envoy_process import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -189,3 +193,68 @@ async def test_a_bad_byte_a_cut_file_or_one_still_being_written_never_replaces_t
     status, body = await complete(gateway, "after-edit")
     assert status == 200, body
     assert span(gateway, "after-edit").decision.policy_version == loaded.version
+
+
+async def test_serve_logs_every_reload_and_stops_cleanly_after_a_bad_byte(tmp_path: Path) -> None:
+    """``policyd serve`` as operators run it: the warnings of the policy at start and
+    of each reload are logged, a NUL byte and a cut file are rejected in the log, the
+    next good edit loads, and SIGTERM still exits 0 without a traceback."""
+    policy = tmp_path / "live.yaml"
+    spare = "params:\n  spare: {type: int, value: 1}\n"
+    start = SEED.replace("params:\n", spare, 1)
+    policy.write_text(start)
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(f"pods:\n  - {{name: vllm-0, address: '127.0.0.1:{free_port()}'}}\n")
+    command = [
+        sys.executable, "-m", "policyd", "serve", "--policy", str(policy), "--pods", str(pods),
+        "--port", str(free_port()), "--monitoring-port", "0", "--log-format", "json",
+        "--policy-poll-interval", "0.05", "--policy-settle-seconds", "0.2",
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+    assert process.stderr is not None
+    stderr = process.stderr
+    events: list[dict[str, Any]] = []
+
+    async def logged(level: str, text: str) -> dict[str, Any]:
+        """The first event (so far, or from now on) at ``level`` containing ``text``."""
+        try:
+            async with asyncio.timeout(20):
+                while True:
+                    for event in events:
+                        if event["level"] == level and text in event["message"]:
+                            events.remove(event)
+                            return event
+                    line = await stderr.readline()
+                    assert line, f"policyd serve exited before logging {text!r}"
+                    events.append(json.loads(line))
+        except TimeoutError:
+            raise AssertionError(f"no {level} {text!r} logged; unclaimed: {events}") from None
+
+    spare_line = start[: start.index("  spare:")].count("\n") + 1
+    warning = f"live.yaml:{spare_line}:3: warning: param 'spare' is never used"
+    try:
+        await logged("warning", warning)  # at start
+        await logged("info", "serving policy")
+        nul = start.index("filters:")
+        policy.write_text(start[:nul] + "\0" + start[nul + 1 :])
+        line = start[:nul].count("\n") + 1
+        rejected = await logged("error", "policy change rejected")
+        assert f"live.yaml:{line}:1: invalid YAML: character U+0000 (NUL)" in rejected["message"]
+        policy.write_text(start[:nul])
+        refused = await logged("error", "policy change rejected")
+        assert "reload refused" in refused["message"]
+        assert "had 10 filter nodes and now has none" in refused["message"]
+        policy.write_text(start.replace("final pick uniformly at random", "edited"))
+        await logged("info", "now serving")
+        await logged("warning", warning)  # the loaded version's warnings, again
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            rest = (await stderr.read()).decode()
+            code = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert code == 0, rest
+    assert "Traceback" not in rest
+    assert not [e for e in events if e["level"] == "error"]

@@ -230,6 +230,7 @@ class PolicyStore:
         return min(interval, max(remaining, 0.01))
 
     def _failed(self, error: Exception) -> Reload | None:
+        self._pending = None  # look again after a whole interval, not at once
         described = f"{type(error).__name__}: {error}"
         if described == self._failure:
             return None  # logged already; it is tried again on every look

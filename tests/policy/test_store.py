@@ -436,3 +436,20 @@ async def test_a_failure_while_a_change_settles_does_not_speed_up_the_looks(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+def test_serve_guards_reloads_unless_the_operator_opts_out(tmp_path: Path) -> None:
+    from policyd.cli import build_parser
+    from policyd.extproc.serve import UsageError, check_arguments, open_policy
+
+    path = write(tmp_path, SHORT)
+    pods = write(tmp_path, "pods: []\n", "pods.yaml")
+    common = ["serve", "--policy", str(path), "--pods", str(pods)]
+    store = open_policy(build_parser("serve").parse_args(common))
+    assert (store.settle_seconds, store.refuse_new_warnings) == (1.0, True)
+    opted = [*common, "--accept-policy-warnings", "--policy-settle-seconds", "0"]
+    store = open_policy(build_parser("serve").parse_args(opted))
+    assert (store.settle_seconds, store.refuse_new_warnings) == (0.0, False)
+    negative = build_parser("serve").parse_args([*common, "--policy-settle-seconds", "-1"])
+    with pytest.raises(UsageError, match="--policy-settle-seconds must not be negative"):
+        check_arguments(negative)

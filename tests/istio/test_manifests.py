@@ -23,6 +23,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -163,6 +165,25 @@ def test_the_namespace_replacement_targets_the_service_names_in_the_envoy_filter
         [address["address"], model_cluster_patch()["match"]["cluster"]["service"]]
     )
     assert address["address"] == NAMESPACE_PLACEHOLDER
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
+def test_kustomize_writes_the_namespace_into_both_service_names(tmp_path: Path) -> None:
+    """What ``kubectl apply -k`` applies: the set in the namespace, and the
+    EnvoyFilter's in-cluster names (policyd's address, the model Service) in it."""
+    kustomization = documents("kustomization.yaml")[0]
+    namespace = kustomization["namespace"]
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(ISTIO)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    rendered = [d for d in yaml.safe_load_all(built) if d]
+    assert len(rendered) == sum(len(documents(name)) for name in kustomization["resources"])
+    assert {d["metadata"]["namespace"] for d in rendered} == {namespace}
+    (envoy_filter,) = [d for d in rendered if d["kind"] == "EnvoyFilter"]
+    text = yaml.safe_dump(envoy_filter)
+    assert "NAMESPACE" not in text
+    assert f"policyd.{namespace}.svc.cluster.local" in text
+    assert f"vllm.{namespace}.svc.cluster.local" in text
 
 
 def test_the_policy_config_map_is_the_shipped_policy_and_loads(tmp_path: Path) -> None:
@@ -800,10 +821,16 @@ async def test_a_request_policyd_does_not_answer_in_time_gets_the_json_503(
 ) -> None:
     """ext_proc fails open: past the message timeout the request goes on without a
     destination, misses the `inference` route and meets the VirtualService's
-    `unrouted` answer; no pod sees it."""
+    `unrouted` answer; no pod sees it, not even one the client named."""
     timeout = float(ext_proc_filter()["typed_config"]["message_timeout"].removesuffix("s"))
     before = sum(len(u.received) for u in live.upstreams.values())
-    status, seen = await complete(live, {"x-test-stall": str(timeout + 0.5)})
+    # A destination the client names itself is removed as the request arrives
+    # (the connection manager's early header mutation), so it cannot route it.
+    stalled = {
+        "x-test-stall": str(timeout + 0.5),
+        DESTINATION_HEADER: live.upstreams["pod-a"].address,
+    }
+    status, seen = await complete(live, stalled)
     assert status == 503
     assert json.loads(seen["body"])["error"]["code"] == "no_destination"
     assert seen["content-type"] == "application/json"

@@ -193,6 +193,8 @@ def test_jaeger_is_v2_run_by_its_own_configuration() -> None:
     store = config["exporters"]["jaeger_storage_exporter"]["trace_storage"]
     assert store in config["extensions"]["jaeger_storage"]["backends"]
     assert config["extensions"]["jaeger_query"]["storage"]["traces"] == store
+    # Not its own query spans into that store (v2 sends them to localhost:4317 by default).
+    assert config["extensions"]["jaeger_query"]["enable_tracing"] is False
 
     # Every port the config listens on is the container's, and the Services reach them.
     listening = {

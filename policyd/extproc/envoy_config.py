@@ -405,6 +405,9 @@ def _policyd_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
         {
             "timeout": "1s",
             "interval": "2s",
+            # Also before the cluster's first request (Envoy's default there is
+            # 60 s): a replica not ready at Envoy's start would stay out a minute.
+            "no_traffic_interval": "2s",
             "unhealthy_threshold": 2,
             "healthy_threshold": 1,
             "grpc_health_check": {"service_name": READINESS},

@@ -192,6 +192,9 @@ async def test_a_request_through_envoy_is_one_trace_in_jaeger(
         enclosing.append(current)
     assert [s.service for s in enclosing] == [ENVOY_SERVICE] * len(enclosing)
     assert len(enclosing) >= 2, [s.name for s in spans]  # the ext_proc call, the request
+    status, answer = await asyncio.to_thread(get_json, f"{jaeger.query}/api/v3/services")
+    assert status == 200
+    assert {"policyd", ENVOY_SERVICE} <= set(answer["services"])
     # Jaeger has the decision within Envoy's spans as sent: nothing for a skew fix-up.
     for outer in enclosing:
         assert outer.start <= decision.start and decision.end <= outer.end, (

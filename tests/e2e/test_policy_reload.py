@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -171,7 +172,7 @@ async def test_a_bad_byte_a_cut_file_or_one_still_being_written_never_replaces_t
     refused = gateway.reloads[-1]
     assert refused.error is not None and not refused.changed
     assert "reload refused" in str(refused.error)
-    assert "had 10 filter nodes and now has none" in str(refused.error)
+    assert "filter nodes and now has none: is the file complete?" in str(refused.error)
     assert store.current.version == version
     status, body = await complete(gateway, "after-cut")
     assert status == 200, body
@@ -179,17 +180,19 @@ async def test_a_bad_byte_a_cut_file_or_one_still_being_written_never_replaces_t
 
     store.refuse_new_warnings = False  # only the settle interval keeps the next one out
     seen = len(gateway.reloads)
-    cut = SEED.index("value: 50") + len("value: 5")
+    number = re.search(r"value: \d\d", SEED)  # cut after its first digit
+    assert number is not None
+    cut = number.end() - 1
     policy.write_text(SEED[:cut])  # the writer is still at it
     await asyncio.sleep(0.3)  # polled three times meanwhile
-    edited = SEED.replace("final pick uniformly at random", "edited")
+    edited = SEED.replace("\ndescription: ", "\ndescription: edited. ", 1)
     policy.write_text(edited)
     await until(lambda: len(gateway.reloads) > seen, "policyd to load the finished file")
     await asyncio.sleep(0.3)
     assert len(gateway.reloads) == seen + 1  # the fragment was never loaded, nor rejected
     assert gateway.reloads[-1].changed
     (loaded,) = store.current.policies
-    assert loaded.description == "The seed LoRA-affinity filter tree; edited."
+    assert loaded.description.startswith("edited. ")
     status, body = await complete(gateway, "after-edit")
     assert status == 200, body
     assert span(gateway, "after-edit").decision.policy_version == loaded.version
@@ -243,8 +246,8 @@ async def test_serve_logs_every_reload_and_stops_cleanly_after_a_bad_byte(tmp_pa
         policy.write_text(start[:nul])
         refused = await logged("error", "policy change rejected")
         assert "reload refused" in refused["message"]
-        assert "had 10 filter nodes and now has none" in refused["message"]
-        policy.write_text(start.replace("final pick uniformly at random", "edited"))
+        assert "filter nodes and now has none: is the file complete?" in refused["message"]
+        policy.write_text(start.replace("\ndescription: ", "\ndescription: edited. ", 1))
         await logged("info", "now serving")
         await logged("warning", warning)  # the loaded version's warnings, again
         process.send_signal(signal.SIGTERM)

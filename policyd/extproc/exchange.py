@@ -415,8 +415,8 @@ class Exchange:
                 "missing_body",
             )
         length = headers.get("content-length")
-        if length is not None and length.isdigit():
-            self._hold(int(length))  # the body is on its way: gRPC will hold it
+        if length is not None and length.isdigit():  # the body is on its way: gRPC will hold it
+            self._hold(int(length) if len(length) < 19 else 1 << 63)
         return replies.REQUEST_HEADERS_CONTINUE
 
     def _hold(self, size: int) -> None:

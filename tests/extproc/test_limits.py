@@ -134,6 +134,11 @@ async def test_a_content_length_over_the_body_limit_is_a_413_at_the_headers(smal
     assert small.held == 0
 
 
+async def test_an_absurd_content_length_is_a_413_not_an_internal_error(small: Rig) -> None:
+    (reply,) = await small.envoy.exchange(request_headers({"content-length": "9" * 1000}))
+    assert error_of(reply)[0] == 413
+
+
 async def test_bodies_over_the_servers_cap_are_a_429_with_retry_after_until_bytes_free(
     small: Rig,
 ) -> None:

@@ -137,13 +137,14 @@ class ResponseWatch:
     5 s) while anything waits; adding and removing are O(1).
     """
 
-    __slots__ = ("_timer", "_waiting", "expired", "seconds")
+    __slots__ = ("_loopless", "_timer", "_waiting", "expired", "seconds")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.expired = 0
         self._waiting: OrderedDict[Exchange, float] = OrderedDict()
         self._timer: asyncio.TimerHandle | None = None
+        self._loopless = False  # driven without an event loop (a benchmark): no expiry
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -153,7 +154,7 @@ class ResponseWatch:
         if self.seconds <= 0:
             return False
         self._waiting[exchange] = now + self.seconds
-        if self._timer is None:
+        if self._timer is None and not self._loopless:
             self._schedule()
         return True
 
@@ -163,7 +164,8 @@ class ResponseWatch:
     def _schedule(self) -> None:
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven without an event loop (a benchmark): no expiry
+        except RuntimeError:
+            self._loopless = True
             return
         interval = min(max(self.seconds / 10, 0.01), 5.0)
         self._timer = loop.call_later(interval, self.sweep)

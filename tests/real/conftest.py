@@ -1,7 +1,8 @@
 """Checks against the real programs the telemetry assets are written for.
 
 ``make test-real`` runs these with the binaries that
-``../shared/tools/real-tools.sh`` builds (``jaeger``, ``istioctl``) on PATH.
+``../shared/tools/real-tools.sh`` builds (``jaeger``, ``istioctl``, ``etcd``,
+``kube-apiserver``) on PATH; ``test_kube.py`` also needs ``openssl``.
 They are not part of ``make test``: a whole-suite run leaves this folder out,
 and a test whose binary is not on PATH is skipped, saying which one. Run
 ``pytest tests/real`` (or a file in it) to run them by hand.
@@ -23,6 +24,7 @@ for folder in ("telemetry", "extproc", "e2e"):  # the telemetry tests' helpers, 
     if str(TESTS / folder) not in sys.path:
         sys.path.append(str(TESTS / folder))
 
+BUILT = {"jaeger", "istioctl", "etcd", "kube-apiserver"}  # by ../shared/tools/real-tools.sh
 BUILD_HINT = "build it with ../shared/tools/real-tools.sh {tool}; make test-real puts it on PATH"
 
 
@@ -49,7 +51,8 @@ def tool() -> Callable[[str], str]:
     def find(name: str) -> str:
         found = shutil.which(name, path=os.environ.get("PATH"))
         if found is None:
-            pytest.skip(f"{name} is not on PATH ({BUILD_HINT.format(tool=name)})")
+            hint = BUILD_HINT.format(tool=name) if name in BUILT else "install it"
+            pytest.skip(f"{name} is not on PATH ({hint})")
         return found
 
     return find

@@ -4,14 +4,19 @@ The servicer only moves messages: each one goes to the request's
 ``Exchange`` (``policyd.extproc.exchange``), which answers it, and the answer
 goes back to gRPC.
 
-policyd ends the stream itself, with status OK, as soon as its reply to the
-exchange's last message has gone out (the response's end, or an error policyd
-answered): no read is then left pending on the stream. Envoy (without the
-experimental ``ext_proc_graceful_grpc_close``, which crashed Envoy 1.40) ends a
-finished stream by resetting it, and grpcio's asyncio server never frees a
-read that a reset cancels (grpc/grpc#43360); with nothing pending there is
-nothing to leak. A reset that still arrives after the end is a normal end:
-counted (``stream_error("reset", "after_end")``), never logged above debug.
+policyd ends the stream itself, with status OK, when the exchange ends, and
+reads nothing after that. Envoy (without the experimental
+``ext_proc_graceful_grpc_close``, which crashed Envoy 1.40) resets a stream
+as soon as it has the reply to its last message, and grpcio's asyncio server
+leaks a batch that a reset makes fail: a pending read, or the status sent
+after the reset came (grpc/grpc#43360). So the response's last message gets
+no reply at all: policyd's status OK is the answer (Envoy takes a server's OK
+close as "processing complete" and passes the message on unchanged, which is
+what the reply would have said), and Envoy's reset can only follow it. An
+error policyd answers (an ImmediateResponse) must be sent, and its status
+races Envoy's reset. A reset that still reaches policyd after the end is a
+normal end: counted (``stream_error("reset", "after_end")``), never logged
+above debug.
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ class ExternalProcessor:
                 if message is _EOF:
                     break
                 reply = exchange.handle(message)
+                if exchange.ended and not exchange.answered:
+                    # The response's last message: the status OK below answers it
+                    # (the reply would only say "continue, unchanged").
+                    return
                 # Not kept while the stream waits (a request body can be megabytes,
                 # and the next message may be a whole generation away).
                 del message

@@ -116,12 +116,19 @@ class EnvoySide:
         return self.stub.Process(metadata=tuple(metadata))
 
     async def exchange(self, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        """Send the messages in order, reading the reply to each; then close."""
+        """Send the messages in order, reading the reply to each; then close.
+
+        The response's last message gets no reply: policyd ends the stream with
+        status OK instead (servicer.py), so the replies stop there."""
         call = self.open()
         replies = []
         for message in messages:
             await call.write(message)
-            replies.append(await call.read())
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                assert await call.code() == grpc.StatusCode.OK
+                break
+            replies.append(reply)
         await call.done_writing()
         return replies
 

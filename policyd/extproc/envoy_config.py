@@ -49,10 +49,10 @@ What it sets up, and why:
   ``envoy.reloadable_features.ext_proc_graceful_grpc_close`` pinned off (its
   default): with it on, Envoy 1.40 crashed (segmentation fault in the ext_proc
   stream's close) under long generations ending together. Envoy then resets
-  each ext_proc stream as it ends; policyd ends the stream itself first, so
-  no read is pending when the reset comes (grpcio leaks a read a reset
-  cancels, grpc/grpc#43360; ``benchmarks/soak.py``). The admin runtime
-  layer, which Envoy has by default, stays.
+  each ext_proc stream as it ends; policyd ends the stream itself first
+  (``servicer.py``), so the reset has nothing to cancel (grpcio leaks a batch
+  a reset makes fail, grpc/grpc#43360; ``benchmarks/leak_soak.py``). The
+  admin runtime layer, which Envoy has by default, stays.
 - the admin interface on loopback only.
 """
 

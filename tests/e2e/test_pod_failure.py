@@ -5,7 +5,9 @@ envoy-config`` makes it by default (ORIGINAL_DST on the destination header,
 no retries), and with ``--model-servers`` (the pods in an override-host
 cluster, policyd sending its fallbacks, the route retrying a refused request
 on the next pod). A second into the load the pod that served the most goes
-away: SIGKILL to its process, which resets its connections and refuses new ones.
+away, right after a scrape round: SIGKILL to its process, which resets its
+connections and refuses new ones, and policyd keeps naming it for the second
+until its next scrape fails.
 
 What a kill costs without retries: the requests the pod was serving, and the
 requests policyd sent it before its next scrape failed and dropped it. With
@@ -52,9 +54,10 @@ pick:
 """
 PODS = 3
 TIME_SCALE = 10.0
-# istio/deployment.yaml scrapes every 0.1 s; 0.25 s widens the time a dead pod
-# still gets requests, so that even the run without retries reliably sends it some.
-SCRAPE_INTERVAL = 0.25
+# istio/deployment.yaml scrapes every 0.1 s; a second, with the kill just after a
+# round, gives the dead pod a second of requests whatever the machine's load, so
+# that the run without retries surely sends it some.
+SCRAPE_INTERVAL = 1.0
 RATE = 200.0  # requests a second, sent on a clock whatever the answers
 DURATION = 3.0
 KILL_AT = 1.0
@@ -200,12 +203,15 @@ async def kill_a_pod_under_load(tmp: Path, *, retries: bool) -> Run:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             tasks: list[asyncio.Task[None]] = []
             start = time.monotonic()
+            round_before_kill = None
             for index in range(int(RATE * DURATION)):
                 delay = start + index / RATE - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                if not run.killed_at and time.monotonic() - start >= KILL_AT:
-                    run.victim = "pod-0"
+                if round_before_kill is None and time.monotonic() - start >= KILL_AT:
+                    round_before_kill = pool.snapshot()
+                if not run.killed_at and pool.snapshot() not in (None, round_before_kill):
+                    run.victim = "pod-0"  # just after a round: a whole interval till the next
                     pods.kill(run.victim)
                     run.killed_at = time.monotonic()
                 record = Sent(time.monotonic())

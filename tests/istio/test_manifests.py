@@ -224,6 +224,9 @@ def test_the_deployment_arguments_are_accepted_by_policyd_serve(tmp_path: Path) 
     check_arguments(parsed)
     assert parsed.host == "0.0.0.0"
     assert pod["terminationGracePeriodSeconds"] > parsed.grace_seconds
+    # The EnvoyFilter balances the model Service's cluster by override-host, which
+    # retries on the fallbacks policyd sends; without them a retry goes to any pod.
+    assert parsed.send_fallbacks
 
 
 def test_ports_and_probes_line_up_with_the_service_and_the_gateway() -> None:

@@ -1,4 +1,4 @@
-"""Building policyd's telemetry from flags and the standard ``OTEL_*`` variables.
+"""Wiring policyd's telemetry from flags and the standard ``OTEL_*`` variables.
 
 ``build_telemetry`` is what ``policyd serve`` calls. Tracing follows the
 OpenTelemetry SDK's environment variables:

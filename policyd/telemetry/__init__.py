@@ -21,12 +21,12 @@ from policyd.telemetry.http import MetricsServer, start_metrics_server
 from policyd.telemetry.metrics import DecisionMetrics
 from policyd.telemetry.pool_metrics import PoolCollector
 from policyd.telemetry.record import DecisionTelemetry, RequestRecord
+from policyd.telemetry.tracing import DecisionTracer
 from policyd.telemetry.wiring import (
     build_telemetry,
     tracer_from_env,
     tracing_configured,
 )
-from policyd.telemetry.tracing import DecisionTracer
 
 __all__ = [
     "DecisionLog",

@@ -6,13 +6,19 @@ conventions define (operation, requested model, the server the request went
 to, token usage) carry their names; everything about the routing policy lives
 under ``policyd.``. Durations are in seconds (doubles). Lists are bounded
 (``MAX_LISTED_PODS``, ``MAX_NODE_EVENTS``) so a large pool or filter tree never
-runs into the SDK's attribute and event limits.
+runs into the SDK's attribute and event limits. The walk through the filter
+tree is one text attribute (``walk_summary``), not an event per node: the
+span stays a few dozen values however long the walk (the decision log keeps
+every node in full).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Final
+
+from policyd.policy.decision import NodeTrace
 
 # -- OpenTelemetry semantic conventions ------------------------------------------------
 GEN_AI_OPERATION: Final = "gen_ai.operation.name"
@@ -53,20 +59,12 @@ TIME_TO_HEADERS: Final = "policyd.response.time_to_headers"
 TIME_TO_FIRST_TOKEN: Final = "policyd.response.time_to_first_token"
 RESPONSE_DURATION: Final = "policyd.response.duration"
 
-# -- events ----------------------------------------------------------------------------------
-NODE_EVENT: Final = "policyd.node"
-NODE_NAME: Final = "policyd.node.name"
-NODE_KIND: Final = "policyd.node.kind"
-NODE_IN: Final = "policyd.node.in"
-NODE_KEPT: Final = "policyd.node.kept"
-NODE_KEPT_PODS: Final = "policyd.node.kept_pods"
-NODE_ERRORS: Final = "policyd.node.errors"
-NODE_FIRST_ERROR: Final = "policyd.node.first_error"
-NODE_BRANCH: Final = "policyd.node.branch"
-NODE_NEXT: Final = "policyd.node.next"
-NODE_NOTE: Final = "policyd.node.note"
-NODE_EVENTS_DROPPED: Final = "policyd.node_events_dropped"  # on the span: a walk cut short
+# -- the walk through the filter tree ------------------------------------------------------
+WALK: Final = "policyd.walk"  # walk_summary: one step per visited node, "a (filter) 6→4 > ..."
+WALK_ERRORS: Final = "policyd.walk.errors"  # CEL errors on pods, all nodes together
+WALK_FIRST_ERROR: Final = "policyd.walk.first_error"  # "pod: message" of the first
 
+# -- events ----------------------------------------------------------------------------------
 SHADOW_EVENT: Final = "policyd.shadow"
 SHADOW_POLICY: Final = "policyd.shadow.policy"
 SHADOW_VERSION: Final = "policyd.shadow.version"
@@ -77,9 +75,9 @@ SHADOW_REASON: Final = "policyd.shadow.reason"
 SHADOW_AGREEMENT: Final = "policyd.shadow.agreement"
 SHADOW_AGREES: Final = "policyd.shadow.agrees"
 
-MAX_LISTED_PODS: Final = 8  # pod names listed in one attribute (kept pods, scores)
-MAX_NODE_EVENTS: Final = 32  # node events per span; a longer walk is cut, and says so
+MAX_LISTED_PODS: Final = 8  # pod names listed in one attribute (fallbacks, scores)
 MAX_TEXT: Final = 256  # characters of any text value (model, request id, reason, ...)
+MAX_WALK: Final = 1024  # characters of the walk's summary
 
 _OPERATIONS: Final = (
     ("/chat/completions", "chat"),
@@ -144,3 +142,38 @@ def clip(text: str, limit: int = MAX_TEXT) -> str:
     if len(marker) >= limit:
         return text[:limit]
     return text[: limit - len(marker)] + marker
+
+
+def walk_summary(trace: Sequence[NodeTrace]) -> str:
+    """The walk through the filter tree as one text, cut as ``clip`` at ``MAX_WALK``.
+
+    One step per node, ``" > "`` between: ``name (kind) in→kept``, then the
+    branch the walk left by, the number of CEL errors and the node's note if
+    any, e.g. ``has capacity (filter) 6→4 on_success > least kv (top-k) 4→1``.
+    """
+    return clip(" > ".join([_step(step) for step in trace]), MAX_WALK)
+
+
+_KEEP_NONE: Final = frozenset(("condition", "shed", "score"))  # kinds that filter nothing
+
+
+def _step(step: NodeTrace) -> str:
+    text = f"{step.node} ({step.kind}) {step.candidates_in}"
+    if step.kept or step.kind not in _KEEP_NONE:
+        text += f"\u2192{len(step.kept)}"
+    if step.branch:
+        text += f" {step.branch}"
+    if step.errors:
+        text += f" [{len(step.errors)} errors]"
+    if step.note:
+        text += f" ({clip(step.note, 64)})"
+    return text
+
+
+def first_error(trace: Sequence[NodeTrace]) -> str:
+    """``"pod: message"`` of the walk's first CEL error (cut as ``clip``), else empty."""
+    for step in trace:
+        if step.errors:
+            pod, message = step.errors[0]
+            return clip(f"{pod}: {message}" if pod else message)
+    return ""

@@ -43,24 +43,18 @@ from opentelemetry.trace import (
     TraceState,
 )
 
-from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
+from policyd.policy.decision import Decision, Outcome, ShadowResult
 from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
 from policyd.telemetry.decision_log import DecisionLog
-from policyd.telemetry.identity_cache import IdentityCache
 from policyd.telemetry.metrics import DecisionMetrics
-from policyd.telemetry.tracing import DecisionTracer, FrozenAttributes, StartedSpan
+from policyd.telemetry.tracing import DecisionTracer, StartedSpan
 
 log = logging.getLogger(__name__)
 
 _EMPTY: Final[Mapping[str, str]] = {}
 _UNSET: Final = Status()
 _FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last field
-_Trace = tuple[NodeTrace, ...]
-# Steps (and walks) whose event attributes are kept for reuse: as few as the
-# walks one pool snapshot can reuse need (see metrics._STEPS_KEPT).
-_NODE_EVENTS_KEPT: Final = 512
-_GROUPS_KEPT: Final = 4096  # shared span attribute groups kept, per kind
 
 
 class DecisionTelemetry:
@@ -76,17 +70,6 @@ class DecisionTelemetry:
         self.tracer = tracer
         self.metrics = metrics
         self.decision_log = decision_log
-        # A reused filter-tree walk hands out the same trace tuple and NodeTrace
-        # objects: their event attributes are made (and OTLP-encoded) once.
-        self._node_events: IdentityCache[NodeTrace, FrozenAttributes] = IdentityCache(
-            _NODE_EVENTS_KEPT
-        )
-        self._walk_events: IdentityCache[_Trace, tuple[FrozenAttributes, ...]] = IdentityCache(
-            _NODE_EVENTS_KEPT
-        )
-        # Span attributes that many requests share, made (and OTLP-encoded) once.
-        self._request_groups: dict[tuple[Any, ...], FrozenAttributes] = {}
-        self._pod_groups: dict[tuple[str, str], FrozenAttributes] = {}
 
     def shutdown(self) -> None:
         """Export the spans still queued and write the log entries still queued."""
@@ -94,74 +77,6 @@ class DecisionTelemetry:
             self.tracer.shutdown()
         if self.decision_log is not None:
             self.decision_log.close()
-
-    def request_attributes(self, request: Request, decision: Decision) -> FrozenAttributes:
-        """The attributes a decision span shares with the same kind of request under
-        the same policy: operation, models, policy, criticality, outcome."""
-        criticality = decision.criticality or request.criticality
-        key = (
-            request.path,
-            request.model,
-            request.stream,
-            decision.policy,
-            decision.policy_version,
-            decision.target_model,
-            criticality,
-            decision.outcome,
-        )
-        known = self._request_groups.get(key)
-        if known is None:
-            group: dict[str, Any] = {
-                a.GEN_AI_OPERATION: a.operation_name(request.path),
-                a.GEN_AI_REQUEST_MODEL: a.clip(request.model),
-                a.POLICY: decision.policy,
-                a.POLICY_VERSION: decision.policy_version,
-                a.TARGET_MODEL: a.clip(decision.target_model),
-                a.CRITICALITY: criticality,
-                a.STREAM: request.stream,
-                a.OUTCOME: decision.outcome.value,
-            }
-            if decision.outcome is not Outcome.ROUTED:
-                group[a.ERROR_TYPE] = decision.outcome.value
-            known = _kept(self._request_groups, key, FrozenAttributes(group))
-        return known
-
-    def pod_attributes(self, pod: str, endpoint: str) -> FrozenAttributes:
-        """The attributes naming the pod a request was routed to."""
-        known = self._pod_groups.get((pod, endpoint))
-        if known is None:
-            host, port = a.split_endpoint(endpoint)
-            group: dict[str, Any] = {a.SERVER_ADDRESS: host}
-            if port is not None:
-                group[a.SERVER_PORT] = port
-            group[a.POD] = pod
-            group[a.ENDPOINT] = endpoint
-            known = _kept(self._pod_groups, (pod, endpoint), FrozenAttributes(group))
-        return known
-
-    def node_events(self, trace: _Trace) -> tuple[FrozenAttributes, ...]:
-        """The span events' attributes of a decision's trace (up to the limit).
-
-        A trace that ends with a scoring step was made for its request (the
-        router adds that step per request): it is not kept, its other steps are.
-        """
-        known = self._walk_events.get(trace)
-        if known is not None:
-            return known
-        events = tuple([self._node_event_attributes(s) for s in trace[: a.MAX_NODE_EVENTS]])
-        if trace and trace[-1].kind == "score":
-            return events
-        return self._walk_events.keep(trace, events)
-
-    def _node_event_attributes(self, step: NodeTrace) -> FrozenAttributes:
-        """The attributes of ``step``'s span event, made once per step object."""
-        known = self._node_events.get(step)
-        if known is not None:
-            return known
-        attributes = FrozenAttributes(_node_event(step))
-        if step.kind == "score":  # made for one request
-            return attributes
-        return self._node_events.keep(step, attributes)
 
     def start(
         self,
@@ -194,7 +109,6 @@ class RequestRecord:
         "_request",
         "_seconds",
         "_shadow_events",
-        "_shared_attributes",
         "_span",
         "_span_status",
         "_status",
@@ -224,9 +138,8 @@ class RequestRecord:
         self._pending_end: _Response | None = None
         self._end_ns = 0
         self._span: StartedSpan | None = None
-        # The span's parts, made by _annotate: its shared attribute groups, its
-        # own attributes (the response's added at the end), its shadow events.
-        self._shared_attributes: tuple[FrozenAttributes, ...] = ()
+        # The span's parts, made by _annotate: its attributes (the response's
+        # added at the end) and its shadow events.
         self._attributes: dict[str, Any] = {}
         self._shadow_events: list[Event] = []
         self._span_status = _UNSET
@@ -276,8 +189,16 @@ class RequestRecord:
     def _annotate(self, shadows: tuple[ShadowResult, ...]) -> None:
         decision = self._decision
         request = self._request
-        owner = self._owner
+        criticality = decision.criticality or request.criticality
         attributes: dict[str, Any] = {
+            a.GEN_AI_OPERATION: a.operation_name(request.path),
+            a.GEN_AI_REQUEST_MODEL: a.clip(request.model),
+            a.POLICY: decision.policy,
+            a.POLICY_VERSION: decision.policy_version,
+            a.TARGET_MODEL: a.clip(decision.target_model),
+            a.CRITICALITY: criticality,
+            a.STREAM: request.stream,
+            a.OUTCOME: decision.outcome.value,
             a.PROMPT_TOKENS: request.prompt_tokens,
             a.CANDIDATES: decision.candidate_count,
             a.SURVIVORS: len(decision.survivors),
@@ -290,16 +211,18 @@ class RequestRecord:
         if decision.reason:
             attributes[a.REASON] = a.clip(decision.reason)
         if decision.outcome is Outcome.ROUTED:
-            self._shared_attributes = (
-                owner.request_attributes(request, decision),
-                owner.pod_attributes(decision.pod, decision.endpoint),
-            )
+            host, port = a.split_endpoint(decision.endpoint)
+            attributes[a.SERVER_ADDRESS] = host
+            if port is not None:
+                attributes[a.SERVER_PORT] = port
+            attributes[a.POD] = decision.pod
+            attributes[a.ENDPOINT] = decision.endpoint
             if decision.fallbacks:
                 attributes[a.FALLBACKS] = decision.fallbacks[: a.MAX_LISTED_PODS]
             if decision.score is not None:
                 attributes[a.SCORE] = decision.score
         else:
-            self._shared_attributes = (owner.request_attributes(request, decision),)
+            attributes[a.ERROR_TYPE] = decision.outcome.value
         if decision.scores:
             top = decision.scores[: a.MAX_LISTED_PODS]
             attributes[a.SCORED_PODS] = tuple([name for name, _ in top])
@@ -307,8 +230,12 @@ class RequestRecord:
         if decision.shadows is not None:
             attributes[a.SHADOWS] = len(shadows)
             attributes[a.SHADOWS_AGREED] = sum(1 for s in shadows if s.agreement.agrees)
-        if len(decision.trace) > a.MAX_NODE_EVENTS:
-            attributes[a.NODE_EVENTS_DROPPED] = len(decision.trace) - a.MAX_NODE_EVENTS
+        if decision.trace:
+            attributes[a.WALK] = a.walk_summary(decision.trace)
+            errors = sum(len(step.errors) for step in decision.trace)
+            if errors:
+                attributes[a.WALK_ERRORS] = errors
+                attributes[a.WALK_FIRST_ERROR] = a.first_error(decision.trace)
         self._attributes = attributes
         if decision.outcome is Outcome.ERROR:
             self._span_status = Status(StatusCode.ERROR, a.clip(decision.reason))
@@ -463,10 +390,8 @@ class RequestRecord:
             tracer.finish(
                 span,
                 self._end_ns,
-                attribute_groups=(*self._shared_attributes, attributes),
-                event_time=self._decided_ns,
-                node_events=self._owner.node_events(decision.trace),
-                other_events=self._shadow_events,
+                attributes=attributes,
+                events=self._shadow_events,
                 status=self._span_status,
             )
         entry = self._entry
@@ -492,40 +417,6 @@ class _Response(NamedTuple):
     first_body_seconds: float | None
     prompt_tokens: int | None
     completion_tokens: int | None
-
-
-def _kept(
-    cache: dict[Any, FrozenAttributes], key: Any, attributes: FrozenAttributes
-) -> FrozenAttributes:
-    """Keep ``attributes`` under ``key``; a full cache starts again (its keys may
-    come from clients: model names)."""
-    if len(cache) >= _GROUPS_KEPT:
-        cache.clear()
-    cache[key] = attributes
-    return attributes
-
-
-def _node_event(step: NodeTrace) -> dict[str, Any]:
-    """A filter node's span event: what went in, what stayed, errors, where the walk went."""
-    event: dict[str, Any] = {
-        a.NODE_NAME: step.node,
-        a.NODE_KIND: step.kind,
-        a.NODE_IN: step.candidates_in,
-        a.NODE_KEPT: len(step.kept),
-        a.NODE_ERRORS: len(step.errors),
-    }
-    if step.kept:
-        event[a.NODE_KEPT_PODS] = step.kept[: a.MAX_LISTED_PODS]
-    if step.errors:
-        pod, message = step.errors[0]
-        event[a.NODE_FIRST_ERROR] = a.clip(f"{pod}: {message}" if pod else message)
-    if step.branch:
-        event[a.NODE_BRANCH] = step.branch
-    if step.next:
-        event[a.NODE_NEXT] = step.next
-    if step.note:
-        event[a.NODE_NOTE] = a.clip(step.note)
-    return event
 
 
 def _parent(carrier: Mapping[str, str]) -> SpanContext | None:

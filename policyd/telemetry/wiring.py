@@ -97,13 +97,12 @@ def tracer_from_env(*, otlp_endpoint: str = "") -> DecisionTracer:
         resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
     # The sampler as the SDK's provider reads it from OTEL_TRACES_SAMPLER(_ARG).
     sampler = TracerProvider(resource=resource, shutdown_on_exit=False).sampler
-    processors = [
-        BatchSpanProcessor(_exporter(name, otlp_endpoint, environ))
-        for name in _exporters(environ)
-        if name != "none"
+    exporters = [
+        _exporter(name, otlp_endpoint, environ) for name in _exporters(environ) if name != "none"
     ]
     return DecisionTracer(
-        processors=processors,
+        processors=[BatchSpanProcessor(exporter) for exporter in exporters],
+        exporters=exporters,
         resource=resource,
         sampler=sampler,
         scope=InstrumentationScope(INSTRUMENTATION_NAME, __version__),
@@ -128,9 +127,11 @@ def _exporter(name: str, endpoint: str, environ: Mapping[str, str]) -> SpanExpor
     base = endpoint if "://" in endpoint or not endpoint else f"http://{endpoint}"
     try:
         if protocol == "grpc":
-            from policyd.telemetry.otlp_exporter import GrpcSpanExporter  # noqa: PLC0415
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
+                OTLPSpanExporter as GrpcExporter,
+            )
 
-            return GrpcSpanExporter(endpoint=base) if base else GrpcSpanExporter()
+            return GrpcExporter(endpoint=base) if base else GrpcExporter()
         if protocol == "http/protobuf":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
                 OTLPSpanExporter as HttpExporter,

@@ -106,49 +106,29 @@ def test_the_decision_attributes(tmp_path: Path, spans: Spans) -> None:
     assert span.status.status_code is StatusCode.UNSET
 
 
-def test_each_filter_node_is_an_event(tmp_path: Path, spans: Spans) -> None:
+def test_the_walk_is_one_attribute(tmp_path: Path, spans: Spans) -> None:
     decision = router_for(tmp_path).decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
     record.after_reply()
     routed_end(record)
-    events = [e for e in spans.only().events if e.name == a.NODE_EVENT]
-    assert [dict(e.attributes or {}) for e in events] == [
-        {
-            a.NODE_NAME: "short queue",
-            a.NODE_KIND: "filter",
-            a.NODE_IN: 3,
-            a.NODE_KEPT: 2,
-            a.NODE_KEPT_PODS: ("a", "b"),
-            a.NODE_ERRORS: 0,
-            a.NODE_BRANCH: "on_success",
-        },
-        {
-            a.NODE_NAME: "score",
-            a.NODE_KIND: "score",
-            a.NODE_IN: 2,
-            a.NODE_KEPT: 0,
-            a.NODE_ERRORS: 0,
-        },
-    ]
+    span = spans.only()
+    attributes = dict(span.attributes or {})
+    assert attributes[a.WALK] == "short queue (filter) 3\u21922 on_success > score (score) 2"
+    assert a.WALK_ERRORS not in attributes and a.WALK_FIRST_ERROR not in attributes
+    assert [e.name for e in span.events] == [a.SHADOW_EVENT]  # no event per node
 
 
-def test_requests_sharing_a_walk_share_their_node_events(tmp_path: Path, spans: Spans) -> None:
-    """A reused walk's events are made once; a trace with a scoring step added per
-    request still shares the walk's steps, and a changed step gets its own."""
-    owner = telemetry(spans)
-    first = router_for(tmp_path).decide(request(), pods())
-    walk = first.trace[:-1]  # the filter steps; the router adds "score" per request
-    same_walk = replace(first, trace=walk)
-    rescored = replace(first, trace=(*walk, replace(first.trace[-1], candidates_in=9)))
-    for decision in (same_walk, same_walk, rescored):
-        record = owner.start(request(), decision, CARRIER, 0.001)
-        record.after_reply()
-        routed_end(record)
-    events = [[e for e in span.events if e.name == a.NODE_EVENT] for span in spans.finished()]
-    assert events[0][0].attributes is events[1][0].attributes
-    assert events[0][0].attributes is events[2][0].attributes
-    assert dict(events[2][1].attributes or {})[a.NODE_IN] == 9
-    assert owner.node_events(walk) is owner.node_events(walk)
+def test_the_walk_counts_cel_errors_and_names_the_first(tmp_path: Path, spans: Spans) -> None:
+    decision = router_for(tmp_path).decide(request(), pods())
+    failing = replace(decision.trace[0], errors=(("a", "no such key"), ("b", "overflow")))
+    decision = replace(decision, trace=(failing, *decision.trace[1:]))
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply()
+    routed_end(record)
+    attributes = dict(spans.only().attributes or {})
+    assert attributes[a.WALK].startswith("short queue (filter) 3\u21922 on_success [2 errors] > ")
+    assert attributes[a.WALK_ERRORS] == 2
+    assert attributes[a.WALK_FIRST_ERROR] == "a: no such key"
 
 
 def test_the_response_closes_the_loop_when_it_ends(tmp_path: Path, spans: Spans) -> None:
@@ -232,8 +212,7 @@ def test_a_shed_request_ends_only_after_its_error_reply_went_out(
     assert attributes[a.ERROR_TYPE] == "shed"
     assert attributes[a.HTTP_STATUS] == 429
     assert a.POD not in attributes and a.SERVER_ADDRESS not in attributes
-    nodes = [dict(e.attributes or {}) for e in span.events if e.name == a.NODE_EVENT]
-    assert [node[a.NODE_KIND] for node in nodes] == ["filter", "shed"]
+    assert "(filter)" in attributes[a.WALK] and "(shed)" in attributes[a.WALK]
 
 
 def test_a_stream_gone_before_the_reply_finishes_at_once(tmp_path: Path, spans: Spans) -> None:
@@ -289,12 +268,10 @@ def test_large_pools_and_trees_stay_within_bounds(tmp_path: Path, spans: Spans) 
     routed_end(record)
     span = spans.only()
     attributes = dict(span.attributes or {})
-    node_events = [e for e in span.events if e.name == a.NODE_EVENT]
-    assert len(node_events) == a.MAX_NODE_EVENTS
-    assert attributes[a.NODE_EVENTS_DROPPED] == len(decision.trace) - a.MAX_NODE_EVENTS
-    kept = dict(node_events[0].attributes or {})
-    assert kept[a.NODE_KEPT] == 100
-    assert len(kept[a.NODE_KEPT_PODS]) == a.MAX_LISTED_PODS  # type: ignore[arg-type]
+    assert span.events == ()
+    walk = attributes[a.WALK]
+    assert isinstance(walk, str) and walk.startswith("n0 (filter) 100\u2192")
+    assert len(walk) == a.MAX_WALK and walk.endswith(" chars]")  # cut, and says so
     assert len(attributes[a.SCORED_PODS]) <= a.MAX_LISTED_PODS  # type: ignore[arg-type]
 
 

@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from telemetry_support import pods, request
 
 from policyd.policy.decision import Decision, Outcome
 from policyd.telemetry import DecisionTracer, build_telemetry, combine, tracing_configured
-from policyd.telemetry.otlp_exporter import GrpcSpanExporter
 
 OTEL = (
     "OTEL_SDK_DISABLED",
@@ -36,7 +36,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def exporters(tracer: DecisionTracer | None) -> list[Any]:
     assert tracer is not None
-    return [p._batch_processor._exporter for p in tracer.processors]
+    return list(tracer.exporters)
 
 
 def test_unconfigured_tracing_stays_off_and_metrics_are_on() -> None:
@@ -67,7 +67,7 @@ def test_grpc_is_the_default_protocol_and_http_protobuf_is_supported(
 ) -> None:
     telemetry = build_telemetry(otlp_endpoint="127.0.0.1:4317")
     (exporter,) = exporters(telemetry.tracer)
-    assert isinstance(exporter, GrpcSpanExporter)
+    assert isinstance(exporter, GrpcExporter)
     telemetry.shutdown()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     telemetry = build_telemetry(otlp_endpoint="127.0.0.1:4318")
@@ -84,7 +84,7 @@ def test_several_exporters_and_unknown_ones(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console,otlp")
     telemetry = build_telemetry()
     kinds = [type(e) for e in exporters(telemetry.tracer)]
-    assert kinds == [ConsoleSpanExporter, GrpcSpanExporter]
+    assert kinds == [ConsoleSpanExporter, GrpcExporter]
     telemetry.shutdown()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER=zipkin is not supported"):

@@ -19,7 +19,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-from policyd.extproc import json_scan
 from policyd.extproc.errors import RequestError
 
 CHARS_PER_TOKEN: Final = 4
@@ -64,7 +63,7 @@ def parse_body(raw: bytes, path: str, max_model_bytes: int = MAX_MODEL_BYTES) ->
             "the request body is empty; a JSON object is required", "missing_body"
         )
     try:
-        document = json_scan.loads(raw)
+        document = json.loads(raw)
     except (ValueError, RecursionError) as error:
         raise RequestError.bad_request(
             f"the request body is not valid JSON: {error}", "invalid_json"

@@ -11,13 +11,13 @@ can: a stream is scanned event by event and only events that mention
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-from policyd.extproc import json_scan
-
 MAX_JSON_BODY: Final = 8 * 1024 * 1024  # a JSON answer larger than this is not kept for usage
 MAX_SSE_LINE: Final = 1024 * 1024  # an unterminated event line larger than this is dropped
+_DECODER: Final = json.JSONDecoder()  # raw_decode: the ``usage`` member alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class UsageReader:
 
     def _take(self, payload: bytes) -> None:
         try:
-            document = json_scan.loads(payload)
+            document = json.loads(payload)
         except (ValueError, RecursionError):
             return
         usage = _usage_of(document)
@@ -110,7 +110,7 @@ def _usage_member(body: bytearray) -> Usage | None:
     while start < len(tail) and tail[start] in " \t\r\n":
         start += 1
     try:
-        value = json_scan.value_at(tail, start)
+        value = _DECODER.raw_decode(tail, start)[0]
     except (ValueError, RecursionError):
         return None
     return _usage_in(value)

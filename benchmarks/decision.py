@@ -207,9 +207,9 @@ def evaluations_per_decision(router: Router, requests: Sequence[Request], pods: 
     for request in requests:
         decision = router.decide(request, pods)
         for step in decision.trace:
-            if step.kind in ("filter", "band", "top-k"):
+            if step.narrows:  # keep, band, top_k: once per pod entering
                 total += step.candidates_in
-            elif step.kind == "condition":
+            elif step.kind == "if":
                 total += 1
         if decision.outcome is Outcome.ROUTED and policy.picker.uses_scores:
             total += len(policy.scorers) * len(decision.survivors)

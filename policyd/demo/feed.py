@@ -18,7 +18,6 @@ from policyd.policy.decision import Decision, NodeTrace, Outcome
 from policyd.policy.request import Request
 
 LABEL_HEADER: Final = "x-demo-request"  # the demo client's name for a request
-_NARROWING_KINDS: Final = frozenset({"filter", "band", "top-k"})
 
 
 @dataclass(slots=True)
@@ -67,7 +66,7 @@ def explain(decision: Decision) -> str:
 
 
 def _narrowed(node: NodeTrace) -> bool:
-    return node.kind in _NARROWING_KINDS and len(node.kept) < node.candidates_in
+    return node.narrows and len(node.kept) < node.candidates_in
 
 
 def _step(node: NodeTrace) -> str:

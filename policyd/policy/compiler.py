@@ -9,6 +9,8 @@ offending place in the file:
 - every CEL expression type-checks against the schema (a misspelt field, a
   type error, an undeclared param or variable; the CEL column lands in the file)
   and has the type its place requires (bool to keep, a number to rank);
+  each node and scorer kind compiles its own (``policyd.policy.kinds``) through
+  ``pod_expression`` / ``request_expression``;
 - node links name existing nodes, and the filter tree has no cycle;
 - nodes never reached from the first one, params and variables never used,
   and scores a picker would ignore are warnings.
@@ -42,23 +44,16 @@ from policyd.cel import (
     request_type,
 )
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
-from policyd.policy.document import Expression, NodeSpec, PolicySpec
+from policyd.policy.document import PolicySpec
 from policyd.policy.evaluation import Evaluator, Needs, PodExpression
-from policyd.policy.nodes import BandNode, ConditionNode, KeepNode, Node, ShedNode, TopKNode
-from policyd.policy.pickers import Picker, picker_for
-from policyd.policy.scoring import RendezvousScore, Scorer
+from policyd.policy.kinds import PICKERS
+from policyd.policy.nodes import Node, NodeSpec
+from policyd.policy.pickers import Picker
+from policyd.policy.reader import Expression
+from policyd.policy.scoring import Scorer
 from policyd.policy.source import YNode
 
-_NUMBERS: Final = ("INT", "UINT", "DOUBLE")
 _UNDECLARED: Final = re.compile(r"undeclared reference to '([^']*)'")
-_IF_SEES: Final = (
-    "an 'if' condition runs once per request and sees only request and params "
-    "(use 'keep' to test pods)"
-)
-_RENDEZVOUS_SEES: Final = (
-    "a rendezvous key is computed once per request and sees only request and params "
-    "(each pod's name is hashed with it)"
-)
 _NO_FIELD: Final = re.compile(r"undefined field '([^']*)' not found in struct 'policyd\.(\w+)'")
 # What a filter tree may read and still give the same walk for every request with
 # the same key over one snapshot: not the pods' in-flight counts (they move with
@@ -178,7 +173,10 @@ class _Compiler:
         self.variable_types: dict[str, DeclaredType] = {}
         self.variable_needs: dict[str, Needs] = {}
         self.variable_reads: dict[str, frozenset[str]] = {}  # with their dependencies'
-        self.tree_reads: set[str] = set()  # fields of pod / request the filter tree reads
+        # Fields of pod / request that the expressions compiled since it was last
+        # emptied read: the filter tree's, once it is compiled (for ``walk_key``).
+        self.reads: set[str] = set()
+        self.pod_env = self.request_env = Environment({})
 
     def error(self, node: YNode, message: str) -> None:
         self.diagnostics.append(self.source.diagnostic(node.at, message))
@@ -189,7 +187,7 @@ class _Compiler:
     def run(self) -> tuple[CompiledPolicy | None, list[Diagnostic]]:
         spec = self.spec
         self._compile_variables()
-        pod_env = Environment(
+        self.pod_env = Environment(
             {
                 "pod": pod_type(),
                 "request": request_type(),
@@ -197,11 +195,12 @@ class _Compiler:
                 **self.variable_types,
             }
         )
-        request_env = Environment({"request": request_type(), **self.param_types})
-        scorers = self._compile_scorers(pod_env, request_env)
-        nodes = self._compile_tree(pod_env, request_env)
+        self.request_env = Environment({"request": request_type(), **self.param_types})
+        scorers = self._compile_scorers()
+        self.reads.clear()
+        nodes = self._compile_tree()
         self._check_models()
-        picker = picker_for(spec.pick_strategy)
+        picker = PICKERS[spec.pick_strategy]()
         self._check_pick(picker)
         if self.shape_errors or any(d.severity == "error" for d in self.diagnostics):
             return None, self.diagnostics  # what is "unused" is not known when some failed
@@ -229,7 +228,7 @@ class _Compiler:
             warnings=tuple(sorted(self.diagnostics)),
             shadow_refs=tuple((ref.file, ref.node.at) for ref in spec.shadows),
             shadows_at=spec.shadows_node.at if spec.shadows_node is not None else None,
-            walk_key=_walk_key(self.tree_reads),
+            walk_key=_walk_key(self.reads),
         )
         return policy, self.diagnostics
 
@@ -242,22 +241,23 @@ class _Compiler:
         *,
         what: str,
         want: tuple[str, ...],
-        per_request: str = _IF_SEES,
+        sees: str = "",
     ) -> tuple[Program, frozenset[str], DeclaredType] | None:
         """Check and compile one expression; report errors at their place in the file.
 
-        ``per_request`` says why a pod is out of reach, for expressions compiled
-        in the request-only environment.
+        ``sees`` says why a pod is out of reach, for expressions compiled in the
+        request-only environment.
         """
         try:
             program = env.compile(expression.source, constants=self.constants)
         except CelCompileError as error:
             at = expression.locate(error.line, error.column)
-            explained = self._explain(error.message, env, per_request)
+            explained = self._explain(error.message, env, sees)
             self.diagnostics.append(self.source.diagnostic(at, explained))
             return None
         names = program.reads
         self.referenced |= names
+        self.reads |= self._reads(names)
         if want and program.return_type not in want:
             expected = " or ".join(w.lower() for w in want)
             self.error(
@@ -267,7 +267,7 @@ class _Compiler:
             return None
         return program, names, program.value_type
 
-    def _explain(self, message: str, env: Environment, per_request: str) -> str:
+    def _explain(self, message: str, env: Environment, sees: str) -> str:
         """The checker's message, plus what the policy author most likely meant."""
         message = message.replace(" (in container '')", "")
         if match := _NO_FIELD.search(message):
@@ -279,7 +279,7 @@ class _Compiler:
         name = match.group(1)
         declared = env.variables
         if (name == "pod" or name.startswith(("pod.", "variables."))) and "pod" not in declared:
-            return f"{message}: {per_request}"
+            return f"{message}: {sees}"
         if name.startswith("params."):
             params = [n.removeprefix("params.") for n in self.param_types]
             known = f"declared params: {', '.join(params)}" if params else "no params are declared"
@@ -334,54 +334,31 @@ class _Compiler:
             reads |= self.variable_reads[name]
         return frozenset(reads)
 
-    def _pod_expression(
-        self,
-        env: Environment,
-        expression: Expression,
-        *,
-        what: str,
-        want: tuple[str, ...],
-        in_tree: bool = False,
+    def pod_expression(
+        self, expression: Expression, *, what: str, want: tuple[str, ...]
     ) -> PodExpression | None:
-        compiled = self._compile(env, expression, what=what, want=want)
+        compiled = self._compile(self.pod_env, expression, what=what, want=want)
         if compiled is None:
             return None
-        program, names, _ = compiled
-        if in_tree:
-            self.tree_reads |= self._reads(names)
-        return PodExpression(expression.source, program.evaluate, self._needs(names))
+        return PodExpression(expression.source, compiled[0].evaluate, self._needs(compiled[1]))
 
-    def _compile_scorers(
-        self, pod_env: Environment, request_env: Environment
-    ) -> tuple[Scorer, ...]:
+    def request_expression(
+        self, expression: Expression, *, what: str, want: tuple[str, ...], sees: str
+    ) -> Evaluator | None:
+        compiled = self._compile(self.request_env, expression, what=what, want=want, sees=sees)
+        return compiled[0].evaluate if compiled is not None else None
+
+    def _compile_scorers(self) -> tuple[Scorer, ...]:
         scorers: list[Scorer] = []
         for spec in self.spec.scorers:
-            what = f"scorer '{spec.name}'"
-            expression: PodExpression | RendezvousScore | None
-            if spec.rendezvous:
-                compiled = self._compile(
-                    request_env,
-                    spec.expression,
-                    what=f"the rendezvous key of {what}",
-                    want=("STRING",),
-                    per_request=_RENDEZVOUS_SEES,
-                )
-                expression = (
-                    RendezvousScore(spec.expression.source, compiled[0].evaluate)
-                    if compiled is not None
-                    else None
-                )
-            else:
-                expression = self._pod_expression(
-                    pod_env, spec.expression, what=what, want=(*_NUMBERS, "BOOL")
-                )
-            if expression is not None:
-                scorers.append(Scorer(spec.name, spec.weight, expression))
+            values = spec.kind.build(spec, self)
+            if values is not None:
+                scorers.append(Scorer(spec.name, spec.weight, values))
         return tuple(scorers)
 
     # --- the filter tree ---------------------------------------------------------------
 
-    def _compile_tree(self, pod_env: Environment, request_env: Environment) -> dict[str, Node]:
+    def _compile_tree(self) -> dict[str, Node]:
         specs = {node.name: node for node in self.spec.nodes}
         for spec in self.spec.nodes:
             for link in spec.links:
@@ -397,7 +374,10 @@ class _Compiler:
                     self.warning(spec.key, f"node '{spec.name}' is never reached from '{start}'")
         built: dict[str, Node] = {}
         for name in order:  # leaves first, so links resolve to built nodes
-            node = self._build_node(specs[name], built, pod_env, request_env)
+            spec = specs[name]
+            success = built.get(spec.on_success.name) if spec.on_success else None
+            failure = built.get(spec.on_failure.name) if spec.on_failure else None
+            node = spec.kind.build(spec, self, success, failure)
             if node is not None:
                 built[name] = node
         return {spec.name: built[spec.name] for spec in self.spec.nodes if spec.name in built}
@@ -427,45 +407,6 @@ class _Compiler:
             if name not in done:
                 visit(name)
         return order
-
-    def _build_node(
-        self,
-        spec: NodeSpec,
-        built: Mapping[str, Node],
-        pod_env: Environment,
-        request_env: Environment,
-    ) -> Node | None:
-        success = built.get(spec.on_success.name) if spec.on_success else None
-        failure = built.get(spec.on_failure.name) if spec.on_failure else None
-        if spec.kind == "shed":
-            return ShedNode(spec.name, spec.description, spec.reason)
-        assert spec.expression is not None
-        what = f"node '{spec.name}'"
-        if spec.kind == "condition":
-            compiled = self._compile(request_env, spec.expression, what=what, want=("BOOL",))
-            if compiled is None:
-                return None
-            self.tree_reads |= self._reads(compiled[1])
-            return ConditionNode(
-                spec.name,
-                spec.description,
-                spec.expression.source,
-                compiled[0].evaluate,
-                success,
-                failure,
-            )
-        want = ("BOOL",) if spec.kind == "filter" else _NUMBERS
-        expression = self._pod_expression(
-            pod_env, spec.expression, what=what, want=want, in_tree=True
-        )
-        if expression is None:
-            return None
-        common = (spec.name, spec.description, expression, spec.pass_on_error, success, failure)
-        if spec.kind == "filter":
-            return KeepNode(*common)
-        if spec.kind == "band":
-            return BandNode(*common)
-        return TopKNode(*common, spec.k, spec.highest)
 
     # --- the rest ------------------------------------------------------------------------
 

@@ -47,15 +47,19 @@ _STATUS = {
 class NodeTrace:
     """One filter-tree node visited (or the scoring step): what went in, what stayed.
 
-    ``kind`` is the node kind ("filter", "condition", "band", "top-k", "shed") or
-    "score" for the scorers. ``kept`` names the pods that passed; a condition
-    filters nothing and leaves it empty, as do shed and score. ``errors`` pairs a
-    pod name with its CEL error (an empty name for a request-level condition);
-    whether an erroring pod was kept depends on the node's ``on_error``.
-    ``branch`` is the way the walk left the node ("on_success", "on_failure",
-    "then", "else"; "" for shed and score) and ``next`` the node it went to
-    ("" when the walk ended here). ``note`` is a short detail: the condition's
-    value or the shed reason; ``band`` is a band node's ``(min, limit)``.
+    ``kind`` is the node kind, the YAML word that made it (``keep``, ``if``,
+    ``band``, ``top_k``, ``shed``: ``policyd.policy.kinds``), or "score" for the
+    scorers. ``narrows`` says the kind keeps some of its pods (keep, band,
+    top_k): only then do ``kept`` and the pods not kept mean anything (metrics
+    count them, the demo shows them). ``kept`` names the pods that passed; an
+    ``if`` filters nothing and leaves it empty, as do shed and score.
+    ``errors`` pairs a pod name with its CEL error (an empty name for an
+    ``if``, which runs once per request); whether an erroring pod was kept
+    depends on the node's ``on_error``. ``branch`` is the way the walk left the
+    node ("on_success", "on_failure", "then", "else"; "" for shed and score)
+    and ``next`` the node it went to ("" when the walk ended here). ``note`` is
+    a short detail: the ``if``'s value or the shed reason; ``band`` is a band
+    node's ``(min, limit)``.
     """
 
     node: str
@@ -67,6 +71,7 @@ class NodeTrace:
     next: str = ""
     note: str = ""
     band: tuple[float, float] | None = None
+    narrows: bool = False
 
 
 @dataclass(slots=True)

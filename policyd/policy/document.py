@@ -1,7 +1,8 @@
 """The policy file, read into plain specs that still know where each part was written.
 
 This is the *shape* check: which fields exist, which kinds of values they take,
-which node kind a filter node is. Meaning (CEL types, node references, cycles,
+which node kind a filter node is. Each node kind and scorer kind reads its own
+fields (``policyd.policy.kinds``). Meaning (CEL types, node references, cycles,
 unused params) is the compiler's job (``policyd.policy.compiler``). The JSON
 Schema in ``policy.schema.json`` describes the same shape for editors.
 """
@@ -10,11 +11,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 from policyd.cel.values import Duration
 from policyd.policy.diagnostics import Diagnostic
-from policyd.policy.reader import IDENTIFIER, Fields, is_int, is_number, string_map
+from policyd.policy.kinds import NODE_KINDS, PICKERS, SCORER_KINDS
+from policyd.policy.nodes import NodeSpec
+from policyd.policy.reader import (
+    IDENTIFIER,
+    Expression,
+    Fields,
+    expression,
+    is_int,
+    is_number,
+    string_map,
+    text,
+)
+from policyd.policy.scoring import ScorerSpec
 from policyd.policy.source import (
     Source,
     YMapping,
@@ -26,7 +39,6 @@ from policyd.policy.source import (
 )
 
 CRITICALITIES: Final = ("critical", "standard", "sheddable")
-PICK_STRATEGIES: Final = ("max-score", "weighted-random", "round-robin", "random")
 PARAM_TYPES: Final = (
     "int",
     "double",
@@ -40,22 +52,6 @@ PARAM_TYPES: Final = (
 )
 DEFAULT_CRITICALITY_HEADER: Final = "x-gateway-inference-criticality"
 
-# Which key makes a filter node which kind, and what else that kind accepts.
-NODE_KINDS: Final[dict[str, str]] = {
-    "keep": "filter",
-    "if": "condition",
-    "band": "band",
-    "top_k": "top-k",
-    "shed": "shed",
-}
-_LINKS: Final = ("next", "on_success", "on_failure")
-_NODE_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    "filter": ("keep", "on_error", *_LINKS),
-    "condition": ("if", "then", "else"),
-    "band": ("band", "on_error", *_LINKS),
-    "top-k": ("top_k", "lowest", "highest", "on_error", *_LINKS),
-    "shed": ("shed",),
-}
 _TOP_LEVEL: Final = (
     "name",
     "description",
@@ -70,31 +66,6 @@ _TOP_LEVEL: Final = (
     "pick",
     "shadows",
 )
-
-NodeKind = Literal["filter", "condition", "band", "top-k", "shed"]
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Expression:
-    """CEL source as written in the file, able to place a CEL error in the file."""
-
-    source: str
-    node: YScalar
-
-    def locate(self, line: int, column: int) -> tuple[int, int]:
-        lines = self.source.split("\n")
-        line = min(max(line, 1), len(lines))
-        offset = sum(len(text) + 1 for text in lines[: line - 1]) + max(column, 1) - 1
-        return self.node.locate(min(offset, max(len(self.source) - 1, 0)))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Reference:
-    """A node name used as a link (``next``, ``on_success``, ``then`` ...)."""
-
-    field: str
-    name: str
-    node: YScalar
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -111,39 +82,6 @@ class VariableSpec:
     name: str
     key: YScalar
     expression: Expression
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class NodeSpec:
-    """One filter-tree node; ``links`` name the nodes that may follow it."""
-
-    name: str
-    key: YScalar
-    kind: NodeKind
-    description: str
-    expression: Expression | None  # keep / if / band / top_k's lowest|highest
-    reason: str = ""  # shed
-    k: int = 0  # top_k
-    highest: bool = False  # top_k
-    pass_on_error: bool = False
-    on_success: Reference | None = None  # "then" for a condition
-    on_failure: Reference | None = None  # "else" for a condition
-
-    @property
-    def links(self) -> tuple[Reference, ...]:
-        if self.on_success is self.on_failure:  # `next`: one link for both
-            return (self.on_success,) if self.on_success is not None else ()
-        return tuple(link for link in (self.on_success, self.on_failure) if link is not None)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class ScorerSpec:
-    """A scorer: ``expr`` (a number per pod) or ``rendezvous`` (a key per request)."""
-
-    name: str
-    weight: float
-    expression: Expression
-    rendezvous: bool = False  # the expression is the request's rendezvous-hashing key
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -214,7 +152,7 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
     strategy, fallbacks = "", 0
     if pick is not None:
         pick_fields = Fields(pick, ("strategy", "fallbacks"), diagnostics, what="'pick'")
-        strategy = pick_fields.choice("strategy", PICK_STRATEGIES, "")
+        strategy = pick_fields.choice("strategy", tuple(PICKERS), "")
         fallbacks = pick_fields.integer("fallbacks", minimum=0, default=0) or 0
     scorers = _read_scorers(fields)
     broken: set[str] = set()
@@ -222,7 +160,7 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         source=source,
         name=str(name_node.value) if name_node else default_name,
         name_at=name_node.at if name_node else (1, 1),
-        description=_text(fields, "description"),
+        description=text(fields, "description"),
         models_matched=models_matched,
         match_node=match_node,
         headers=headers,
@@ -258,11 +196,6 @@ def _read_shadows(fields: Fields) -> tuple[ShadowRef, ...]:
         else:
             refs.append(ShadowRef(item.value, item))
     return tuple(refs)
-
-
-def _text(fields: Fields, key: str) -> str:
-    node = fields.string(key)
-    return str(node.value).strip() if node else ""
 
 
 def _read_match(
@@ -447,21 +380,12 @@ def _read_variables(fields: Fields, broken: set[str]) -> tuple[VariableSpec, ...
         if not IDENTIFIER.fullmatch(name):
             fields.error(key, f"variable name '{name}' must be an identifier (letters, digits, _)")
             continue
-        expression = _expression(fields, value, f"variable '{name}'")
-        if expression is None:
+        found = expression(fields, value, f"variable '{name}'")
+        if found is None:
             broken.add(f"variables.{name}")
         else:
-            specs.append(VariableSpec(name, key, expression))
+            specs.append(VariableSpec(name, key, found))
     return tuple(specs)
-
-
-def _expression(fields: Fields, node: YNode, what: str) -> Expression | None:
-    if isinstance(node, YScalar) and isinstance(node.value, bool | int | float):
-        return Expression(str(node.value).lower(), node)  # `keep: true`, `expr: 1`
-    if not isinstance(node, YScalar) or not isinstance(node.value, str) or not node.value.strip():
-        fields.error(node, f"{what} must be a CEL expression (a string), not {kind_name(node)}")
-        return None
-    return Expression(node.value, node)
 
 
 def _read_nodes(fields: Fields, broken: set[str]) -> tuple[NodeSpec, ...]:
@@ -485,90 +409,22 @@ def _read_nodes(fields: Fields, broken: set[str]) -> tuple[NodeSpec, ...]:
 def _read_node(
     diagnostics: list[Diagnostic], name: str, key: YScalar, node: YMapping
 ) -> NodeSpec | None:
-    kinds = [k for k in node.entries if k in NODE_KINDS]
-    if not kinds:
+    words = [word for word in node.entries if word in NODE_KINDS]
+    if not words:
         listed = ", ".join(NODE_KINDS)
         diagnostics.append(key.source.diagnostic(key.at, f"node '{name}' needs one of: {listed}"))
         return None
-    if len(kinds) > 1:
-        second = node.entries[kinds[1]][0]
+    if len(words) > 1:
+        second = node.entries[words[1]][0]
         diagnostics.append(
             key.source.diagnostic(
-                second.at, f"node '{name}' has both '{kinds[0]}' and '{kinds[1]}'; use one"
+                second.at, f"node '{name}' has both '{words[0]}' and '{words[1]}'; use one"
             )
         )
         return None
-    kind_key = kinds[0]
-    kind: NodeKind = NODE_KINDS[kind_key]  # type: ignore[assignment]
-    fields = Fields(node, ("description", *_NODE_FIELDS[kind]), diagnostics, what=f"node '{name}'")
-    description = _text(fields, "description")
-    what = f"'{kind_key}' of node '{name}'"
-    if kind == "shed":
-        reason = fields.string("shed")
-        return NodeSpec(
-            name, key, kind, description, None, reason=str(reason.value) if reason else "shed"
-        )
-    if kind == "condition":
-        expression = _expression(fields, node.entries["if"][1], what)
-        return NodeSpec(
-            name,
-            key,
-            kind,
-            description,
-            expression,
-            on_success=_reference(fields, "then"),
-            on_failure=_reference(fields, "else"),
-        )
-    pass_on_error = fields.choice("on_error", ("drop", "pass"), "drop") == "pass"
-    on_success, on_failure = _read_links(fields, name)
-    k, highest = 0, False
-    if kind == "top-k":
-        k = fields.integer("top_k", minimum=1, default=1) or 1
-        ends = [end for end in ("lowest", "highest") if fields.has(end)]
-        if len(ends) != 1:
-            fields.error(
-                node.entries["top_k"][0],
-                f"node '{name}' needs exactly one of 'lowest' or 'highest'",
-            )
-            return None
-        highest = ends[0] == "highest"
-        expression = _expression(fields, node.entries[ends[0]][1], f"'{ends[0]}' of node '{name}'")
-    else:
-        expression = _expression(fields, node.entries[kind_key][1], what)
-    if expression is None:
-        return None
-    return NodeSpec(
-        name,
-        key,
-        kind,
-        description,
-        expression,
-        k=k,
-        highest=highest,
-        pass_on_error=pass_on_error,
-        on_success=on_success,
-        on_failure=on_failure,
-    )
-
-
-def _read_links(fields: Fields, name: str) -> tuple[Reference | None, Reference | None]:
-    following = _reference(fields, "next")
-    on_success = _reference(fields, "on_success")
-    on_failure = _reference(fields, "on_failure")
-    if following is not None:
-        if on_success is not None or on_failure is not None:
-            fields.error(
-                following.node,
-                f"node '{name}' has 'next' and 'on_success'/'on_failure'; "
-                "'next' already covers both",
-            )
-        return following, following
-    return on_success, on_failure
-
-
-def _reference(fields: Fields, key: str) -> Reference | None:
-    node = fields.string(key)
-    return Reference(key, str(node.value), node) if node else None
+    kind = NODE_KINDS[words[0]]
+    fields = Fields(node, ("description", *kind.fields), diagnostics, what=f"node '{name}'")
+    return kind.read(NodeSpec(name, key, kind, text(fields, "description")), fields)
 
 
 def _read_scorers(fields: Fields) -> tuple[ScorerSpec, ...]:
@@ -582,7 +438,7 @@ def _read_scorers(fields: Fields) -> tuple[ScorerSpec, ...]:
             continue
         reader = Fields(
             value,
-            ("weight", "expr", "rendezvous", "description"),
+            ("weight", *SCORER_KINDS, "description"),
             fields.diagnostics,
             what="a scorer",
         )
@@ -591,13 +447,17 @@ def _read_scorers(fields: Fields) -> tuple[ScorerSpec, ...]:
             reader.error(
                 reader.raw("weight") or value, f"the weight of scorer '{name}' must not be negative"
             )
-        given = [field for field in ("expr", "rendezvous") if reader.has(field)]
-        if len(given) != 1:
-            problem = "has no 'expr'" if not given else "has both 'expr' and 'rendezvous'"
-            reader.error(key, f"scorer '{name}' {problem}; give exactly one of them")
+        words = [word for word in SCORER_KINDS if reader.has(word)]
+        if len(words) != 1:
+            problem = (
+                f"needs one of: {', '.join(SCORER_KINDS)}"
+                if not words
+                else f"has both '{words[0]}' and '{words[1]}'; use one"
+            )
+            reader.error(key, f"scorer '{name}' {problem}")
             continue
-        field = given[0]
-        expression = _expression(fields, value.entries[field][1], f"'{field}' of scorer '{name}'")
-        if expression is not None:
-            specs.append(ScorerSpec(name, weight, expression, field == "rendezvous"))
+        word = words[0]
+        found = expression(fields, value.entries[word][1], f"'{word}' of scorer '{name}'")
+        if found is not None:
+            specs.append(ScorerSpec(name, weight, SCORER_KINDS[word], found))
     return tuple(specs)

@@ -9,19 +9,45 @@ pods that reach a node using it.
 
 A failing variable makes every expression that uses it fail for that pod, with
 the variable named in the error, whatever the expression would have made of it.
+
+``Compiling`` is what the compiler offers a policy kind (``policyd.policy.kinds``)
+to turn the kind's CEL into such expressions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from policyd.cel import Activation, CelEvalError
+from policyd.policy.reader import Expression
 from policyd.policy.request import Request
 
 Evaluator = Callable[[Activation], Any]
 Needs = tuple[tuple[str, Evaluator], ...]  # variables an expression uses, dependencies first
+BOOL: Final = ("BOOL",)  # the CEL types an expression may have (``want``)
+NUMBERS: Final = ("INT", "UINT", "DOUBLE")
+
+
+class Compiling(Protocol):
+    """What the compiler does for a kind: check and compile one of its expressions.
+
+    Each reports any error at its place in the file (``what`` names the place,
+    ``want`` lists the CEL types allowed) and returns None then.
+    """
+
+    def pod_expression(
+        self, expression: Expression, *, what: str, want: tuple[str, ...]
+    ) -> PodExpression | None:
+        """Over ``pod``, ``request``, params and variables; evaluated per pod."""
+        ...
+
+    def request_expression(
+        self, expression: Expression, *, what: str, want: tuple[str, ...], sees: str
+    ) -> Evaluator | None:
+        """Over ``request`` and params only; ``sees`` explains that when it names a pod."""
+        ...
 
 
 class _Failed:

@@ -3,7 +3,8 @@
 ``explain`` runs the real router, then re-evaluates each visited node's
 expression on the pods that entered it (CEL is pure, so the values are the
 ones the router saw) and every scorer on the survivors. The router's hot path
-stays lean; the detail is computed only here.
+stays lean; the detail is computed only here. What a node shows is its kind's
+(``Node.explain``); the summary under it follows from its trace.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 from policyd.policy.compiler import CompiledPolicy
 from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
 from policyd.policy.evaluation import FAILED, Evaluation
-from policyd.policy.nodes import ConditionNode, ShedNode
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
 from policyd.policy.router import Router, in_pool
@@ -71,18 +71,15 @@ def explain(
             scores = _scores(policy, survivors, ev)
             continue
         node = policy.nodes[trace.node]
-        if isinstance(node, ShedNode):
-            details.append(NodeDetail(trace, "", node.description, ()))
-            continue
-        if isinstance(node, ConditionNode):
-            details.append(NodeDetail(trace, node.source, node.description, ()))
-            continue
-        values, _ = node.expression.values(entering, ev)
-        shown = tuple(
-            (pod.name, _show(value, error))
-            for pod, value, error in zip(entering, values, _errors(trace, entering), strict=True)
-        )
-        details.append(NodeDetail(trace, node.expression.source, node.description, shown))
+        source, values = node.explain(entering, ev)
+        shown: tuple[tuple[str, str], ...] = ()
+        if values:  # the kind has a value per pod
+            errors = _errors(trace, entering)
+            shown = tuple(
+                (pod.name, _show(value, error))
+                for pod, value, error in zip(entering, values, errors, strict=True)
+            )
+        details.append(NodeDetail(trace, source, node.description, shown))
         if trace.branch == "on_success":
             entering = [by_name[name] for name in trace.kept]
     return Explanation(decision, policy, resolved, len(pods), tuple(details), scores, fallback_pods)
@@ -155,9 +152,9 @@ def render_text(explanation: Explanation) -> str:
         for pod, error in t.errors:
             if not pod:
                 lines.append(f"   error: {error}")
-        if t.kind == "shed":
+        if not t.branch:  # the walk stopped here (shed)
             continue
-        if t.kind == "condition":
+        if not t.narrows:
             summary = f"   {t.note}"
         else:
             summary = f"   kept {len(t.kept)} of {t.candidates_in}"

@@ -1,4 +1,11 @@
-"""The filter-tree node kinds. They share one shape: ``visit(pods, ev) -> Visit``.
+"""What a filter-tree node kind is. Each kind is one class in ``policyd.policy.kinds``.
+
+A kind's class says everything about the kind: the YAML word that makes a
+node of it (also its name in traces, metrics and ``explain``), the fields it
+accepts and their JSON Schema, how it is read (``read``) and compiled
+(``build``), and what its node does on each walk (``visit``) and shows in
+``explain``. The trace a node makes (``NodeTrace``) carries what the metrics
+and the demo need to know about it (``narrows``).
 
 The walk semantics are those of the Gateway API Inference Extension's original
 scheduler: a filtering node *succeeds* when it keeps at least one pod; on
@@ -6,23 +13,26 @@ success the kept pods go on to ``on_success``, on failure the node's *input*
 goes on to ``on_failure``; a node with nowhere to go ends the walk with its
 own result (so a failing node without ``on_failure`` ends it with no pods).
 
-Nodes are built leaves first (the tree is acyclic, the loader checks), so a
+Nodes are built leaves first (the tree is acyclic, the compiler checks), so a
 node holds its successors directly and the whole tree is immutable.
 """
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import operator
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, Self
 
-from policyd.cel import CelEvalError
 from policyd.policy.decision import NodeTrace
-from policyd.policy.evaluation import FAILED, Evaluation, Evaluator, PodExpression
+from policyd.policy.evaluation import Compiling, Evaluation, PodExpression
+from policyd.policy.reader import Expression, Fields, Reference, expression, reference
+from policyd.policy.source import YScalar
 
 _pod_name = operator.attrgetter("name")
+LINKS = ("next", "on_success", "on_failure")
 
 
 def pod_names(pods: Sequence[Any]) -> tuple[str, ...]:
@@ -36,8 +46,103 @@ Visit = tuple[NodeTrace, Sequence[Any], "Node | None", str]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class _Filtering:
-    """What the filtering kinds (keep, band, top-k) have in common."""
+class NodeSpec:
+    """One filter-tree node as read from the file; ``links`` name the nodes that may follow.
+
+    ``settings`` is what the kind read besides its expression and links, passed
+    to its class by keyword when the node is built.
+    """
+
+    name: str
+    key: YScalar
+    kind: NodeKind
+    description: str
+    expression: Expression | None = None
+    on_success: Reference | None = None  # "then" for an `if`
+    on_failure: Reference | None = None  # "else" for an `if`
+    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def links(self) -> tuple[Reference, ...]:
+        if self.on_success is self.on_failure:  # `next`: one link for both
+            return (self.on_success,) if self.on_success is not None else ()
+        return tuple(link for link in (self.on_success, self.on_failure) if link is not None)
+
+
+class Node(Protocol):
+    """A compiled node, as the router walks it and ``explain`` shows it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def description(self) -> str: ...
+
+    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit: ...
+
+    def explain(self, pods: Sequence[Any], ev: Evaluation) -> tuple[str, list[Any]]:
+        """The expression as written, and its value on each pod (empty: not per pod)."""
+        ...
+
+
+class NodeKind(Protocol):
+    """One node kind: its class, as ``policyd.policy.kinds`` registers it."""
+
+    @property
+    def kind(self) -> str:
+        """The YAML word that makes a node this kind; its kind in traces, metrics, explain."""
+        ...
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """What else a node of this kind accepts (``description`` goes without saying)."""
+        ...
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema of such a node, for ``policy.schema.json``."""
+        ...
+
+    def read(self, spec: NodeSpec, fields: Fields) -> NodeSpec | None:
+        """``spec`` (name, description) completed from the node's ``fields``, or None."""
+        ...
+
+    def build(
+        self,
+        spec: NodeSpec,
+        compiler: Compiling,
+        on_success: Node | None,
+        on_failure: Node | None,
+    ) -> Node | None:
+        """The node, or None when an expression did not compile (reported)."""
+        ...
+
+
+def links_schema(properties: dict[str, Any], required: str, title: str) -> dict[str, Any]:
+    """The JSON Schema of a filtering node: its own ``properties`` plus on_error and links."""
+    return {
+        "title": title,
+        "type": "object",
+        "additionalProperties": False,
+        "required": [required],
+        "properties": {
+            "description": {"type": "string"},
+            **properties,
+            "on_error": {"$ref": "#/$defs/onError"},
+            **{link: {"$ref": "#/$defs/nodeName"} for link in LINKS},
+        },
+        "not": {
+            "required": ["next"],
+            "anyOf": [{"required": ["on_success"]}, {"required": ["on_failure"]}],
+        },
+    }
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Filtering:
+    """What the filtering kinds (keep, band, top_k) share: one per-pod expression,
+    ``on_error``, and ``next`` or ``on_success`` / ``on_failure``."""
 
     name: str
     description: str
@@ -46,9 +151,71 @@ class _Filtering:
     on_success: Node | None
     on_failure: Node | None
 
+    kind: ClassVar[str]
+    want: ClassVar[tuple[str, ...]]  # the CEL types the expression may have
+    fields: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def read(cls, spec: NodeSpec, fields: Fields) -> NodeSpec | None:
+        node = fields.node.entries[cls.kind][1]
+        found = expression(fields, node, f"'{cls.kind}' of node '{spec.name}'")
+        return cls.read_links(spec, fields, found)
+
+    @classmethod
+    def read_links(
+        cls, spec: NodeSpec, fields: Fields, found: Expression | None, **settings: Any
+    ) -> NodeSpec | None:
+        """``spec`` with the expression, on_error and links; None without an expression."""
+        keep_failed = fields.choice("on_error", ("drop", "pass"), "drop") == "pass"
+        following = reference(fields, "next")
+        on_success = reference(fields, "on_success")
+        on_failure = reference(fields, "on_failure")
+        if following is not None:
+            if on_success is not None or on_failure is not None:
+                fields.error(
+                    following.node,
+                    f"node '{spec.name}' has 'next' and 'on_success'/'on_failure'; "
+                    "'next' already covers both",
+                )
+            on_success = on_failure = following
+        if found is None:
+            return None
+        return dataclasses.replace(
+            spec,
+            expression=found,
+            on_success=on_success,
+            on_failure=on_failure,
+            settings=MappingProxyType({"keep_failed": keep_failed, **settings}),
+        )
+
+    @classmethod
+    def build(
+        cls,
+        spec: NodeSpec,
+        compiler: Compiling,
+        on_success: Node | None,
+        on_failure: Node | None,
+    ) -> Self | None:
+        assert spec.expression is not None
+        compiled = compiler.pod_expression(
+            spec.expression, what=f"node '{spec.name}'", want=cls.want
+        )
+        if compiled is None:
+            return None
+        return cls(
+            name=spec.name,
+            description=spec.description,
+            expression=compiled,
+            on_success=on_success,
+            on_failure=on_failure,
+            **spec.settings,
+        )
+
+    def explain(self, pods: Sequence[Any], ev: Evaluation) -> tuple[str, list[Any]]:
+        return self.expression.source, self.expression.values(pods, ev)[0]
+
     def _continue(
         self,
-        kind: str,
         pods: Sequence[Any],
         kept: list[Any],
         errors: list[tuple[str, str]],
@@ -63,7 +230,7 @@ class _Filtering:
                 forward = pods
         trace = NodeTrace(
             self.name,
-            kind,
+            self.kind,
             len(pods),
             pod_names(kept),
             tuple(errors),
@@ -71,129 +238,6 @@ class _Filtering:
             following.name if following is not None else "",
             "",
             band,
+            True,
         )
         return trace, forward, following, ""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class KeepNode(_Filtering):
-    """``keep: <bool CEL>``: the pods for which the predicate is true."""
-
-    kind: ClassVar[str] = "filter"
-
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
-        kept, errors = self.expression.select(pods, ev, keep_failed=self.keep_failed)
-        return self._continue(self.kind, pods, kept, errors)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class BandNode(_Filtering):
-    """``band: <number CEL>``: the pods within ``[min, min + (max - min) / N]``.
-
-    N is the number of pods entering the node, as in the original "least
-    queuing" and "least KV cache" filters. For an int value the test
-    ``value <= min + (max - min) / N`` equals the original's integer division,
-    because an integer is at most x exactly when it is at most floor(x).
-    Pods whose value failed are left out of min and max.
-    """
-
-    kind: ClassVar[str] = "band"
-
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
-        values, errors = self.expression.values(pods, ev)
-        numbers = [v for v in values if v is not FAILED] if errors else values
-        if not numbers:
-            kept = list(pods) if self.keep_failed else []
-            return self._continue(self.kind, pods, kept, errors)
-        low = min(numbers)
-        limit = low + (max(numbers) - low) / len(pods)
-        if errors:
-            keep_failed = self.keep_failed
-            kept = [
-                pod
-                for pod, value in zip(pods, values, strict=True)
-                if (value is FAILED and keep_failed) or (value is not FAILED and value <= limit)
-            ]
-        else:
-            kept = [pod for pod, value in zip(pods, values, strict=True) if value <= limit]
-        return self._continue(self.kind, pods, kept, errors, (low, limit))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class TopKNode(_Filtering):
-    """``top_k: K`` with ``lowest:`` or ``highest:``: the K pods with the extreme values.
-
-    Ties at the cut go to the pod that comes first among the candidates; the
-    kept pods stay in candidate order.
-    """
-
-    k: int
-    highest: bool
-
-    kind: ClassVar[str] = "top-k"
-
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
-        values, errors = self.expression.values(pods, ev)
-        ranked = [i for i, value in enumerate(values) if value is not FAILED]
-        if len(ranked) > self.k:
-            choose = heapq.nlargest if self.highest else heapq.nsmallest
-            ranked = sorted(choose(self.k, ranked, key=values.__getitem__))
-        if errors and self.keep_failed:
-            ranked = sorted({*ranked, *(i for i, v in enumerate(values) if v is FAILED)})
-        kept = [pods[i] for i in ranked]
-        return self._continue(self.kind, pods, kept, errors)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class ConditionNode:
-    """``if: <bool CEL over request>``: choose a branch; every pod goes on.
-
-    It runs once per request. An error takes the ``else`` branch and is traced.
-    Its trace leaves ``kept`` empty: every pod goes on (``candidates_in`` of them).
-    """
-
-    name: str
-    description: str
-    source: str
-    evaluate: Evaluator
-    then: Node | None
-    otherwise: Node | None
-
-    kind: ClassVar[str] = "condition"
-
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
-        errors: tuple[tuple[str, str], ...] = ()
-        try:
-            result = self.evaluate(ev.activation) is True
-        except CelEvalError as error:
-            result, errors = False, (("", str(error)),)
-        following, branch = (self.then, "then") if result else (self.otherwise, "else")
-        trace = NodeTrace(
-            self.name,
-            self.kind,
-            len(pods),
-            (),
-            errors,
-            branch,
-            following.name if following is not None else "",
-            "error" if errors else str(result).lower(),
-        )
-        return trace, pods, following, ""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class ShedNode:
-    """``shed: <reason>``: stop; the request is answered 429 with the reason."""
-
-    name: str
-    description: str
-    reason: str
-
-    kind: ClassVar[str] = "shed"
-
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
-        trace = NodeTrace(self.name, self.kind, len(pods), (), note=self.reason)
-        return trace, (), None, self.reason
-
-
-Node = KeepNode | BandNode | TopKNode | ConditionNode | ShedNode

@@ -3,12 +3,15 @@
 A ``Fields`` reader wraps one mapping: it hands out values of the expected
 shape, reports wrong shapes and unknown keys (with a "did you mean") at the
 exact key or value, and never raises, so one pass collects every mistake.
+``Expression`` and ``Reference`` are the two values every policy kind reads:
+CEL source and a node name used as a link.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Final
 
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
@@ -143,3 +146,46 @@ def string_map(
             continue
         pairs.append((key, str(value.value)))
     return tuple(pairs)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Expression:
+    """CEL source as written in the file, able to place a CEL error in the file."""
+
+    source: str
+    node: YScalar
+
+    def locate(self, line: int, column: int) -> tuple[int, int]:
+        lines = self.source.split("\n")
+        line = min(max(line, 1), len(lines))
+        offset = sum(len(text) + 1 for text in lines[: line - 1]) + max(column, 1) - 1
+        return self.node.locate(min(offset, max(len(self.source) - 1, 0)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Reference:
+    """A node name used as a link (``next``, ``on_success``, ``then`` ...)."""
+
+    field: str
+    name: str
+    node: YScalar
+
+
+def expression(fields: Fields, node: YNode, what: str) -> Expression | None:
+    """The CEL expression written at ``node`` (a bare ``true`` or ``1`` counts too)."""
+    if isinstance(node, YScalar) and isinstance(node.value, bool | int | float):
+        return Expression(str(node.value).lower(), node)  # `keep: true`, `expr: 1`
+    if not isinstance(node, YScalar) or not isinstance(node.value, str) or not node.value.strip():
+        fields.error(node, f"{what} must be a CEL expression (a string), not {kind_name(node)}")
+        return None
+    return Expression(node.value, node)
+
+
+def reference(fields: Fields, key: str) -> Reference | None:
+    node = fields.string(key)
+    return Reference(key, str(node.value), node) if node else None
+
+
+def text(fields: Fields, key: str) -> str:
+    node = fields.string(key)
+    return str(node.value).strip() if node else ""

@@ -5,66 +5,67 @@ so one scorer cannot drown the others however large its raw value; the
 weights alone say how much each matters. A scorer that fails on a pod adds
 nothing for that pod, and the error is traced.
 
-A scorer is either a CEL expression over the pod (``expr``) or rendezvous
-hashing on a key computed from the request (``rendezvous``): every pod scores
-a fixed pseudo-random number in [0, 1) for the pair (key, pod name). Requests
-with the same key therefore agree on an order of the pods without any shared
-state, in every policyd replica and after restarts, and a pod joining or
-leaving changes the first choice only for the keys whose first choice it is
-(highest-random-weight hashing). Weighted next to load scorers, it becomes a
-preferred "home" that load can override.
+What a scorer computes per pod is its kind's: each scorer kind is one class in
+``policyd.policy.kinds`` (``expr``, ``rendezvous``), registered by the YAML word
+that gives a scorer that kind.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Final
+from typing import Any, Protocol
 
-from policyd.cel import CelEvalError
-from policyd.policy.evaluation import FAILED, Evaluation, Evaluator, PodExpression
-
-_HASH_SPACE: Final = float(1 << 64)
+from policyd.policy.evaluation import FAILED, Compiling, Evaluation
+from policyd.policy.reader import Expression
 
 
-@lru_cache(maxsize=65536)
-def rendezvous_weight(key: str, pod_name: str) -> float:
-    """A number in [0, 1) fixed for ``(key, pod_name)``, independent across pod names.
+class ScoreValues(Protocol):
+    """A compiled scorer's expression: its source and its value on each pod."""
 
-    BLAKE2b rather than ``hash()``: the value must be the same in every process
-    (``hash`` of a string is salted per process). Cached, since a policy sees
-    few distinct keys and pods and the digest costs more than the lookup.
-    """
-    digest = hashlib.blake2b(key.encode() + b"\x00" + pod_name.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / _HASH_SPACE
-
-
-@dataclass(frozen=True, slots=True)
-class RendezvousScore:
-    """``rendezvous: <string CEL over request and params>``: the key, once per decision."""
-
-    source: str
-    key: Evaluator
+    @property
+    def source(self) -> str: ...
 
     def values(
         self, pods: Sequence[Any], ev: Evaluation
     ) -> tuple[list[Any], list[tuple[str, str]]]:
-        """Each pod's weight for the request's key; if the key fails, every pod fails."""
-        try:
-            key = self.key(ev.activation)
-        except CelEvalError as error:
-            message = str(error)
-            return [FAILED] * len(pods), [(pod.name, message) for pod in pods]
-        return [rendezvous_weight(key, pod.name) for pod in pods], []
+        """Each pod's raw value (``FAILED`` where it failed), and the errors by pod."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScorerSpec:
+    """A scorer as read from the file: name, weight, and its kind's expression."""
+
+    name: str
+    weight: float
+    kind: ScorerKind
+    expression: Expression
+
+
+class ScorerKind(Protocol):
+    """One scorer kind: its class, as ``policyd.policy.kinds`` registers it."""
+
+    @property
+    def kind(self) -> str:
+        """The YAML word that gives a scorer this kind (``expr: ...``)."""
+        ...
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema of that word's value, for ``policy.schema.json``."""
+        ...
+
+    def build(self, spec: ScorerSpec, compiler: Compiling) -> ScoreValues | None:
+        """What computes the values, or None when the expression did not compile."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
 class Scorer:
     name: str
     weight: float
-    expression: PodExpression | RendezvousScore
+    expression: ScoreValues
 
 
 def clamp(value: float) -> float:

@@ -149,17 +149,14 @@ def walk_summary(trace: Sequence[NodeTrace]) -> str:
 
     One step per node, ``" > "`` between: ``name (kind) in→kept``, then the
     branch the walk left by, the number of CEL errors and the node's note if
-    any, e.g. ``has capacity (filter) 6→4 on_success > least kv (top-k) 4→1``.
+    any, e.g. ``has capacity (keep) 6→4 on_success > least kv (top_k) 4→1``.
     """
     return clip(" > ".join([_step(step) for step in trace]), MAX_WALK)
 
 
-_KEEP_NONE: Final = frozenset(("condition", "shed", "score"))  # kinds that filter nothing
-
-
 def _step(step: NodeTrace) -> str:
     text = f"{step.node} ({step.kind}) {step.candidates_in}"
-    if step.kept or step.kind not in _KEEP_NONE:
+    if step.narrows:  # a kind that keeps some of its pods
         text += f"\u2192{len(step.kept)}"
     if step.branch:
         text += f" {step.branch}"

@@ -25,7 +25,6 @@ DECISION_BUCKETS: Final = (
 RESPONSE_BUCKETS: Final = (
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
-_COUNTED_KINDS: Final = frozenset({"filter", "band", "top-k"})  # nodes that keep pods
 # Steps (and walks) whose tally increments are remembered. A walk is reused only
 # while the pool's snapshot lasts (one scrape interval when pods report new
 # load), so older entries are never hit again, yet each holds its trace and the
@@ -209,7 +208,7 @@ class DecisionMetrics:
         counts: list[tuple[dict[Labels, float], Labels, int]] = []
         if kind != "score":
             counts.append((self._node_visits.values, (policy, node, kind, step.branch or "end"), 1))
-        if kind in _COUNTED_KINDS:
+        if step.narrows:  # a node kind that keeps some of its pods
             kept = len(step.kept)
             if kept:
                 counts.append((self._node_pods.values, (policy, node, "kept"), kept))

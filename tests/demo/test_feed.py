@@ -19,10 +19,10 @@ def routed(trace: tuple[NodeTrace, ...], survivors: tuple[str, ...], **more: obj
 
 def test_the_why_names_the_nodes_that_narrowed_and_the_pick() -> None:
     trace = (
-        NodeTrace("critical request", "condition", 6, (), branch="else"),
-        NodeTrace("has capacity", "filter", 6, ("a", "b", "c", "d", "e", "f")),
-        NodeTrace("low-cost lora", "filter", 6, ("a", "b")),
-        NodeTrace("least kv cache", "band", 2, ("a",)),
+        NodeTrace("critical request", "if", 6, (), branch="else"),
+        NodeTrace("has capacity", "keep", 6, ("a", "b", "c", "d", "e", "f"), narrows=True),
+        NodeTrace("low-cost lora", "keep", 6, ("a", "b"), narrows=True),
+        NodeTrace("least kv cache", "band", 2, ("a",), narrows=True),
     )
     assert explain(routed(trace, ("a",))) == (
         "low-cost lora 6→2 > least kv cache 2→1 · the only one left"
@@ -31,8 +31,10 @@ def test_the_why_names_the_nodes_that_narrowed_and_the_pick() -> None:
 
 def test_a_node_that_kept_none_is_shown_handing_its_input_on() -> None:
     trace = (
-        NodeTrace("lora affinity", "filter", 6, (), branch="on_failure", next="can accept"),
-        NodeTrace("can accept", "filter", 6, ("a", "b", "c")),
+        NodeTrace(
+            "lora affinity", "keep", 6, (), branch="on_failure", next="can accept", narrows=True
+        ),
+        NodeTrace("can accept", "keep", 6, ("a", "b", "c"), narrows=True),
     )
     assert explain(routed(trace, ("a", "b", "c"))) == (
         "lora affinity: none of 6 > can accept 6→3 · random of 3"

@@ -31,16 +31,16 @@ policy    default  ({RULES}/default.yaml, version VERSION)
 request   model=sql-lora target_model=sql-lora criticality=critical
 pods      3 candidates
 
-1. sheddable request  [condition]  request.criticality == "sheddable"
+1. sheddable request  [if]  request.criticality == "sheddable"
    false -> else: low queueing
 
-2. low queueing  [filter]  pod.waiting_queue < params.queueing_threshold_lora
+2. low queueing  [keep]  pod.waiting_queue < params.queueing_threshold_lora
    a  true     kept
    b  true     kept
    c  true     kept
    kept 3 of 3 -> on_success: lora affinity
 
-3. lora affinity  [filter]  request.target_model in pod.active_loras
+3. lora affinity  [keep]  request.target_model in pod.active_loras
    the pod already runs the requested adapter
    a  true     kept
    b  true     kept
@@ -112,7 +112,7 @@ def test_shed_is_explained_with_its_status_and_reason(
     code = main(["explain", "--policy", policy, "--pods", str(pods), "--request", str(request)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "2. has capacity  [filter]" in out
+    assert "2. has capacity  [keep]" in out
     assert "   kept 0 of 1 -> on_failure: drop request" in out
     assert out.endswith("outcome   shed (429): dropping request due to limited backend resources\n")
 

@@ -33,7 +33,7 @@ def test_keep_passes_the_pods_for_which_the_predicate_holds(tmp_path: Path) -> N
     (trace,) = decision.trace
     assert (trace.node, trace.kind, trace.candidates_in, trace.kept) == (
         "short queue",
-        "filter",
+        "keep",
         4,
         ("a", "d"),
     )
@@ -116,7 +116,7 @@ def test_condition_branches_on_the_request_and_filters_nothing(tmp_path: Path) -
     gold = router(tmp_path, text).decide(request(headers={"x-tier": "gold"}), PODS)
     assert gold.survivors == ("a",)
     assert (gold.trace[0].kind, gold.trace[0].branch, gold.trace[0].next) == (
-        "condition",
+        "if",
         "then",
         "fastest",
     )
@@ -199,7 +199,7 @@ def test_top_k_keeps_the_k_extreme_pods_in_candidate_order(
         tmp_path, f"filters:\n  top:\n    top_k: {k}\n    {end}: pod.waiting_queue\n"
     ).decide(request(), PODS)
     assert decision.survivors == expected
-    assert decision.trace[0].kind == "top-k"
+    assert decision.trace[0].kind == "top_k"
 
 
 def test_top_k_ties_at_the_cut_go_to_the_earlier_candidate(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from policyd.policy import Outcome
-from policyd.policy.scoring import rendezvous_weight
+from policyd.policy.kinds.rendezvous import rendezvous_weight
 from policyd.pool.pod import InFlight
 
 from .helpers import pod, problems, request, router
@@ -39,7 +39,7 @@ def test_the_weight_is_blake2b_of_key_and_pod_name_in_the_unit_interval() -> Non
 def test_the_weight_is_the_same_in_another_process() -> None:
     # str hash() is salted per process; the homes must agree across policyd replicas.
     code = (
-        "from policyd.policy.scoring import rendezvous_weight;"
+        "from policyd.policy.kinds.rendezvous import rendezvous_weight;"
         "print(repr(rendezvous_weight('adapter-3', 'vllm-0')))"
     )
     printed = subprocess.run(
@@ -140,13 +140,12 @@ def test_a_key_that_fails_scores_nothing_and_is_traced_for_every_pod(tmp_path: P
         ),
         pytest.param(
             "  home:\n    rendezvous: request.model\n    expr: 1\n",
-            "policy.yaml:2:3: scorer 'home' has both 'expr' and 'rendezvous'; give exactly "
-            "one of them",
+            "policy.yaml:2:3: scorer 'home' has both 'expr' and 'rendezvous'; use one",
             id="both",
         ),
         pytest.param(
             "  home:\n    weight: 2\n",
-            "policy.yaml:2:3: scorer 'home' has no 'expr'; give exactly one of them",
+            "policy.yaml:2:3: scorer 'home' needs one of: expr, rendezvous",
             id="neither",
         ),
     ],

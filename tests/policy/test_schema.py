@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from policyd.policy import PolicyError
+from policyd.policy.kinds import NODE_KINDS, PICKERS, SCORER_KINDS, json_schema
 from policyd.policy.loader import load_policy_set, policy_files
 
 from .helpers import RULES, write
@@ -137,3 +138,26 @@ def test_a_bad_shape_is_rejected_by_both_the_schema_and_the_loader(
     assert list(validator.iter_errors(document)), "the schema accepted it"
     with pytest.raises(PolicyError):
         load_policy_set(write(tmp_path, text))
+
+
+def test_the_published_schema_is_the_one_the_registered_kinds_give() -> None:
+    """Node kinds, scorer kinds and pickers come from ``policyd.policy.kinds``."""
+    text = resources.files("policyd.policy").joinpath("policy.schema.json").read_text()
+    published = json.loads(text)
+    assert published == json_schema(published), (
+        "policy.schema.json is stale: run `python -m policyd.policy.kinds`"
+    )
+
+
+DOCS = (Path(__file__).resolve().parents[2] / "docs" / "policy-language.md").read_text()
+
+
+@pytest.mark.parametrize("word", [*NODE_KINDS, *SCORER_KINDS])
+def test_every_node_and_scorer_kind_has_its_section_in_the_docs(word: str) -> None:
+    headings = [line for line in DOCS.splitlines() if line.startswith("#")]
+    assert any(f"`{word}`" in heading for heading in headings)
+
+
+@pytest.mark.parametrize("strategy", PICKERS)
+def test_every_picker_has_its_row_in_the_docs(strategy: str) -> None:
+    assert f"\n| `{strategy}` |" in DOCS

@@ -11,7 +11,10 @@ import pytest
 
 from policyd.policy import Outcome
 from policyd.policy.evaluation import Evaluation, PodExpression
-from policyd.policy.pickers import MaxScore, RoundRobin, UniformRandom, WeightedRandom
+from policyd.policy.kinds.max_score import MaxScore
+from policyd.policy.kinds.round_robin import RoundRobin
+from policyd.policy.kinds.uniform_random import UniformRandom
+from policyd.policy.kinds.weighted_random import WeightedRandom
 from policyd.policy.scoring import Scorer, clamp, score
 
 from .helpers import pod, request, router

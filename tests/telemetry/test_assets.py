@@ -51,7 +51,7 @@ def exported(tmp_path: Path) -> tuple[set[str], dict[str, set[str]]]:
     served(metrics, tmp_path, count=2)
     served(metrics, tmp_path, count=1, busy=True)
     DecisionTelemetry(metrics=metrics).stream_error("rejected", "invalid_json")
-    failing = NodeTrace("zone", "filter", 1, (), errors=(("a", "no such key: 'zone'"),))
+    failing = NodeTrace("zone", "keep", 1, (), errors=(("a", "no such key: 'zone'"),))
     metrics.decision(Decision(Outcome.SHED, "live", "1", "m", trace=(failing,)), 0.001)
     store = PolicyStore.open(write_policies(tmp_path))
     metrics.policies_loaded(store.current)

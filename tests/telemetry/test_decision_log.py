@@ -75,7 +75,7 @@ def test_a_line_holds_the_inputs_the_walk_the_pick_and_the_response(
     }
     assert entry["walk"][0] == {
         "node": "short queue",
-        "kind": "filter",
+        "kind": "keep",
         "in": 3,
         "kept": ["a", "b"],
         "errors": [],

@@ -56,7 +56,7 @@ def test_decisions_nodes_and_latency_are_counted(tmp_path: Path) -> None:
     assert value(r, "policyd_decision_duration_seconds_count", policy="live") == 3
     assert value(r, "policyd_decision_duration_seconds_bucket", policy="live", le="0.0005") == 3
     assert value(r, "policyd_decision_duration_seconds_bucket", policy="live", le="0.00025") == 0
-    visits = {"policy": "live", "node": "short queue", "kind": "filter", "branch": "on_success"}
+    visits = {"policy": "live", "node": "short queue", "kind": "keep", "branch": "on_success"}
     assert value(r, "policyd_filter_node_visits_total", **visits) == 3
     node = {"policy": "live", "node": "short queue"}
     assert value(r, "policyd_filter_node_pods_total", **node, result="kept") == 6
@@ -81,7 +81,7 @@ def test_decisions_that_share_a_walk_are_each_counted(tmp_path: Path) -> None:
     for decision in [*decisions, fresh]:
         telemetry.start(request(), decision, {}, 0.0001).after_reply()
     r = metrics.registry
-    visits = {"policy": "live", "node": "short queue", "kind": "filter", "branch": "on_success"}
+    visits = {"policy": "live", "node": "short queue", "kind": "keep", "branch": "on_success"}
     assert value(r, "policyd_filter_node_visits_total", **visits) == 5
     node = {"policy": "live", "node": "short queue"}
     assert value(r, "policyd_filter_node_pods_total", **node, result="kept") == 10
@@ -92,7 +92,7 @@ def test_a_shared_walk_with_a_scoring_step_per_request_counts_each_requests_erro
     """The router adds the scoring step to a reused walk per request: every request
     counts the walk's steps and its own scoring errors."""
     metrics = DecisionMetrics()
-    walk = (NodeTrace("short queue", "filter", 3, ("a", "b"), branch="on_success"),)
+    walk = (NodeTrace("short queue", "keep", 3, ("a", "b"), branch="on_success", narrows=True),)
     for errors in (1, 2, 0):
         scoring = NodeTrace("score", "score", 2, (), tuple(("a", "x") for _ in range(errors)))
         decision = Decision(
@@ -102,8 +102,7 @@ def test_a_shared_walk_with_a_scoring_step_per_request_counts_each_requests_erro
     r = metrics.registry
     node = {"policy": "live", "node": "short queue"}
     assert (
-        value(r, "policyd_filter_node_visits_total", **node, kind="filter", branch="on_success")
-        == 3
+        value(r, "policyd_filter_node_visits_total", **node, kind="keep", branch="on_success") == 3
     )
     assert value(r, "policyd_filter_node_pods_total", **node, result="dropped") == 3
     assert value(r, "policyd_filter_node_errors_total", policy="live", node="score") == 3
@@ -125,7 +124,7 @@ def test_shed_decisions_and_their_walk(tmp_path: Path) -> None:
     served(metrics, tmp_path, count=2, busy=True)
     r = metrics.registry
     assert value(r, "policyd_decisions_total", policy="live", outcome="shed", pod="") == 2
-    failure = {"policy": "live", "node": "short queue", "kind": "filter", "branch": "on_failure"}
+    failure = {"policy": "live", "node": "short queue", "kind": "keep", "branch": "on_failure"}
     assert value(r, "policyd_filter_node_visits_total", **failure) == 2
     shed = {"policy": "live", "node": "too busy", "kind": "shed", "branch": "end"}
     assert value(r, "policyd_filter_node_visits_total", **shed) == 2

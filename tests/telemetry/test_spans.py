@@ -113,7 +113,7 @@ def test_the_walk_is_one_attribute(tmp_path: Path, spans: Spans) -> None:
     routed_end(record)
     span = spans.only()
     attributes = dict(span.attributes or {})
-    assert attributes[a.WALK] == "short queue (filter) 3\u21922 on_success > score (score) 2"
+    assert attributes[a.WALK] == "short queue (keep) 3\u21922 on_success > score (score) 2"
     assert a.WALK_ERRORS not in attributes and a.WALK_FIRST_ERROR not in attributes
     assert [e.name for e in span.events] == [a.SHADOW_EVENT]  # no event per node
 
@@ -126,7 +126,7 @@ def test_the_walk_counts_cel_errors_and_names_the_first(tmp_path: Path, spans: S
     record.after_reply()
     routed_end(record)
     attributes = dict(spans.only().attributes or {})
-    assert attributes[a.WALK].startswith("short queue (filter) 3\u21922 on_success [2 errors] > ")
+    assert attributes[a.WALK].startswith("short queue (keep) 3\u21922 on_success [2 errors] > ")
     assert attributes[a.WALK_ERRORS] == 2
     assert attributes[a.WALK_FIRST_ERROR] == "a: no such key"
 
@@ -212,7 +212,7 @@ def test_a_shed_request_ends_only_after_its_error_reply_went_out(
     assert attributes[a.ERROR_TYPE] == "shed"
     assert attributes[a.HTTP_STATUS] == 429
     assert a.POD not in attributes and a.SERVER_ADDRESS not in attributes
-    assert "(filter)" in attributes[a.WALK] and "(shed)" in attributes[a.WALK]
+    assert "(keep)" in attributes[a.WALK] and "(shed)" in attributes[a.WALK]
 
 
 def test_a_stream_gone_before_the_reply_finishes_at_once(tmp_path: Path, spans: Spans) -> None:
@@ -270,7 +270,7 @@ def test_large_pools_and_trees_stay_within_bounds(tmp_path: Path, spans: Spans) 
     attributes = dict(span.attributes or {})
     assert span.events == ()
     walk = attributes[a.WALK]
-    assert isinstance(walk, str) and walk.startswith("n0 (filter) 100\u2192")
+    assert isinstance(walk, str) and walk.startswith("n0 (keep) 100\u2192")
     assert len(walk) == a.MAX_WALK and walk.endswith(" chars]")  # cut, and says so
     assert len(attributes[a.SCORED_PODS]) <= a.MAX_LISTED_PODS  # type: ignore[arg-type]
 

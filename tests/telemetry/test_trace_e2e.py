@@ -93,7 +93,7 @@ async def test_one_request_is_one_trace_from_envoy_through_policyd_to_the_pod(ri
     assert attributes[a.CANDIDATES] == 2
     assert attributes[a.SHADOWS] == 1
     assert [e.name for e in decision.span.events] == [a.SHADOW_EVENT]
-    assert "(filter)" in str(attributes[a.WALK])  # the walk, one attribute
+    assert "(keep)" in str(attributes[a.WALK])  # the walk, one attribute
     # The outcome arrived with the end of the response.
     assert attributes[a.HTTP_STATUS] == 200
     assert attributes[a.GEN_AI_INPUT_TOKENS] == SSE_USAGE["prompt_tokens"]

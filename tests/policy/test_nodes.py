@@ -100,7 +100,7 @@ def test_a_failing_node_without_on_failure_ends_the_walk_with_no_pods_429(
     assert decision.trace[0].kept == ()
 
 
-def test_condition_branches_on_the_request_and_filters_nothing(tmp_path: Path) -> None:
+def test_if_branches_on_the_request_and_filters_nothing(tmp_path: Path) -> None:
     text = """
         filters:
           premium:
@@ -127,7 +127,7 @@ def test_condition_branches_on_the_request_and_filters_nothing(tmp_path: Path) -
     assert silver.survivors == ("a", "b", "c", "d")
 
 
-def test_a_condition_error_takes_else_and_is_traced(tmp_path: Path) -> None:
+def test_an_if_error_takes_else_and_is_traced(tmp_path: Path) -> None:
     decision = router(
         tmp_path,
         """
@@ -327,7 +327,7 @@ def test_a_failed_variable_is_not_evaluated_again_for_the_same_pod() -> None:
     assert calls == ["x"]
 
 
-def test_a_walk_that_ends_at_a_condition_keeps_its_input(tmp_path: Path) -> None:
+def test_a_walk_that_ends_at_an_if_keeps_its_input(tmp_path: Path) -> None:
     decision = router(
         tmp_path,
         """

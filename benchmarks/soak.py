@@ -233,7 +233,7 @@ IN_FLIGHT = Counter[str]()  # requests sent and not yet answered ("sent"), of th
 
 
 async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
-    """One request; its outcome: ok, status <n>, cut or error."""
+    """One request; its outcome: ok, status <n> <error code>, cut or error."""
     IN_FLIGHT["sent"] += 1
     try:
         return await _one(session, url, body)
@@ -245,8 +245,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
-                await response.read()
-                return f"status {response.status}"
+                return f"status {response.status} {error_code(await response.read())}"
             IN_FLIGHT["answering"] += 1
             try:
                 data = await response.read()
@@ -260,6 +259,14 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
         return "cut"
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return "error"
+
+
+def error_code(body: bytes) -> str:
+    """The OpenAI-style error's ``code`` (policyd's, or the unrouted route's), else "-"."""
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "-"
 
 
 async def wave(stack: Stack, tally: Tally, arguments: argparse.Namespace, seed: int) -> None:

@@ -113,6 +113,7 @@ def test_a_policy_using_every_field_is_valid_for_both(
         "filters:\n  a: {keep: 'true', next: b, on_success: b}\n  b: {keep: 'true'}\n",
         "filters:\n  a: {top_k: 0, lowest: pod.kv_cache}\n",
         "filters:\n  a: {top_k: 2}\n",
+        "filters:\n  a: {if: [x], then: b}\n  b: {keep: 'true'}\n",
         "filters:\n  a: {shed: stop, next: b}\n  b: {keep: 'true'}\n",
         "filters:\n  a: {keep: 'true', on_error: ignore}\n",
         "params:\n  x: {type: int, value: 1.5}\n",

@@ -4,9 +4,9 @@ The span describes one inference request as policyd saw it, from the routing
 decision to the end of the response. The attributes the GenAI semantic
 conventions define (operation, requested model, the server the request went
 to, token usage) carry their names; everything about the routing policy lives
-under ``policyd.``. Durations are in seconds (doubles). Lists are bounded
-(``MAX_LISTED_PODS``, ``MAX_NODE_EVENTS``) so a large pool or filter tree never
-runs into the SDK's attribute and event limits. The walk through the filter
+under ``policyd.``. Durations are in seconds (doubles). Lists and texts are
+bounded (``MAX_LISTED_PODS``, ``MAX_TEXT``, ``MAX_WALK``) so a large pool or
+filter tree never runs into the SDK's attribute limits. The walk through the filter
 tree is one text attribute (``walk_summary``), not an event per node: the
 span stays a few dozen values however long the walk (the decision log keeps
 every node in full).

@@ -11,8 +11,8 @@ The work is split by what the live reply needs:
   ``traceparent`` that goes to the model server; decide whether the decision
   log samples this request. Nothing else.
 - ``after_reply`` (the reply has been handed to gRPC): evaluate the shadow
-  policies, put the decision's attributes and one event per filter node and
-  per shadow on the span, count the decision in the metrics, build the
+  policies, put the decision's attributes (the filter-tree walk among them)
+  and one event per shadow on the span, count the decision in the metrics, build the
   decision-log entry.
 - ``response_headers`` / ``end``: the response's status, time to first token,
   token usage and duration; then the span ends, the response is counted and

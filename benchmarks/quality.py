@@ -80,7 +80,7 @@ def pod_from_view(
     """The ``Pod`` the service would publish for one simulated pod, as the router saw it.
 
     Field for field: scraped ``waiting`` / ``running`` / KV use / running and
-    waiting adapters / ``max_loras``, the age of that scrape, and policyd's own
+    waiting adapters / ``max_loras`` / preemptions, the age of that scrape, and policyd's own
     count of requests in flight there (a fresh ``InFlight`` holding the
     simulator's count: the simulator, not this adapter, keeps it up to date).
     The address is the one ``policyd sim`` would give pod ``i``. ``prefix``
@@ -97,6 +97,7 @@ def pod_from_view(
         active_loras=view.running_adapters,
         waiting_loras=view.waiting_adapters,
         max_loras=view.max_loras,
+        num_preemptions=view.preemptions,
         metrics_age=Duration.from_seconds(view.metrics_age),
         load=InFlight(view.in_flight),
     )

@@ -4,62 +4,30 @@ Declaring ``pod`` and ``request`` as message types (instead of ``map(string, dyn
 lets the type checker reject ``pod.waiting_qeue`` or ``pod.kv_cache > "x"`` when
 a policy is loaded, with the column of the mistake. At run time the values are
 plain Python objects whose attributes carry these field names; no protobuf
-message is built on the hot path.
+message is built on the hot path. The fields themselves are declared in
+``policyd.fields``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import cache
 from typing import Final
 
 from cel_expr_python import cel
 from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2
 
+from policyd import fields as declared
+from policyd.fields import Field
+
 _F = descriptor_pb2.FieldDescriptorProto
 PACKAGE: Final = "policyd"
 
 
-@dataclass(frozen=True, slots=True)
-class Field:
-    """One attribute visible to policies: its name and CEL kind.
+# The fields are declared once, with their sources and doc lines, in policyd.fields.
+POD_FIELDS: Final = declared.POD_FIELDS
+REQUEST_FIELDS: Final = declared.REQUEST_FIELDS
 
-    docs/policy-language.md tells policy authors what each one means; a test
-    holds the names and types of its tables to these lists.
-    """
-
-    name: str
-    # "string" | "int" | "double" | "bool" | "duration" | "list<string>" | "map<string,string>"
-    kind: str
-
-
-POD_FIELDS: Final[tuple[Field, ...]] = (
-    Field("name", "string"),  # pod name (Kubernetes name or static-file name)
-    Field("address", "string"),  # ip:port that Envoy is told to send the request to
-    Field("labels", "map<string,string>"),  # pod labels
-    Field("waiting_queue", "int"),  # requests queued (vllm:num_requests_waiting)
-    Field("running", "int"),  # requests running (vllm:num_requests_running)
-    Field("kv_cache", "double"),  # KV-cache utilisation 0..1 (vllm:kv_cache_usage_perc)
-    Field("active_loras", "list<string>"),  # LoRA adapters with running requests
-    Field("waiting_loras", "list<string>"),  # LoRA adapters with waiting requests
-    Field("max_loras", "int"),  # adapters the server can run at once (max_lora label)
-    Field("lora_info_known", "bool"),  # false until the pod's LoRA info series is scraped
-    Field("in_flight", "int"),  # requests policyd routed to the pod that have not finished
-    Field("metrics_age", "duration"),  # time since the pod's metrics were last scraped
-)
-
-REQUEST_FIELDS: Final[tuple[Field, ...]] = (
-    Field("model", "string"),  # model named by the client
-    Field("target_model", "string"),  # model after the policy's rewrite / traffic split
-    Field("criticality", "string"),  # "critical", "standard" or "sheddable"
-    Field("headers", "map<string,string>"),  # request headers, lower-case names
-    Field("prompt_tokens", "int"),  # estimated prompt length in tokens
-    Field("max_tokens", "int"),  # max_tokens asked for (0 when absent)
-    Field("stream", "bool"),  # whether the client asked for a streamed response
-    Field("path", "string"),  # HTTP path, e.g. /v1/completions
-    Field("id", "string"),  # request id (x-request-id)
-)
 
 _SCALARS: Final[Mapping[str, int]] = {
     "string": _F.TYPE_STRING,

@@ -20,7 +20,7 @@ from typing import Final, Protocol
 
 from policyd.policy.decision import Decision
 from policyd.policy.request import Request
-from policyd.pool.pod import Pod
+from policyd.pool.pod import Pod, PoolSnapshot
 
 
 class RouterLike(Protocol):
@@ -29,17 +29,10 @@ class RouterLike(Protocol):
     def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision: ...
 
 
-class SnapshotLike(Protocol):
-    """A published pool snapshot: the pods a policy may choose from."""
-
-    @property
-    def candidates(self) -> Sequence[Pod]: ...
-
-
 RouterSource = Callable[[], RouterLike]
 """Returns the router in force now (e.g. ``lambda: loader.router``)."""
 
-SnapshotSource = Callable[[], SnapshotLike]
+SnapshotSource = Callable[[], PoolSnapshot]
 """Returns the newest pool snapshot (e.g. ``lambda: datastore.snapshot``)."""
 
 Readiness = Callable[[], bool]

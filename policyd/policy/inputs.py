@@ -2,18 +2,17 @@
 
 Both read YAML (JSON is read the same way), so a mistake in a snapshot or a
 test case is reported as ``file:line:col`` like a mistake in a policy. Pods are
-``StaticPod`` objects carrying the CEL schema's pod attributes; the policy room
-does not import the pool room.
+``StaticPod`` objects made from the pod field declarations (``policyd.fields``);
+the policy room does not import the pool room.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
-from policyd.cel import POD_FIELDS, REQUEST_FIELDS, Duration
-from policyd.cel.values import ZERO_DURATION
+from policyd.cel import Duration
+from policyd.fields import POD_FIELDS, REQUEST_FIELDS, Field, dataclass_fields
 from policyd.policy.diagnostics import Diagnostic
 from policyd.policy.document import parse_duration
 from policyd.policy.reader import Fields, is_int, is_number
@@ -23,22 +22,32 @@ from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name
 DEFAULT_PORT = 8000
 
 
-@dataclass(frozen=True, slots=True)
-class StaticPod:
-    """A pod described in a file; attribute names are the CEL ``pod`` fields."""
+def _pod_default(field: Field) -> object:
+    if field.kind == "duration":
+        return Duration.from_seconds(float(field.default))  # type: ignore[arg-type]
+    return field.default
 
-    name: str
-    address: str
-    labels: Mapping[str, str] = field(default_factory=dict)
-    waiting_queue: int = 0
-    running: int = 0
-    kv_cache: float = 0.0
-    active_loras: tuple[str, ...] = ()
-    waiting_loras: tuple[str, ...] = ()
-    max_loras: int = 0
-    lora_info_known: bool = True
-    in_flight: int = 0
-    metrics_age: Duration = ZERO_DURATION
+
+if TYPE_CHECKING:
+
+    class StaticPod:
+        """A pod described in a file; its attributes are the CEL ``pod`` fields."""
+
+        @property
+        def name(self) -> str: ...
+        def __init__(self, name: str, address: str, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    # Every declared pod field, with its default; ``in_flight`` is a plain value here.
+    StaticPod = dataclasses.make_dataclass(
+        "StaticPod",
+        dataclass_fields(POD_FIELDS, _pod_default),
+        frozen=True,
+        slots=True,
+        namespace={"__doc__": "A pod described in a file; its attributes are the CEL pod fields."},
+    )
+    StaticPod.__module__ = __name__
 
 
 _POD_KINDS = {f.name: f.kind for f in POD_FIELDS}

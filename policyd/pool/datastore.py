@@ -21,45 +21,15 @@ from typing import Final
 from policyd.cel.values import NANOS_PER_SECOND, ZERO_DURATION, Duration
 from policyd.pool.discovery import PodIdentity
 from policyd.pool.exposition import NO_METRICS, PodMetrics
-from policyd.pool.pod import InFlight, Pod
+from policyd.pool.pod import EMPTY_SNAPSHOT, InFlight, Pod, PoolSnapshot
 from policyd.pool.scraper import ScrapeResult
+
+__all__ = ["EMPTY_SNAPSHOT", "Datastore", "PoolSnapshot", "ScrapeStats"]
 
 log = logging.getLogger(__name__)
 
 # A failing pod's reason is logged at most once per this many seconds.
 FAILURE_LOG_INTERVAL: Final = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSnapshot:
-    """The pool at one moment.
-
-    ``pods`` holds every known pod (sorted by name), ``candidates`` the ones a
-    policy may choose from: answered the last scrape, metrics no older than
-    the stale threshold. ``panic`` says no pod met that, and the candidates
-    are instead the pods whose last answer is still within the stale
-    threshold (see ``Datastore._publish``). ``ready`` says the pool has pods
-    and has scraped (answered or failed) each of them at least once; it then
-    stays true while pods come and go, so that scaling the model servers up
-    does not flap the service's readiness, and turns false only when the pod
-    set is empty.
-    ``taken_at`` is ``time.monotonic()`` when the
-    snapshot was built (``metrics_age`` is measured to it); ``scrape_round``
-    counts the rounds that went into it.
-    """
-
-    version: int
-    pods: tuple[Pod, ...]
-    candidates: tuple[Pod, ...]
-    ready: bool
-    taken_at: float
-    scrape_round: int
-    panic: bool = False
-
-
-EMPTY_SNAPSHOT = PoolSnapshot(
-    version=0, pods=(), candidates=(), ready=False, taken_at=0.0, scrape_round=0
-)
 
 
 @dataclass(slots=True)
@@ -90,6 +60,7 @@ class _Member:
         "logged_error",
         "metrics",
         "pod",
+        "published",
         "stats",
         "unlogged",
     )
@@ -102,6 +73,7 @@ class _Member:
         self.discovered_at = now
         self.stats = ScrapeStats()
         self.pod: Pod | None = None  # as last published
+        self.published: PodMetrics | None = None  # the metrics ``pod`` was built from
         # The failure log of this pod (``Datastore._log_failure``): the reason
         # last logged while it fails (None: not failing as far as the log
         # said), when that line was, failed scrapes since that were not logged.
@@ -260,22 +232,18 @@ class Datastore:
             scraped_at = member.stats.last_success_at
             age = max(now - (member.discovered_at if scraped_at is None else scraped_at), 0.0)
             pod = member.pod
-            if pod is None or not _unchanged(pod, identity, metrics, age):
+            if pod is None or not _unchanged(pod, member.published, identity, metrics, age):
+                # The scraped fields go in the order PodMetrics holds them.
                 pod = member.pod = Pod(
-                    name=identity.name,
-                    address=address,
-                    labels=identity.labels,
-                    waiting_queue=metrics.waiting_queue,
-                    running=metrics.running,
-                    kv_cache=metrics.kv_cache,
-                    active_loras=metrics.active_loras,
-                    waiting_loras=metrics.waiting_loras,
-                    max_loras=metrics.max_loras,
-                    lora_info_known=metrics.lora_info_known,
+                    identity.name,
+                    address,
+                    identity.labels,
+                    *metrics,
                     # Just scraped, the commonest case: no Duration to make.
                     metrics_age=ZERO_DURATION if age == 0.0 else Duration.from_seconds(age),
                     load=member.load,
                 )
+                member.published = metrics
             pods.append(pod)
             if member.metrics is not None and (self._include_stale or age <= self._stale_after):
                 recent.append(pod)
@@ -312,22 +280,15 @@ class Datastore:
             self._on_publish(self.snapshot)
 
 
-def _unchanged(pod: Pod, identity: PodIdentity, metrics: PodMetrics, age: float) -> bool:
-    """Whether ``pod`` already shows this identity, these metrics and this age."""
+def _unchanged(
+    pod: Pod, published: PodMetrics | None, identity: PodIdentity, metrics: PodMetrics, age: float
+) -> bool:
+    """Whether ``pod`` (built from ``published``) shows this identity, these metrics and age."""
     return (
         pod.name == identity.name
         and pod.labels is identity.labels
         and pod.metrics_age.nanos == round(age * NANOS_PER_SECOND)
-        and (
-            pod.waiting_queue,
-            pod.running,
-            pod.kv_cache,
-            pod.active_loras,
-            pod.waiting_loras,
-            pod.max_loras,
-            pod.lora_info_known,
-        )
-        == metrics
+        and published == metrics
     )
 
 

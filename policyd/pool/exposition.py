@@ -1,28 +1,29 @@
 """Reads the handful of series the pool needs from a Prometheus text exposition.
 
 A vLLM ``/metrics`` page is 30-50 KB, mostly histogram buckets; the pool needs
-at most five families of it, a hundred pods ten times a second. So this parser
-never walks the page line by line: it goes to each wanted family (where it was
-in the pod's last page, else by ``bytes.find`` at C speed), reads that
-family's group of sample lines with one pattern match per line (the text
-format requires a family's samples to form one contiguous group) and stops.
-Once a pod's page has been read, the next one is usually read with one
-pattern search per family: the group's shape as last seen (see ``Hints``).
-Labels are decoded only where a spec matches on them or where the LoRA state
-lives. Lines of other families are never looked at, so their oddities cannot
-fail a scrape; a malformed line of a family that is read raises
+a few families of it (``policyd.fields.METRICS``), a hundred pods ten times a
+second. So this parser never walks the page line by line: it finds each
+wanted family by ``bytes.find`` at C speed, reads that family's group of
+sample lines with one pattern match per line (the text format requires a
+family's samples to form one contiguous group) and stops. Each metric's
+series are then combined by the rule its declaration names (``_count``,
+``_fraction``, ``_lora_state``). Labels are decoded only where a spec matches
+on them or where the LoRA state lives.
+Lines of other families are never looked at, so their oddities cannot fail a
+scrape; a malformed line of a family that is read raises
 ``ExpositionError`` with its line number (a slower, explaining parse of that
 line says what is wrong).
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 import math
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from policyd.fields import METRICS, SCRAPED_POD_FIELDS, Field, Metric
 from policyd.pool.metric_names import MetricNames, MetricSpec
 
 
@@ -36,46 +37,54 @@ class ExpositionError(ValueError):
         self.missing = missing
 
 
-class PodMetrics(NamedTuple):
-    """The scraped numbers the CEL ``pod`` fields are made of.
-
-    A named tuple rather than a frozen dataclass: a thousand are made a
-    second, and a tuple is built several times faster.
-
-    ``lora_info_known`` says the page carried a LoRA info series: without
-    one (a model server that has not logged its stats yet, one without LoRA,
-    a preset that reads none) the adapter lists are empty and ``max_loras``
-    is 0 because nothing is known, not because the pod has no free slot.
-    """
-
-    waiting_queue: int
-    running: int
-    kv_cache: float
-    active_loras: tuple[str, ...] = ()
-    waiting_loras: tuple[str, ...] = ()
-    max_loras: int = 0
-    lora_info_known: bool = False
+# Active adapters, waiting adapters, max adapters, whether a series said so.
+_LoraState = tuple[tuple[str, ...], tuple[str, ...], int, bool]
+_NO_LORA_STATE: _LoraState = ((), (), 0, False)
+_LORA_PARTS = {"running": 0, "waiting": 1, "max": 2, "known": 3}
 
 
-NO_METRICS = PodMetrics(waiting_queue=0, running=0, kv_cache=0.0)
+def _absent(field: Field) -> object:
+    """A scraped field's value while its metric is not on the page (or not read)."""
+    if field.metric is not None and field.metric.combine == "lora-info":
+        return _NO_LORA_STATE[_LORA_PARTS[field.part]]  # nothing known: not a full pod
+    return field.default
+
+
+def _pod_metrics_type() -> Any:
+    # A named tuple: a thousand are made a second, and it crosses from the
+    # scraper child as a plain tuple (``scrape_process``).
+    make: Any = collections.namedtuple  # built from the declarations, unknown to mypy
+    cls = make(
+        "PodMetrics",
+        [field.name for field in SCRAPED_POD_FIELDS],
+        defaults=[_absent(field) for field in SCRAPED_POD_FIELDS],
+    )
+    cls.__module__ = __name__
+    cls.__doc__ = "The scraped CEL ``pod`` fields, in the order ``policyd.fields`` declares them."
+    return cls
+
+
+if TYPE_CHECKING:
+
+    class PodMetrics(tuple[Any, ...]):
+        """The scraped numbers the CEL ``pod`` fields are made of (``SCRAPED_POD_FIELDS``)."""
+
+        def __new__(cls, *values: Any, **fields: Any) -> PodMetrics: ...
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    PodMetrics = _pod_metrics_type()
+
+# A pod never scraped.
+NO_METRICS = PodMetrics()
 
 # One sample line: where it starts in the data, its raw label text, its value.
 _Sample = tuple[int, bytes | bytearray, float]
 
-# Active adapters, waiting adapters, max adapters, whether a series said so.
-_LoraState = tuple[tuple[str, ...], tuple[str, ...], int, bool]
-_NO_LORA_STATE: _LoraState = ((), (), 0, False)
 # The CEL pod fields are int64: a count or a slot number beyond it is no count.
 _INT64_LIMIT = 2.0**63  # the first float that does not fit
 _INT64_MAX = 2**63 - 1
 _LORA_STATES_KEPT = 256  # label sets remembered per parser (all pods of a scraper)
-_SHAPES_KEPT = 256  # compiled group shapes per parser (pods printing alike share them)
-_SHAPE_LINES = 32  # a longer group is read the general way (the simulator keeps 32)
-# Where a shape is looked for: from this many bytes before the group's last
-# offset (the line above it, and a page that shifted back a little), to
-# _NEAR bytes plus this many per line after it.
-_SHAPE_BEFORE = 320
-_SHAPE_LINE_BYTES = 512
 
 # The rest of a well-formed sample line after the family name: optional labels
 # (up to the line's last '}'), the value, an optional timestamp. Lines it does
@@ -85,148 +94,63 @@ _SAMPLE_REST = rb"(?:\{(.*)\})?[ \t]+([^ \t\r\n]+)(?:[ \t]+[^ \t\r\n]+)?[ \t]*\r
 
 @dataclass(frozen=True, slots=True)
 class _Family:
-    """A family to read: its spec, its name, its slot in the hints, its line pattern."""
+    """A family to read: its spec, its name, its line pattern."""
 
     spec: MetricSpec
     name: bytes
-    slot: int
     needle: bytes  # newline + name: where one of its lines starts
     line: re.Pattern[bytes]
-    shape_line: bytes  # pattern source of one sample line in a shape: (start)(labels)(value)
-    shape_end: bytes  # pattern source: the line after a group is not the family's
 
     @classmethod
-    def of(cls, spec: MetricSpec, slot: int) -> _Family:
+    def of(cls, spec: MetricSpec) -> _Family:
         name = spec.name.encode("ascii")
-        line = re.escape(name) + _SAMPLE_REST
-        not_next = b"(?!" + re.escape(name) + rb"(?:[{ \t\r\n]|\Z))"
-        return cls(spec, name, slot, b"\n" + name, re.compile(line), b"()" + line, not_next)
-
-
-class Hints:
-    """What one pod's last page showed of each family, for reading its next one.
-
-    ``offsets[slot]`` is where the family's group of lines began, from the
-    body's start (-1: not seen). ``shapes[slot]`` is a pattern of the group
-    as it was: a newline, the line above the group (the same comment, or a
-    line of the same other family), as many sample lines of the family with
-    any labels and values, and then no further line of it. The next page
-    usually prints the same lines with new numbers, a few bytes further on
-    or back: one search near the offset then finds the whole group and its
-    values, and proves the group is whole (the line above and the line
-    below are not the family's), which is what the general path checks line
-    by line. Where the shape is not found, the general path reads the group
-    and leaves a new shape.
-    """
-
-    __slots__ = ("offsets", "shapes")
-
-    def __init__(self, families: int) -> None:
-        self.offsets: list[int] = [-1] * families
-        self.shapes: list[re.Pattern[bytes] | None] = [None] * families
+        return cls(spec, name, b"\n" + name, re.compile(re.escape(name) + _SAMPLE_REST))
 
 
 class MetricsParser:
     """Turns exposition bodies into ``PodMetrics`` for one set of ``MetricNames``.
 
-    ``parse(body, hints)`` may be given the ``Hints`` from ``new_hints()``
-    kept per pod: they remember where each family was found and the shape of
-    its lines, and since a server prints its page in the same order every
-    time, the next parse looks there first instead of scanning the page from
-    the top (any answer is still checked, so a moved or vanished family is
-    found or missed exactly as without hints).
+    Each declared metric is read by the rule its ``combine`` names.
     """
 
-    __slots__ = (
-        "_families",
-        "_kv_cache",
-        "_lora",
-        "_lora_states",
-        "_names",
-        "_running",
-        "_shapes",
-        "_single_lines",
-        "_waiting",
-    )
+    __slots__ = ("_fields", "_lora_states", "_names", "_reads")
 
     def __init__(self, names: MetricNames) -> None:
         self._names = names
-        counter = itertools.count()
-
-        def encode(specs: tuple[MetricSpec, ...]) -> tuple[_Family, ...]:
-            return tuple(_Family.of(spec, next(counter)) for spec in specs)
-
-        self._waiting = encode(names.waiting)
-        self._running = encode(names.running)
-        self._kv_cache = encode(names.kv_cache)
-        self._lora = None if names.lora_info is None else encode((names.lora_info,))[0]
-        self._families = next(counter)
-        firsts = (self._waiting[0], self._running[0], self._kv_cache[0])
-        # The families the common case reads as one line each (a spec that
-        # picks series by label needs the general path).
-        self._single_lines = None if any(f.spec.labels for f in firsts) else firsts
+        # One read per declared metric: the metric and its families in fallback order.
+        self._reads = tuple(
+            (metric, tuple(_Family.of(spec) for spec in names.of(metric))) for metric in METRICS
+        )
+        index = {metric.key: i for i, metric in enumerate(METRICS)}
+        # Per scraped field: which read gives it, and which part of that read's value.
+        self._fields = tuple(
+            (index[field.metric.key], _LORA_PARTS.get(field.part, -1))
+            for field in SCRAPED_POD_FIELDS
+            if field.metric is not None
+        )
         self._lora_states: dict[bytes, _LoraState] = {}  # by the label text they were read from
-        self._shapes: dict[bytes, re.Pattern[bytes]] = {}  # by their pattern source
 
-    def new_hints(self) -> Hints:
-        """Per-pod memory of where each family was and how it looked (see the class docstring)."""
-        return Hints(self._families)
-
-    def parse(
-        self,
-        body: bytes | bytearray,
-        hints: Hints | None = None,
-        start: int = 0,
-        end: int | None = None,
-    ) -> PodMetrics:
-        """The metrics in ``body[start:end]`` (no copy is made of a slice of a buffer).
+    def parse(self, body: bytes | bytearray, start: int = 0, end: int | None = None) -> PodMetrics:
+        """The ``PodMetrics`` in ``body[start:end]`` (no copy is made of a slice of a buffer).
 
         Raises ``ExpositionError`` naming the line (counted from ``start``) and what is wrong.
         """
-        page = _Page(body, start, len(body) if end is None else end, hints, self._shapes)
-        if hints is not None and self._single_lines is not None:
-            metrics = self._parse_one_line_each(page, self._single_lines)
-            if metrics is not None:
-                return metrics
-        waiting = _count(page, self._waiting)
-        running = _count(page, self._running)
-        kv_cache = _fraction(page, self._kv_cache)
-        if self._lora is None:
-            return PodMetrics(waiting, running, kv_cache)
-        return PodMetrics(waiting, running, kv_cache, *self._lora_state(page, self._lora))
-
-    def _parse_one_line_each(
-        self, page: _Page, singles: tuple[_Family, _Family, _Family]
-    ) -> PodMetrics | None:
-        """The commonest page in the fewest steps, or ``None`` for the general path.
-
-        Waiting, running and KV cache (their first-choice names) each one
-        line, found where the pod's hints say or near it, with values in
-        range: the answer the general path would give, without its layers.
-        Anything else, including a value out of range, goes the general
-        path, which also explains errors.
-        """
-        values: list[float] = []
-        for family in singles:
-            samples = page.samples(family)
-            if len(samples) != 1:
-                return None
-            values.append(samples[0][2])
-        waiting, running, kv_cache = values
-        if not (
-            0.0 <= waiting < _INT64_LIMIT
-            and 0.0 <= running < _INT64_LIMIT
-            and 0.0 <= kv_cache <= 1.0
-        ):
-            return None
-        if self._lora is None:
-            return PodMetrics(round(waiting), round(running), kv_cache)
+        page = _Page(body, start, len(body) if end is None else end)
+        values: list[Any] = []
+        for metric, families in self._reads:
+            combine = metric.combine
+            if combine == "sum":
+                values.append(_count(page, families, metric))
+            elif combine == "fullest":
+                values.append(_fraction(page, families, metric))
+            else:
+                values.append(self._lora_state(page, families))
         return PodMetrics(
-            round(waiting), round(running), kv_cache, *self._lora_state(page, self._lora)
+            *(values[read] if part < 0 else values[read][part] for read, part in self._fields)
         )
 
-    def _lora_state(self, page: _Page, family: _Family) -> _LoraState:
-        """The adapters of the newest ``lora_requests_info`` series.
+    def _lora_state(self, page: _Page, families: tuple[_Family, ...]) -> _LoraState:
+        """The adapters of the newest series of the first present LoRA info family.
 
         Each series' value is the Unix time it was last set; old label sets
         linger with old times, so the largest value is the current state (on
@@ -235,8 +159,11 @@ class MetricsParser:
         ``VLLM_LOG_STATS_INTERVAL`` after it starts). A value that is no time
         (NaN, infinite) cannot say which series is current: the page is bad.
         """
-        samples = page.samples(family)
-        if not samples:
+        for family in families:
+            samples = page.samples(family)
+            if samples:
+                break
+        else:
             return _NO_LORA_STATE
         for offset, _, value in samples:
             if not math.isfinite(value):
@@ -283,15 +210,16 @@ class MetricsParser:
         )
 
 
-def _count(page: _Page, families: tuple[_Family, ...]) -> int:
+def _count(page: _Page, families: tuple[_Family, ...], metric: Metric) -> int:
     """Sum of the first present family's series: requests across all engines."""
-    spec, samples = _first_present(page, families)
+    found = _first_present(page, families, metric)
+    if found is None:
+        return 0
+    spec, samples = found
     total = 0.0
     for offset, _, value in samples:
         if not math.isfinite(value) or value < 0:
-            raise ExpositionError(
-                f"{spec.name}: {value} is not a request count", page.line_of(offset)
-            )
+            raise ExpositionError(f"{spec.name}: {value} is not a count", page.line_of(offset))
         if value >= _INT64_LIMIT:
             raise ExpositionError(
                 f"{spec.name}: {value} is out of range (more than a 64-bit integer holds)",
@@ -307,9 +235,12 @@ def _count(page: _Page, families: tuple[_Family, ...]) -> int:
     return round(total)
 
 
-def _fraction(page: _Page, families: tuple[_Family, ...]) -> float:
+def _fraction(page: _Page, families: tuple[_Family, ...], metric: Metric) -> float:
     """Largest of the first present family's series: the fullest engine's KV cache."""
-    spec, samples = _first_present(page, families)
+    found = _first_present(page, families, metric)
+    if found is None:
+        return 0.0
+    spec, samples = found
     fullest = 0.0
     for offset, _, value in samples:
         if not 0.0 <= value <= 1.0:  # NaN fails too
@@ -320,11 +251,16 @@ def _fraction(page: _Page, families: tuple[_Family, ...]) -> float:
     return fullest
 
 
-def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSpec, list[_Sample]]:
+def _first_present(
+    page: _Page, families: tuple[_Family, ...], metric: Metric
+) -> tuple[MetricSpec, list[_Sample]] | None:
+    """The first family with series; ``None`` for an optional metric with none."""
     for family in families:
         samples = page.samples(family)
         if samples:
             return family.spec, samples
+    if not metric.required:
+        return None
     wanted = " or ".join(str(family.spec) for family in families)
     raise ExpositionError(f"no {wanted} series in the response", missing=True)
 
@@ -332,51 +268,27 @@ def _first_present(page: _Page, families: tuple[_Family, ...]) -> tuple[MetricSp
 # What may follow a family name on one of its sample lines (a bare name has no value,
 # which is then reported rather than overlooked).
 _AFTER_NAME = (b"{", b" ", b"\t", b"\r", b"\n", b"")
-_NEAR = 512  # bytes before a hint where the search for a family that moved starts
 
 
 class _Page:
-    """The body being parsed (``data[first:last]``) and what the pod's last page showed.
+    """The body being parsed, ``data[first:last]``.
 
     Every look at ``data`` stays within ``first:last``: the body may be a
     slice of a connection's receive buffer, with other bytes around it.
     """
 
-    __slots__ = ("data", "first", "hints", "last", "shapes")
+    __slots__ = ("data", "first", "last")
 
-    def __init__(
-        self,
-        data: bytes | bytearray,
-        first: int,
-        last: int,
-        hints: Hints | None,
-        shapes: dict[bytes, re.Pattern[bytes]],
-    ) -> None:
+    def __init__(self, data: bytes | bytearray, first: int, last: int) -> None:
         self.data = data
         self.first = first
         self.last = last
-        self.hints = hints
-        self.shapes = shapes  # the parser's, shared by all its pods
 
     def samples(self, family: _Family) -> list[_Sample]:
         """The family's samples whose labels carry every value its spec asks for."""
-        spec, slot = family.spec, family.slot
-        hints = self.hints
-        samples: list[_Sample] | None = None
-        if hints is None:
-            start = self._find(family, self.first, self.last)
-        else:
-            hint = hints.offsets[slot]
-            hint = -1 if hint < 0 else self.first + hint
-            shape = hints.shapes[slot]
-            if shape is not None:
-                samples = self._by_shape(family, shape, hint)
-            start = self._locate(family, hint) if samples is None else samples[0][0]
-            hints.offsets[slot] = -1 if start < 0 else start - self.first
-        if samples is None:
-            samples = self._group(family, start) if start >= 0 else []
-            if hints is not None:
-                hints.shapes[slot] = self._shape(family, start, len(samples)) if samples else None
+        spec = family.spec
+        start = self._find(family, self.first, self.last)
+        samples = self._group(family, start) if start >= 0 else []
         if not spec.labels or not samples:
             return samples
         return [
@@ -393,77 +305,6 @@ class _Page:
 
     def line_of(self, offset: int) -> int:
         return self.data.count(b"\n", self.first, offset) + 1
-
-    def _by_shape(
-        self, family: _Family, shape: re.Pattern[bytes], hint: int
-    ) -> list[_Sample] | None:
-        """The group, read in one search for its shape near ``hint``; ``None``
-        where the shape is not there (the general path then finds the group,
-        or explains what is wrong with it)."""
-        first, last = self.first, self.last
-        lines = shape.groups // 3
-        end = min(last, hint + _NEAR + _SHAPE_LINE_BYTES * lines)
-        match = shape.search(self.data, max(first, hint - _SHAPE_BEFORE), end)
-        if match is None:
-            return None
-        if end < last and match.end() + len(family.name) >= end:
-            # The search stopped short of the body's end: the last line may be
-            # cut there, or the next one, which must not be the family's, unseen.
-            return None
-        samples: list[_Sample] = []
-        for group in range(1, shape.groups, 3):
-            try:
-                value = float(match[group + 2])
-            except ValueError:
-                return None
-            samples.append((match.start(group), match[group + 1] or b"", value))
-        return samples
-
-    def _shape(self, family: _Family, start: int, count: int) -> re.Pattern[bytes] | None:
-        """The shape of the family's group of ``count`` lines at ``start``, for the
-        next page (see ``Hints``); ``None`` for a group a shape cannot tell."""
-        data, first = self.data, self.first
-        if count > _SHAPE_LINES or start <= first:
-            return None
-        newline = data.rfind(b"\n", first, start - 1)
-        if newline < 0:
-            return None  # the line above is the body's first: no newline to find it by
-        above = bytes(data[newline + 1 : start])
-        if len(above) > _SHAPE_BEFORE // 2:
-            return None  # a search from _SHAPE_BEFORE bytes back might start inside it
-        if above.startswith(b"#") or above.strip() == b"":
-            head = re.escape(above)  # a comment (or a blank line) stays as it was
-        else:  # a sample line of another family: any labels and value
-            name = above.split(b"{", 1)[0].split(None, 1)[0]
-            head = re.escape(name) + rb"(?:[{ \t][^\n]*)?\n"
-        source = b"\n" + head + family.shape_line * count + family.shape_end
-        shape = self.shapes.get(source)
-        if shape is None:
-            if len(self.shapes) >= _SHAPES_KEPT:
-                self.shapes.clear()
-            shape = self.shapes[source] = re.compile(source)
-        return shape
-
-    def _locate(self, family: _Family, hint: int) -> int:
-        """Where the family's group of lines starts, or -1."""
-        first, last = self.first, self.last
-        if hint < 0:
-            return self._find(family, first, last)
-        # Look from a little before where it was (a page shifts a few bytes
-        # either way); if that finds nothing it can only be earlier still.
-        near = max(hint - _NEAR, first)
-        found = self._find(family, near, last)
-        if found < 0:
-            return self._find(family, first, min(near + len(family.needle), last))
-        # The page may have shifted: step back to the first line of the group.
-        data, name = self.data, family.name
-        while found > first:
-            newline = data.rfind(b"\n", first, found - 1)
-            previous = first if newline < 0 else newline + 1
-            if not (data.startswith(name, previous, last) and self._is_sample(name, previous)):
-                break
-            found = previous
-        return found
 
     def _find(self, family: _Family, start: int, end: int) -> int:
         """The first line starting in ``start:end`` that is a sample of the family, or -1."""

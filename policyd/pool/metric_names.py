@@ -1,18 +1,22 @@
 """Which series of a model server's Prometheus exposition feed which pod fields.
 
-The defaults are vLLM's names. Other servers name the same gauges differently
-(and some select them by a label value), so every field takes a list of
-``MetricSpec`` tried in order: the first spec with at least one matching series
-wins, which is how vLLM's renamed KV-cache gauge falls back to the older name.
-The presets come from the servers' public documentation and the Gateway API
-Inference Extension's model-server protocol table.
+The metrics and their names under each preset are declared in
+``policyd.fields``; this module parses the written specs and builds the
+presets from them. Servers name the same gauges differently (and some select
+them by a label value), so every metric takes a list of ``MetricSpec`` tried
+in order: the first spec with at least one matching series wins, which is how
+vLLM's renamed KV-cache gauge falls back to the older name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
+
+from policyd.fields import METRICS, PRESET_PATHS, Metric
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -68,26 +72,28 @@ def specs(*texts: str) -> tuple[MetricSpec, ...]:
 class MetricNames:
     """Where a model server publishes the numbers policies read.
 
-    ``waiting`` / ``running`` series are summed (a server with several engines,
-    e.g. vLLM data parallel, reports one series each), ``kv_cache`` takes the
-    fullest series. ``lora_info`` is vLLM's ``lora_requests_info`` convention
-    (several series, the one with the newest timestamp value is current);
-    ``None`` for servers that publish no LoRA state.
+    ``specs`` maps each declared metric's key (``policyd.fields.METRICS``) to
+    the specs tried in order; a key absent or empty is not published (a
+    required metric must be given). How each metric's series combine is
+    declared with it. The LoRA info metric is vLLM's ``lora_requests_info``
+    convention (several series, the one with the newest timestamp value is
+    current); its label names can be changed here.
     """
 
-    waiting: tuple[MetricSpec, ...]
-    running: tuple[MetricSpec, ...]
-    kv_cache: tuple[MetricSpec, ...]
-    lora_info: MetricSpec | None = None
+    specs: Mapping[str, tuple[MetricSpec, ...]]
     lora_max_label: str = "max_lora"
     lora_running_label: str = "running_lora_adapters"
     lora_waiting_label: str = "waiting_lora_adapters"
     path: str = "/metrics"
 
     def __post_init__(self) -> None:
-        for field_name in ("waiting", "running", "kv_cache"):
-            if not getattr(self, field_name):
-                raise ValueError(f"metric names: {field_name} needs at least one metric")
+        known = {metric.key for metric in METRICS}
+        for key in self.specs:
+            if key not in known:
+                raise ValueError(f"metric names: no metric {key!r} is declared")
+        for metric in METRICS:
+            if metric.required and not self.specs.get(metric.key):
+                raise ValueError(f"metric names: {metric.key} needs at least one metric")
         for label in (self.lora_max_label, self.lora_running_label, self.lora_waiting_label):
             if not _LABEL_NAME.fullmatch(label):
                 raise ValueError(f"metric names: {label!r} is not a Prometheus label name")
@@ -96,46 +102,30 @@ class MetricNames:
                 f"metric names: path {self.path!r} must start with '/' and hold no spaces"
             )
 
+    def of(self, metric: Metric) -> tuple[MetricSpec, ...]:
+        """The specs read for ``metric``, in fallback order (empty: not read)."""
+        return self.specs.get(metric.key, ())
+
+    def replace(self, **specs: tuple[MetricSpec, ...]) -> MetricNames:
+        """These names with some metrics' specs replaced (keys as in ``specs``)."""
+        return dataclasses.replace(self, specs={**self.specs, **specs})
+
     def family_names(self) -> tuple[str, ...]:
-        """Every metric name read, each once, in the order the fields list them."""
-        specs = (*self.waiting, *self.running, *self.kv_cache)
-        if self.lora_info is not None:
-            specs = (*specs, self.lora_info)
-        return tuple(dict.fromkeys(spec.name for spec in specs))
+        """Every metric name read, each once, in the order the metrics are declared."""
+        return tuple(dict.fromkeys(spec.name for metric in METRICS for spec in self.of(metric)))
 
 
-VLLM: Final = MetricNames(
-    waiting=specs("vllm:num_requests_waiting"),
-    running=specs("vllm:num_requests_running"),
-    kv_cache=specs("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    lora_info=MetricSpec("vllm:lora_requests_info"),
-)
+def preset(name: str, path: str = "/metrics") -> MetricNames:
+    """The names a model server publishes, as declared per metric."""
+    return MetricNames(
+        {metric.key: specs(*metric.presets.get(name, ())) for metric in METRICS}, path=path
+    )
 
-SGLANG: Final = MetricNames(
-    waiting=specs("sglang:num_queue_reqs"),
-    running=specs("sglang:num_running_reqs"),
-    kv_cache=specs("sglang:token_usage"),
-)
-
-# trtllm-serve publishes Prometheus text on /prometheus/metrics (its /metrics is JSON).
-TRTLLM_SERVE: Final = MetricNames(
-    waiting=specs("trtllm_num_requests_waiting"),
-    running=specs("trtllm_num_requests_running"),
-    kv_cache=specs("trtllm_kv_cache_utilization"),
-    path="/prometheus/metrics",
-)
-
-# Triton's TensorRT-LLM backend: one family per kind, the gauge chosen by a label.
-# Triton serves metrics on its own port (8002 by default): set the scrape port.
-TRITON_TRTLLM: Final = MetricNames(
-    waiting=specs('nv_trt_llm_request_metrics{request_type="waiting"}'),
-    running=specs('nv_trt_llm_request_metrics{request_type="scheduled"}'),
-    kv_cache=specs('nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}'),
-)
 
 PRESETS: Final[dict[str, MetricNames]] = {
-    "vllm": VLLM,
-    "sglang": SGLANG,
-    "trtllm-serve": TRTLLM_SERVE,
-    "triton-trtllm": TRITON_TRTLLM,
+    name: preset(name, path) for name, path in PRESET_PATHS.items()
 }
+VLLM: Final = PRESETS["vllm"]
+SGLANG: Final = PRESETS["sglang"]
+TRTLLM_SERVE: Final = PRESETS["trtllm-serve"]
+TRITON_TRTLLM: Final = PRESETS["triton-trtllm"]

@@ -12,9 +12,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from policyd.fields import METRICS
 from policyd.pool.discovery import Discovery
 from policyd.pool.file_discovery import StaticFileDiscovery
-from policyd.pool.metric_names import PRESETS, MetricNames, MetricSpec, specs
+from policyd.pool.metric_names import PRESETS, MetricSpec, specs
 from policyd.pool.pool import Pool
 from policyd.pool.scraper import ScrapeConfig
 
@@ -77,22 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="vllm",
         help="the model server's metric names (default vllm)",
     )
-    for flag, what in (
-        ("--metric-waiting", "queued requests"),
-        ("--metric-running", "running requests"),
-        ("--metric-kv-cache", "KV-cache usage 0..1"),
-    ):
+    for metric in METRICS:
         scrape.add_argument(
-            flag,
+            f"--metric-{metric.key}",
             action="append",
             metavar="SPEC",
-            help=f'metric for {what}, name or name{{label="value"}}; repeat for fallbacks',
+            help=f'metric for {metric.help}, name or name{{label="value"}}; repeat for fallbacks'
+            + ("" if metric.required else "; an empty value turns it off"),
         )
-    scrape.add_argument(
-        "--metric-lora-info",
-        metavar="SPEC",
-        help="lora_requests_info-style metric; an empty value turns LoRA reading off",
-    )
     scrape.add_argument("--metrics-path", metavar="PATH", help="default: the preset's")
     scrape.add_argument(
         "--no-metrics-filter",
@@ -136,21 +129,14 @@ def discovery_from_arguments(args: argparse.Namespace) -> Discovery:
 
 def scrape_config_from_arguments(args: argparse.Namespace) -> ScrapeConfig:
     names = PRESETS[args.metrics_preset]
-    changes: dict[str, object] = {}
-    for attribute, field_name in (
-        ("metric_waiting", "waiting"),
-        ("metric_running", "running"),
-        ("metric_kv_cache", "kv_cache"),
-    ):
-        written = getattr(args, attribute)
+    changes: dict[str, tuple[MetricSpec, ...]] = {}
+    for metric in METRICS:
+        written = getattr(args, "metric_" + metric.key.replace("-", "_"))
         if written:
-            changes[field_name] = specs(*written)
-    if args.metric_lora_info is not None:
-        lora = args.metric_lora_info.strip()
-        changes["lora_info"] = MetricSpec.parse(lora) if lora else None
+            changes[metric.key] = specs(*(text for text in written if text.strip()))
+    metrics = names.replace(**changes)
     if args.metrics_path is not None:
-        changes["path"] = args.metrics_path
-    metrics: MetricNames = dataclasses.replace(names, **changes)  # type: ignore[arg-type]
+        metrics = dataclasses.replace(metrics, path=args.metrics_path)
     return ScrapeConfig(
         interval=args.scrape_interval,
         timeout=args.scrape_timeout,

@@ -1,37 +1,22 @@
-"""A model-server pod as routing policies see it.
+"""A model-server pod as routing policies see it, and the pool's published snapshot.
 
-The attribute names are exactly the CEL schema's ``pod`` fields
-(``policyd.cel.schema.POD_FIELDS``); a test keeps the two in step.
+``Pod``'s attributes are the CEL schema's ``pod`` fields, made from their
+declarations (``policyd.fields.POD_FIELDS``): adding a field there adds it
+here, with its default. ``in_flight`` is the one field not stored: it reads
+the pod's ``InFlight`` counter, which outlives snapshots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TypeVar, dataclass_transform
+from typing import TYPE_CHECKING, Any, Final
 
-from policyd.cel.values import ZERO_DURATION, Duration
-
-_Class = TypeVar("_Class")
+from policyd.cel.values import Duration
+from policyd.fields import POD_FIELDS, SCRAPED_POD_FIELDS, Field, dataclass_fields
 
 
-@dataclass_transform(frozen_default=True, field_specifiers=(field,))
-def _read_only(cls: type[_Class]) -> type[_Class]:
-    """A slotted dataclass that the type checker holds read-only, but that is
-    not frozen at run time.
-
-    The pool builds a ``Pod`` for every pod whose metrics changed, which is
-    every busy pod every scrape round: a hundred pods, ten times a second, on
-    the serving loop. A frozen dataclass sets each field through
-    ``object.__setattr__``, and its ``__init__`` then costs 2.0-2.7 us where
-    a plain slotted one costs 0.34 (``timeit``, eleven fields). mypy still
-    rejects any assignment to a field, which is what keeps snapshots
-    immutable for the requests reading them.
-    """
-    return dataclass(slots=True)(cls)
-
-
-@dataclass(slots=True)
+@dataclasses.dataclass(slots=True)
 class InFlight:
     """Requests policyd sent to one pod that have not finished yet.
 
@@ -43,26 +28,115 @@ class InFlight:
     count: int = 0
 
 
-@_read_only
-class Pod:
-    """One pod in a published snapshot: identity, last scraped metrics, load."""
+def field_default(field: Field) -> object:
+    """A declared default as the value a policy reads (a duration's is in seconds)."""
+    if field.kind == "duration":
+        return Duration.from_seconds(float(field.default))  # type: ignore[arg-type]
+    return field.default
 
-    name: str
-    address: str
-    labels: Mapping[str, str] = field(default_factory=dict)
-    waiting_queue: int = 0
-    running: int = 0
-    kv_cache: float = 0.0
-    active_loras: tuple[str, ...] = ()
-    waiting_loras: tuple[str, ...] = ()
-    max_loras: int = 0
-    # False while the pod's LoRA state is unknown (no LoRA info series scraped
-    # yet): the adapter lists are then empty and max_loras 0 for want of
-    # knowledge. A Pod made by hand describes a known state unless told.
-    lora_info_known: bool = True
-    metrics_age: Duration = ZERO_DURATION
-    load: InFlight = field(default_factory=InFlight, compare=False, repr=False)
 
-    @property
-    def in_flight(self) -> int:
-        return self.load.count
+# The stored fields, in the order ``Pod``'s constructor takes them: identity,
+# the scraped metrics (in the order of ``PodMetrics``), then the rest.
+IDENTITY_FIELDS: Final = tuple(f for f in POD_FIELDS if f.origin == "identity")
+STORED_FIELDS: Final = (
+    *IDENTITY_FIELDS,
+    *SCRAPED_POD_FIELDS,
+    *(f for f in POD_FIELDS if f.origin in ("serving", "scrape") and f.name != "in_flight"),
+)
+
+
+def _in_flight(self: Any) -> int:
+    return self.load.count  # type: ignore[no-any-return]
+
+
+def _build_pod_class() -> type:
+    # Not frozen: the pool builds a Pod for every pod whose metrics changed,
+    # every busy pod every round, and a frozen dataclass's __init__ costs
+    # several times a plain slotted one's. mypy holds it read-only (below).
+    cls = dataclasses.make_dataclass(
+        "Pod",
+        [
+            *dataclass_fields(STORED_FIELDS, field_default),
+            (
+                "load",
+                InFlight,
+                dataclasses.field(default_factory=InFlight, compare=False, repr=False),
+            ),
+        ],
+        slots=True,
+        namespace={
+            "in_flight": property(_in_flight),
+            "__doc__": "One pod in a published snapshot: identity, last scraped metrics, load.",
+        },
+    )
+    cls.__module__ = __name__
+    return cls
+
+
+if TYPE_CHECKING:
+
+    class Pod:
+        """The static face of the class built from the declarations.
+
+        Python code reads the identity by name; the other fields are read by
+        policies through CEL or, in Python, by their declarations.
+        """
+
+        @property
+        def name(self) -> str: ...
+        @property
+        def address(self) -> str: ...
+        @property
+        def labels(self) -> Mapping[str, str]: ...
+        @property
+        def metrics_age(self) -> Duration: ...
+        @property
+        def load(self) -> InFlight: ...
+        @property
+        def in_flight(self) -> int: ...
+        def __init__(
+            self,
+            name: str,
+            address: str,
+            labels: Mapping[str, str] = ...,
+            *args: Any,
+            metrics_age: Duration = ...,
+            load: InFlight = ...,
+            **fields: Any,
+        ) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    Pod = _build_pod_class()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """The pool at one moment.
+
+    ``pods`` holds every known pod (sorted by name), ``candidates`` the ones a
+    policy may choose from: answered the last scrape, metrics no older than
+    the stale threshold. ``panic`` says no pod met that, and the candidates
+    are instead the pods whose last answer is still within the stale
+    threshold (see ``Datastore._publish``). ``ready`` says the pool has pods
+    and has scraped (answered or failed) each of them at least once; it then
+    stays true while pods come and go, so that scaling the model servers up
+    does not flap the service's readiness, and turns false only when the pod
+    set is empty.
+    ``taken_at`` is ``time.monotonic()`` when the
+    snapshot was built (``metrics_age`` is measured to it); ``scrape_round``
+    counts the rounds that went into it.
+    """
+
+    version: int
+    pods: tuple[Pod, ...]
+    candidates: tuple[Pod, ...]
+    ready: bool
+    taken_at: float
+    scrape_round: int
+    panic: bool = False
+
+
+EMPTY_SNAPSHOT = PoolSnapshot(
+    version=0, pods=(), candidates=(), ready=False, taken_at=0.0, scrape_round=0
+)

@@ -8,7 +8,7 @@ stalls of the serving loop every round. ``ProcessScraper`` has the in-process
 ``Scraper``'s interface (``scrape`` / ``retain`` / ``close``,
 ``ScrapeRounds``) but a ``ScrapeLoop`` in a child process
 (``policyd.pool.scrape_child``) does the work on the child's only thread,
-keeping its kept-alive connections and per-pod parser hints across rounds.
+keeping its kept-alive connections across rounds.
 Each round the serving process asks for a round and gets one result per
 pod back, in the order of the round's addresses: length-prefixed pickles
 over a Unix socket pair, read by an asyncio protocol, so the serving loop

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from policyd.pool.discovery import split_address
-from policyd.pool.exposition import ExpositionError, Hints, MetricsParser, PodMetrics
+from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
 from policyd.pool.metric_names import VLLM, MetricNames
 from policyd.pool.metrics_client import MetricsClient, MetricsEndpoint
 
@@ -132,7 +132,7 @@ class ScrapeRounds(Protocol):
 
 class ScrapeLoop:
     """Runs scrape rounds on the calling thread; keeps one endpoint (and
-    connection) and the parser hints per pod address.
+    connection) per pod address.
 
     The scraper child process runs one on its only thread; ``Scraper`` runs
     one in a thread of the serving process. ``scrape`` and ``close`` must be
@@ -146,7 +146,6 @@ class ScrapeLoop:
         self._whole_page = config.metrics.path
         self._client = MetricsClient(config.max_body_bytes)
         self._endpoints: dict[str, MetricsEndpoint] = {}
-        self._hints: dict[str, Hints] = {}  # where and how each pod prints each family
         self._lock = threading.Lock()  # guards the two fields below
         self._running = False
         self._keep: set[str] | None = None  # a retain that came while a round ran
@@ -193,7 +192,6 @@ class ScrapeLoop:
         for endpoint in self._endpoints.values():
             endpoint.close()
         self._endpoints.clear()
-        self._hints.clear()
         self._client.close()
 
     def _retain_now(self) -> None:
@@ -207,7 +205,6 @@ class ScrapeLoop:
             endpoint = self._endpoints.pop(address)
             endpoint.abandon("the pod left the pool")
             endpoint.close()
-            self._hints.pop(address, None)
 
     def _endpoint(self, address: str) -> MetricsEndpoint:
         endpoint = self._endpoints.get(address)
@@ -216,7 +213,6 @@ class ScrapeLoop:
             port = self._config.metrics_port or port
             endpoint = self._client.endpoint(address, host, port, self._target)
             self._endpoints[address] = endpoint
-            self._hints[address] = self._parser.new_hints()
         return endpoint
 
     def _result(self, endpoint: MetricsEndpoint) -> ScrapeResult | None:
@@ -227,7 +223,7 @@ class ScrapeLoop:
         if body is None:
             return ScrapeResult(address, None, endpoint.error or "no answer", endpoint.latency)
         try:
-            metrics = self._parser.parse(body.data, self._hints[address], body.start, body.end)
+            metrics = self._parser.parse(body.data, body.start, body.end)
         except ExpositionError as error:
             if error.missing and endpoint.target != self._whole_page:
                 # Some servers answer a family filter with less than asked for

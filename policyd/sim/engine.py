@@ -127,6 +127,7 @@ class EngineSnapshot:
     running_adapters: tuple[str, ...]
     waiting_adapters: tuple[str, ...]
     max_loras: int
+    preemptions: int = 0  # since the engine started (vllm:num_preemptions_total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +423,7 @@ class Engine:
             running,
             waiting,
             self.profile.max_loras,
+            self.stats.preemptions,
         )
         series = self.stats.lora_series
         key = (",".join(running), ",".join(waiting))

@@ -75,6 +75,7 @@ class PodView:
     max_loras: int
     metrics_age: float
     in_flight: int
+    preemptions: int = 0
 
 
 RoutingFunction = Callable[[RoutedRequest, Sequence[PodView], random.Random], int]
@@ -287,6 +288,7 @@ class _Run:
                 snapshot.max_loras,
                 now - sampled_at,
                 self.in_flight[i],
+                snapshot.preemptions,
             )
             for i, (snapshot, sampled_at) in enumerate(self.sampled)
         ]

@@ -7,7 +7,7 @@ left the pool simply stop being reported, so the ``pod`` label stays bounded
 by the pool's size.
 
 The pool is anything of the ``PoolLike`` shape (``policyd.pool.Pool``):
-``snapshot()`` -> ``pods`` / ``candidates`` / ``ready``, ``stats`` keyed by pod
+``snapshot()`` -> a ``PoolSnapshot``, ``stats`` keyed by pod
 address, and the ``rounds`` / ``overruns`` counters. Times in the statistics
 are ``time.monotonic()`` seconds, the collector's default clock.
 """
@@ -16,41 +16,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from policyd.pool.pod import PoolSnapshot
 from policyd.telemetry.metrics import DecisionMetrics
-
-
-class PodLike(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def address(self) -> str: ...
-    @property
-    def waiting_queue(self) -> int: ...
-    @property
-    def running(self) -> int: ...
-    @property
-    def kv_cache(self) -> float: ...
-    @property
-    def active_loras(self) -> Sequence[str]: ...
-    @property
-    def max_loras(self) -> int: ...
-    @property
-    def in_flight(self) -> int: ...
-
-
-class SnapshotLike(Protocol):
-    @property
-    def pods(self) -> Sequence[PodLike]: ...
-    @property
-    def candidates(self) -> Sequence[PodLike]: ...
-    @property
-    def ready(self) -> bool: ...
 
 
 class ScrapeStatsLike(Protocol):
@@ -67,7 +40,7 @@ class ScrapeStatsLike(Protocol):
 
 
 class PoolLike(Protocol):
-    def snapshot(self) -> SnapshotLike: ...
+    def snapshot(self) -> PoolSnapshot: ...
     @property
     def stats(self) -> Mapping[str, ScrapeStatsLike]: ...
     @property

@@ -43,6 +43,7 @@ from opentelemetry.trace import (
     TraceState,
 )
 
+from policyd.fields import POD_FIELDS
 from policyd.policy.decision import Decision, Outcome, ShadowResult
 from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
@@ -460,22 +461,19 @@ def _trace_headers(span: StartedSpan) -> Mapping[str, str]:
     return headers
 
 
-_POD_FIELDS: Final = (
-    "waiting_queue",
-    "running",
-    "kv_cache",
-    "in_flight",
-    "max_loras",
-)
+# The pod fields the log and the span record, as declared (``Field.logged``).
+_LOGGED_POD_FIELDS: Final = tuple((f.name, f.kind) for f in POD_FIELDS if f.logged)
 
 
 def _pod_inputs(pod: Any) -> dict[str, Any]:
     """What the policy could read of a pod (metrics as of now, just after the decision)."""
-    inputs: dict[str, Any] = {"name": pod.name, "address": pod.address}
-    for field in _POD_FIELDS:
-        inputs[field] = getattr(pod, field, None)
-    inputs["active_loras"] = list(getattr(pod, "active_loras", ()))
-    inputs["waiting_loras"] = list(getattr(pod, "waiting_loras", ()))
-    age = getattr(pod, "metrics_age", None)
-    inputs["metrics_age_seconds"] = age.seconds() if age is not None else None
+    inputs: dict[str, Any] = {}
+    for name, kind in _LOGGED_POD_FIELDS:
+        value = getattr(pod, name, None)
+        if kind == "list<string>":
+            inputs[name] = list(value or ())
+        elif kind == "duration":
+            inputs[name + "_seconds"] = None if value is None else value.seconds()
+        else:
+            inputs[name] = value
     return inputs

@@ -51,6 +51,7 @@ VIEW = PodView(
     max_loras=4,
     metrics_age=0.075,
     in_flight=31,
+    preemptions=2,
 )
 # A few requests over few connections: seconds of virtual time, well under a second of wall.
 SHORT = SeedWorkload(requests=48, connections=12, max_tokens=120)
@@ -71,6 +72,7 @@ def test_every_field_of_the_view_is_carried_over() -> None:
     assert pod.lora_info_known is True  # a simulated pod's view always carries max_loras
     assert pod.metrics_age == Duration(75_000_000)
     assert pod.in_flight == 31
+    assert pod.num_preemptions == 2
 
 
 def test_no_pod_field_is_left_at_an_idle_pods_value() -> None:

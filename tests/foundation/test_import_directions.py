@@ -19,16 +19,24 @@ ROOT = "policyd"  # the package itself: its __init__ holds only __version__
 # for the package's own __init__ alone. The "Rooms and the direction of imports"
 # table of docs/architecture.md, as code.
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "cel": (),
+    "fields": (),
+    "cel": ("policyd.fields",),
     "sim": (),
-    "pool": ("policyd.cel.values",),
-    "policy": ("policyd.cel",),
-    "telemetry": (ROOT, "policyd.policy.decision", "policyd.policy.request"),
+    "pool": ("policyd.cel.values", "policyd.fields"),
+    "policy": ("policyd.cel", "policyd.fields"),
+    "telemetry": (
+        ROOT,
+        "policyd.fields",
+        "policyd.policy.decision",
+        "policyd.policy.request",
+        "policyd.pool.pod",
+    ),
     "extproc": ("policyd.policy", "policyd.pool", "policyd.telemetry"),
     "demo": (
         ROOT,
         "policyd.cel",
         "policyd.extproc",
+        "policyd.fields",
         "policyd.policy",
         "policyd.pool",
         "policyd.sim",

@@ -1,4 +1,5 @@
-"""docs/policy-language.md: the opening example runs as shown; the schema tables are exact."""
+"""docs/policy-language.md: the opening example runs as shown; the schema tables are
+the declared fields (``policyd.fields``), row for row: name, type and meaning."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from policyd.cel import POD_FIELDS, REQUEST_FIELDS
-from policyd.cel.schema import Field
 from policyd.cli import main
+from policyd.fields import POD_FIELDS, REQUEST_FIELDS, Field
 
 from .helpers import REPO
 
@@ -39,12 +39,14 @@ def test_the_opening_example_checks_explains_and_tests_as_documented(
         assert capsys.readouterr().out == expected, command
 
 
-def schema_table(heading: str) -> list[tuple[str, str]]:
-    """(field, type) rows of the table that follows ``heading`` in "What expressions see"."""
+def schema_table(heading: str) -> list[tuple[str, str, str]]:
+    """(field, type, meaning) rows of the table after ``heading`` in "What expressions see"."""
     section = DOC.read_text().split("\n## What expressions see\n", 1)[1].split("\n## ", 1)[0]
     table = section.split(f"\n{heading}\n", 1)[1].strip().split("\n\n", 1)[0]
-    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]
-    return [(name.strip().strip("`"), kind.strip()) for name, kind in rows]
+    rows = [line.split("|")[1:4] for line in table.splitlines()[2:]]
+    return [
+        (name.strip().strip("`"), kind.strip(), meaning.strip()) for name, kind, meaning in rows
+    ]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,8 @@ def schema_table(heading: str) -> list[tuple[str, str]]:
 def test_the_documented_schema_is_the_schema_policies_are_checked_against(
     heading: str, fields: tuple[Field, ...]
 ) -> None:
-    written = [
-        (f.name, f.kind.replace("<", "(").replace(">", ")").replace(",", ", ")) for f in fields
+    declared = [
+        (f.name, f.kind.replace("<", "(").replace(">", ")").replace(",", ", "), f.doc)
+        for f in fields
     ]
-    assert schema_table(heading) == written
+    assert schema_table(heading) == declared

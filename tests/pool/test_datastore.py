@@ -360,10 +360,13 @@ def test_the_type_checker_rejects_any_change_to_a_pod() -> None:
     )
     errors = [line for line in report.splitlines() if ": error:" in line]
     assert status == 1
-    assert errors == [
-        f'<string>:{4 + 2 * i}: error: Property "{name}" defined in "Pod" is read-only  [misc]'
-        for i, name in enumerate(fields)
+    # The identity is a read-only property; the fields read through their
+    # declarations have no attribute to assign to.
+    assert [line.split(": error:")[0] for line in errors] == [
+        f"<string>:{4 + 2 * i}" for i in range(len(fields))
     ]
+    for line in errors:
+        assert "is read-only" in line or "has no attribute" in line, line
 
 
 def test_unchanged_pods_keep_their_objects_and_the_candidates_tuple() -> None:

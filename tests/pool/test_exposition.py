@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.pool.exposition import (
     ExpositionError,
-    Hints,
     MetricsParser,
     PodMetrics,
     parse_labels,
@@ -76,29 +74,27 @@ def test_empty_lora_label_values_mean_no_adapters() -> None:
 def test_no_lora_series_means_the_lora_state_is_unknown() -> None:
     # A vLLM that has not logged its stats yet prints no series: nothing is
     # known, which is not the same as a pod with no free adapter slot.
-    for hints in (None, vllm.new_hints(), vllm.new_hints()):
-        metrics = vllm.parse(BASE.encode(), hints)
-        assert (metrics.active_loras, metrics.waiting_loras, metrics.max_loras) == ((), (), 0)
-        assert metrics.lora_info_known is False
+    metrics = vllm.parse(BASE.encode())
+    assert (metrics.active_loras, metrics.waiting_loras, metrics.max_loras) == ((), (), 0)
+    assert metrics.lora_info_known is False
     assert MetricsParser(SGLANG).parse(
         b"sglang:num_queue_reqs 1\nsglang:num_running_reqs 2\nsglang:token_usage 0.5\n"
     ) == PodMetrics(1, 2, 0.5, lora_info_known=False)
 
 
-def test_a_lora_series_makes_the_state_known_on_the_hinted_path_too() -> None:
-    hints = vllm.new_hints()
+def test_a_lora_series_makes_the_state_known_until_it_goes_away() -> None:
     lora = (
         'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",waiting_lora_adapters=""}'
     )
-    assert vllm.parse(BASE.encode(), hints).lora_info_known is False
-    for _ in range(2):  # the general path, then the pattern of the page as last seen
-        metrics = vllm.parse((BASE + lora + " 1.7e9\n").encode(), hints)
+    assert vllm.parse(BASE.encode()).lora_info_known is False
+    for _ in range(2):  # read, then from the label sets read before
+        metrics = vllm.parse((BASE + lora + " 1.7e9\n").encode())
         assert (metrics.active_loras, metrics.max_loras, metrics.lora_info_known) == (
             ("a",),
             2,
             True,
         )
-    assert vllm.parse(BASE.encode(), hints).lora_info_known is False  # the series went away
+    assert vllm.parse(BASE.encode()).lora_info_known is False  # the series went away
 
 
 def test_kv_cache_falls_back_to_the_older_vllm_name() -> None:
@@ -167,11 +163,11 @@ def test_a_missing_kv_cache_names_both_spellings() -> None:
         ('vllm:num_requests_waiting{model_name="m" 3.0', "not closed with '}'"),
         ("vllm:num_requests_waiting", "has no value"),
         ("vllm:num_requests_waiting 1 2 3", "unexpected text after the value"),
-        ("vllm:num_requests_waiting NaN", "is not a request count"),
-        ("vllm:num_requests_waiting -1", "is not a request count"),
+        ("vllm:num_requests_waiting NaN", "is not a count"),
+        ("vllm:num_requests_waiting -1", "is not a count"),
         ("vllm:kv_cache_usage_perc 1.5", "not a fraction from 0 to 1"),
         ("vllm:kv_cache_usage_perc NaN", "not a fraction from 0 to 1"),
-        ("vllm:num_requests_waiting +Inf", "is not a request count"),
+        ("vllm:num_requests_waiting +Inf", "is not a count"),
         ("vllm:num_requests_waiting 1e19", "out of range"),
         ("vllm:num_requests_running 9.3e18", "out of range"),
     ],
@@ -213,7 +209,6 @@ def test_a_malformed_current_lora_series_is_reported(labels: str, reason: str) -
     assert reason in str(error.value)
 
 
-@pytest.mark.parametrize("hinted", [False, True])
 @pytest.mark.parametrize(
     ("lines", "line", "reason"),
     [
@@ -257,19 +252,15 @@ def test_a_malformed_current_lora_series_is_reported(labels: str, reason: str) -
     ],
 )
 def test_values_out_of_range_fail_the_scrape_with_the_line(
-    lines: list[str], line: int, reason: str, hinted: bool
+    lines: list[str], line: int, reason: str
 ) -> None:
-    # The first page is good (and leaves hints); the bad one is refused by both paths.
     base = BASE.splitlines()
     family = lines[0].partition("{")[0].partition(" ")[0]
     kept = [text for text in base if not text.startswith(family + " ")]
     at = next((i for i, text in enumerate(base) if text.startswith(family + " ")), len(base))
     page = "\n".join([*kept[:at], *lines, *kept[at:]]) + "\n"
-    hints = vllm.new_hints() if hinted else None
-    if hints is not None:
-        vllm.parse(BASE.encode(), hints)
     with pytest.raises(ExpositionError) as error:
-        vllm.parse(page.encode(), hints)
+        vllm.parse(page.encode())
     assert reason in str(error.value)
     assert error.value.line == line
 
@@ -343,7 +334,7 @@ def test_bad_metric_specs_are_refused(text: str) -> None:
 
 def test_every_preset_has_the_three_required_families() -> None:
     for name, names in PRESETS.items():
-        assert names.waiting and names.running and names.kv_cache, name
+        assert all(names.specs[key] for key in ("waiting", "running", "kv-cache")), name
 
 
 adapter = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=12)
@@ -401,66 +392,31 @@ def test_agrees_with_prometheus_client_on_text_it_generates(
         assert (ours.active_loras, ours.max_loras) == ((), 0)
 
 
-def test_hints_find_families_that_moved_or_vanished() -> None:
-    hints = vllm.new_hints()
+def test_families_are_found_wherever_the_page_prints_them() -> None:
     lora = "".join(
         f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{name}"}} {stamp}\n'
         for name, stamp in (("a", 3), ("b", 1), ("c", 2))
     )
-    first = "# padding\n" * 50 + BASE + lora  # the newest series ("a") is the first line
-    assert vllm.parse(first.encode(), hints).active_loras == ("a",)
-    assert all(hint > 0 for hint in hints.offsets[:3])
-    # Moved left by less than a line: looking from the hint lands inside the LoRA group.
-    shifted = "# padding\n" * 49 + BASE + lora
-    assert vllm.parse(shifted.encode(), hints).active_loras == ("a",)
-    # Moved left by more than the groups: found earlier in the page.
-    assert vllm.parse((BASE + lora).encode(), hints).active_loras == ("a",)
-    # Moved right, and the LoRA family gone.
-    moved = "# padding\n" * 200 + BASE
-    assert vllm.parse(moved.encode(), hints).active_loras == ()
+    for page in ("# padding\n" * 50 + BASE + lora, BASE + lora, lora + BASE):
+        assert vllm.parse(page.encode()).active_loras == ("a",)  # the newest series
+    assert vllm.parse(("# padding\n" * 200 + BASE).encode()).active_loras == ()
     with pytest.raises(ExpositionError, match="no vllm:num_requests_waiting"):
-        vllm.parse(b"vllm:num_requests_running 1\n", hints)
+        vllm.parse(b"vllm:num_requests_running 1\n")
 
 
-def test_hints_follow_families_that_shifted_a_few_bytes() -> None:
-    # A counter above them gained digits: every family sits a few bytes
-    # further on, and the hints move with them (the next parse looks there).
-    def page(counter: str) -> bytes:
-        return (f"process_cpu_seconds_total {counter}\n" + BASE).encode()
-
-    hints = vllm.new_hints()
-    assert vllm.parse(page("0.5"), hints).kv_cache == 0.5
-    before = hints.offsets[:3]
-    longer = page("0.6900000000000001")
-    assert vllm.parse(longer, hints) == vllm.parse(longer)
-    assert [hint - 15 for hint in hints.offsets[:3]] == before
-    names = (
-        b"vllm:num_requests_waiting",
-        b"vllm:num_requests_running",
-        b"vllm:kv_cache_usage_perc",
-    )
-    assert hints.offsets[:3] == [longer.index(name) for name in names]
-    assert vllm.parse(page("1"), hints) == vllm.parse(page("1"))  # and back, 17 bytes earlier
-    assert [hint + 2 for hint in hints.offsets[:3]] == before
-
-
-def test_a_family_that_gains_series_around_its_hinted_line_counts_them_all() -> None:
-    hints = vllm.new_hints()
+def test_a_family_that_gains_series_counts_them_all() -> None:
     page = "# padding\n" * 5 + BASE
-    assert vllm.parse(page.encode(), hints).waiting_queue == 2  # one line each, hinted
+    assert vllm.parse(page.encode()).waiting_queue == 2
     below = page.replace(
         "vllm:num_requests_waiting 2\n",
         'vllm:num_requests_waiting 2\nvllm:num_requests_waiting{engine="1"} 3\n',
     )
-    assert vllm.parse(below.encode(), hints).waiting_queue == 5
-    # A series printed above it, the page otherwise shorter: the hinted line is where it was.
-    added = 'vllm:num_requests_waiting{engine="12"} 4\n'
-    above = ("# padding\n" * 5 + BASE)[len(added) :].replace(
-        "vllm:num_requests_waiting 2\n", added + "vllm:num_requests_waiting 2\n"
+    assert vllm.parse(below.encode()).waiting_queue == 5
+    above = page.replace(
+        "vllm:num_requests_waiting 2\n",
+        'vllm:num_requests_waiting{engine="12"} 4\nvllm:num_requests_waiting 2\n',
     )
-    assert vllm.parse(page.encode(), hints).waiting_queue == 2  # the hint is the single line again
-    assert above.index("vllm:num_requests_waiting 2") == page.index("vllm:num_requests_waiting 2")
-    assert vllm.parse(above.encode(), hints).waiting_queue == 6
+    assert vllm.parse(above.encode()).waiting_queue == 6
 
 
 def test_lora_label_sets_read_before_give_the_same_state_and_bad_ones_always_fail() -> None:
@@ -501,106 +457,30 @@ def page_of(lines: list[tuple[str, int]]) -> bytes:
     return ("\n".join(line for group in order.values() for line in group) + "\n").encode()
 
 
-def outcome(body: bytes, hints: Hints | None) -> object:
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(family_line, st.integers(0, 9)), max_size=20), st.integers(0, 40))
+def test_a_page_reads_the_same_wherever_it_sits_in_the_buffer(
+    lines: list[tuple[str, int]], padding: int
+) -> None:
+    # The scraper parses a body in place, in a connection's buffer with other
+    # bytes around it: nothing outside the body is looked at.
+    body = page_of(lines)
+    around = b"vllm:num_requests_waiting 9\n" * padding
+    buffer = around + body + around
     try:
-        return vllm.parse(body, hints)
+        alone: object = vllm.parse(body)
     except ExpositionError as error:
-        return str(error)
+        alone = (error.reason, error.line)
+    try:
+        inside: object = vllm.parse(buffer, len(around), len(around) + len(body))
+    except ExpositionError as error:
+        inside = (error.reason, error.line)
+    assert inside == alone
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(st.tuples(family_line, st.integers(0, 9)), max_size=20),
-    st.lists(st.tuples(family_line, st.integers(0, 9)), max_size=20),
-)
-def test_parsing_with_hints_from_another_page_gives_the_same_answer(
-    before: list[tuple[str, int]], after: list[tuple[str, int]]
-) -> None:
-    hints = vllm.new_hints()
-    outcome(page_of(before), hints)
-    assert outcome(page_of(after), hints) == outcome(page_of(after), None)
-
-
-def structure_of(lines: list[tuple[str, int]]) -> list[str]:
-    """The page's line templates in page order: its shape, whatever its numbers."""
-    return list(dict.fromkeys(template for template, _ in lines))
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(st.tuples(family_line, st.integers(0, 9)), min_size=1, max_size=20),
-    st.lists(st.integers(0, 9), min_size=20, max_size=20),
-    st.integers(0, 40),
-    st.integers(0, 40),
-)
-def test_the_next_page_with_the_same_lines_and_new_numbers_reads_as_without_hints(
-    lines: list[tuple[str, int]], numbers: list[int], padding_before: int, padding_after: int
-) -> None:
-    # What a busy pod does from scrape to scrape: the same lines with other
-    # values, shifted by what changed above them. The second parse reads each
-    # family by the shape the first one left.
-    hints = vllm.new_hints()
-    outcome(("# pad\n" * padding_before).encode() + page_of(lines), hints)
-    again = [(template, numbers[i]) for i, (template, _) in enumerate(lines)]
-    assert structure_of(again) == structure_of(lines)
-    body = ("# pad\n" * padding_after).encode() + page_of(again)
-    assert outcome(body, hints) == outcome(body, None)
-
-
-def test_a_line_cut_by_the_end_of_the_shape_search_is_read_whole() -> None:
-    # The shape of a one-line group is looked for up to _NEAR + _SHAPE_LINE_BYTES
-    # bytes past its offset. A line that long, its value cut there, must still
-    # be read whole: 2468, not 24.
-    from policyd.pool.exposition import _NEAR, _SHAPE_LINE_BYTES
-
-    window = _NEAR + _SHAPE_LINE_BYTES
-    above = "vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
-    above += "# TYPE vllm:num_requests_waiting gauge\n"
-    start = 'vllm:num_requests_waiting{note="'
-    padding = "x" * (window - 2 - len(start) - len('"} '))
-
-    def page(value: int) -> bytes:
-        return (above + start + padding + f'"}} {value}\n' + "# after\n" * 20).encode()
-
-    hints = vllm.new_hints()
-    assert vllm.parse(page(1357), hints).waiting_queue == 1357
-    assert hints.offsets[0] == len(above) and hints.shapes[0] is not None
-    body = page(2468)
-    assert body[len(above) + window - 2 : len(above) + window] == b"24"
-    assert vllm.parse(body, hints).waiting_queue == 2468
-
-
-def test_a_group_below_a_long_line_is_read_without_a_shape() -> None:
-    # A shape is looked for from a few hundred bytes before the group: one whose
-    # line above is longer could not be found, so none is kept for it.
-    page = BASE + "# HELP vllm:lora_requests_info " + "a long help text " * 20 + "\n"
-    page += 'vllm:lora_requests_info{running_lora_adapters="a"} 1\n# x\n'
-    hints = vllm.new_hints()
-    for _ in range(2):
-        assert vllm.parse(page.encode(), hints).active_loras == ("a",)
-        assert hints.shapes[-1] is None
-        assert hints.shapes[2] is not None  # the KV cache, under a short line
-
-
-def test_a_family_that_gains_a_line_below_its_shape_counts_it() -> None:
-    hints = vllm.new_hints()
-    page = "vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
-    page += "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 2\n# x\n"
-    assert vllm.parse(page.encode(), hints).waiting_queue == 2
-    assert hints.shapes[0] is not None
-    grown = page.replace(
-        "vllm:num_requests_waiting 2\n",
-        'vllm:num_requests_waiting 2\nvllm:num_requests_waiting{engine="1"} 3\n',
-    )
-    assert vllm.parse(grown.encode(), hints).waiting_queue == 5
-    assert vllm.parse(grown.encode(), hints).waiting_queue == 5  # by the new shape
-
-
-def test_the_simulators_changing_pages_read_alike_and_mostly_by_shape() -> None:
+def test_the_simulators_changing_pages_read_as_the_engine_logged_them() -> None:
     # A busy simulated vLLM pod: requests come and go, adapters load, the LoRA
-    # family grows to the simulator's 32 series. Each page reads the same with
-    # the hints the last one left as without, and nearly every family read
-    # by the shape the page before left.
+    # family grows to the simulator's 32 series.
     from policyd.sim.engine import Engine, SimRequest
     from policyd.sim.exposition import EngineCollector, metrics_registry, render
     from policyd.sim.profile import PROFILES
@@ -609,8 +489,7 @@ def test_the_simulators_changing_pages_read_alike_and_mostly_by_shape() -> None:
     registry = metrics_registry(EngineCollector(lambda: engine, "m", lambda now: 1.7e9 + now))
     rng = random.Random(3)
     parser = MetricsParser(VLLM)
-    hints = parser.new_hints()
-    now, kept, reads = 0.0, 0, 0
+    now = 0.0
     for step in range(400):
         for n in range(rng.randrange(3)):
             prompt = tuple(range(rng.randrange(5, 200)))
@@ -621,15 +500,15 @@ def test_the_simulators_changing_pages_read_alike_and_mostly_by_shape() -> None:
             engine.finish_step(now)
         now += 0.01
         page = render(registry)
-        shapes = list(hints.shapes)
-        # A group read the general way now gets a newly compiled pattern object.
-        parser._shapes.clear()
-        re.purge()
-        assert parser.parse(page, hints) == parser.parse(page)
-        kept += sum(1 for old, new in zip(shapes, hints.shapes, strict=True) if old and old is new)
-        reads += sum(1 for shape in shapes if shape)
+        metrics, logged = parser.parse(page), engine.snapshot()
+        assert (metrics.waiting_queue, metrics.running, metrics.kv_cache) == (
+            logged.waiting,
+            logged.running,
+            logged.kv_cache_usage,
+        )
+        assert metrics.active_loras == logged.running_adapters
+        assert metrics.num_preemptions == engine.stats.preemptions
     assert page.count(b"\nvllm:lora_requests_info{") > 8
-    assert reads > 1000 and kept > 0.95 * reads
 
 
 @settings(max_examples=200, deadline=None)

@@ -26,8 +26,8 @@ def test_a_pod_file_and_default_scraping() -> None:
     assert config.interval == 0.1
     assert config.request_timeout == pytest.approx(0.075)
     assert config.stale_threshold == pytest.approx(0.5)
-    assert config.metrics.waiting == (MetricSpec("vllm:num_requests_waiting"),)
-    assert config.metrics.lora_info == MetricSpec("vllm:lora_requests_info")
+    assert config.metrics.specs["waiting"] == (MetricSpec("vllm:num_requests_waiting"),)
+    assert config.metrics.specs["lora-info"] == (MetricSpec("vllm:lora_requests_info"),)
     assert config.filter_families
     assert config.panic  # a round no pod answers keeps the recently heard pods
     assert not scrape_config_from_arguments(
@@ -64,11 +64,14 @@ def test_presets_and_overrides() -> None:
             "--include-stale", "--no-panic",
         )
     )  # fmt: skip
-    assert config.metrics.waiting == (
+    assert config.metrics.specs["waiting"] == (
         MetricSpec("nv_trt_llm_request_metrics", (("request_type", "waiting"),)),
     )
-    assert config.metrics.kv_cache == (MetricSpec("my_kv"), MetricSpec("other_kv", (("gpu", "0"),)))
-    assert config.metrics.lora_info == MetricSpec("my_lora")
+    assert config.metrics.specs["kv-cache"] == (
+        MetricSpec("my_kv"),
+        MetricSpec("other_kv", (("gpu", "0"),)),
+    )
+    assert config.metrics.specs["lora-info"] == (MetricSpec("my_lora"),)
     assert (config.metrics_port, config.interval, config.stale_threshold) == (8002, 0.25, 2.0)
     assert config.include_stale
     assert not config.panic
@@ -79,9 +82,9 @@ def test_trtllm_serve_scrapes_its_prometheus_path_and_lora_reading_can_be_off() 
         parse("--pods", "p.yaml", "--metrics-preset", "trtllm-serve")
     )
     assert config.metrics.path == "/prometheus/metrics"
-    assert config.metrics.lora_info is None
+    assert config.metrics.specs["lora-info"] == ()
     off = scrape_config_from_arguments(parse("--pods", "p.yaml", "--metric-lora-info", ""))
-    assert off.metrics.lora_info is None
+    assert off.metrics.specs["lora-info"] == ()
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ async def test_results_equal_the_in_process_scrapers_on_the_same_pods(
     addresses = [pod.address for pod in (*pods, broken, failing, gone)]
     in_process = Scraper(CONFIG)
     try:
-        for _ in range(2):  # the second round reuses connections and parser hints
+        for _ in range(2):  # the second round reuses connections
             theirs = await in_process.scrape(addresses)
             ours = await scraper.scrape(addresses)
             assert outcome(ours) == outcome(theirs)

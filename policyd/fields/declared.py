@@ -1,0 +1,265 @@
+"""The declarations: one ``Field`` per pod and request field, one ``Metric`` per series read.
+
+To add a pod field a model server exports: declare its ``Metric`` (its name
+under each preset that publishes it, how its series combine) and its
+``Field``, and add the field's row to docs/policy-language.md. A field whose
+value is not scraped (``in_flight``, counted by the serving path; per-request
+values such as a prefix-cache match) is declared with its origin and no
+metric, and the code that computes it sets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Final, Literal
+
+# CEL kinds: "string" | "int" | "double" | "bool" | "duration" (default in
+# seconds) | "list<string>" | "map<string,string>".
+Kind = str
+
+# Where a field's value comes from:
+# - "identity": discovery (the pod's name, address, labels);
+# - "metric": the model server's exposition, through ``Field.metric``;
+# - "serving": the serving path (``in_flight``) or, for a field computed per
+#   request, the code that computes it;
+# - "scrape": the scrape's bookkeeping (``metrics_age``);
+# - "request": the request (headers, body, the policy's decisions).
+Origin = Literal["identity", "metric", "serving", "scrape", "request"]
+
+# How the series of a metric make one value; each is one rule of
+# ``policyd.pool.exposition``:
+# - "sum": a count, summed over the series (one per engine, e.g. vLLM data
+#   parallel); each a finite, non-negative number that fits an int64;
+# - "fullest": a fraction 0..1, the largest series (the fullest engine);
+# - "lora-info": vLLM's ``lora_requests_info``: the newest series' labels.
+Combine = Literal["sum", "fullest", "lora-info"]
+
+REQUIRED: Final = object()  # a field with no default: a hand-made pod must give it
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One value read from a model server's metrics page.
+
+    ``key`` names it in ``MetricNames`` and on the command line
+    (``--metric-<key>``). ``presets`` maps a preset to its written specs
+    (``name`` or ``name{label="value"}``), tried in order; a preset that
+    lists none publishes none. A ``required`` metric missing from a page
+    fails the pod's scrape; an optional one leaves its fields at their
+    defaults.
+    """
+
+    key: str
+    combine: Combine
+    presets: Mapping[str, tuple[str, ...]]
+    required: bool
+    help: str
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One attribute policies read: ``pod.<name>`` or ``request.<name>``.
+
+    ``doc`` is its line in docs/policy-language.md's schema table. ``default``
+    is its value where nothing says otherwise: a pod written by hand, and a
+    scraped field whose optional metric is not published. ``part`` picks a
+    field out of a metric that feeds several ("lora-info": "running",
+    "waiting", "max", "known"). ``logged`` fields go into the decision log's
+    and the span's record of the chosen pod.
+    """
+
+    name: str
+    kind: Kind
+    origin: Origin
+    doc: str
+    default: object = REQUIRED
+    metric: Metric | None = None
+    part: str = ""
+    logged: bool = True
+
+
+# The model servers policyd knows, and the path each serves Prometheus text on.
+# trtllm-serve's /metrics is JSON; Triton serves metrics on its own port (8002
+# by default), which the operator sets with --metrics-port.
+PRESET_PATHS: Final[Mapping[str, str]] = {
+    "vllm": "/metrics",
+    "sglang": "/metrics",
+    "trtllm-serve": "/prometheus/metrics",
+    "triton-trtllm": "/metrics",
+}
+PRESET_NAMES: Final = tuple(PRESET_PATHS)
+
+WAITING: Final = Metric(
+    "waiting",
+    "sum",
+    {
+        "vllm": ("vllm:num_requests_waiting",),
+        "sglang": ("sglang:num_queue_reqs",),
+        "trtllm-serve": ("trtllm_num_requests_waiting",),
+        "triton-trtllm": ('nv_trt_llm_request_metrics{request_type="waiting"}',),
+    },
+    required=True,
+    help="queued requests",
+)
+RUNNING: Final = Metric(
+    "running",
+    "sum",
+    {
+        "vllm": ("vllm:num_requests_running",),
+        "sglang": ("sglang:num_running_reqs",),
+        "trtllm-serve": ("trtllm_num_requests_running",),
+        "triton-trtllm": ('nv_trt_llm_request_metrics{request_type="scheduled"}',),
+    },
+    required=True,
+    help="running requests",
+)
+KV_CACHE: Final = Metric(
+    "kv-cache",
+    "fullest",
+    {
+        "vllm": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "sglang": ("sglang:token_usage",),
+        "trtllm-serve": ("trtllm_kv_cache_utilization",),
+        "triton-trtllm": ('nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}',),
+    },
+    required=True,
+    help="KV-cache usage 0..1",
+)
+LORA_INFO: Final = Metric(
+    "lora-info",
+    "lora-info",
+    {"vllm": ("vllm:lora_requests_info",)},
+    required=False,
+    help="lora_requests_info-style metric",
+)
+PREEMPTIONS: Final = Metric(
+    "preemptions",
+    "sum",
+    {"vllm": ("vllm:num_preemptions_total",)},
+    required=False,
+    help="preemptions since the server started (a counter)",
+)
+
+METRICS: Final[tuple[Metric, ...]] = (WAITING, RUNNING, KV_CACHE, LORA_INFO, PREEMPTIONS)
+
+_NO_LABELS: Final[Mapping[str, str]] = MappingProxyType({})
+
+POD_FIELDS: Final[tuple[Field, ...]] = (
+    Field("name", "string", "identity", "pod name"),
+    Field("address", "string", "identity", "`ip:port` Envoy sends the request to"),
+    Field("labels", "map<string,string>", "identity", "pod labels", _NO_LABELS, logged=False),
+    Field(
+        "waiting_queue",
+        "int",
+        "metric",
+        "requests queued in the model server (`vllm:num_requests_waiting`)",
+        0,
+        WAITING,
+    ),
+    Field("running", "int", "metric", "requests running (`vllm:num_requests_running`)", 0, RUNNING),
+    Field(
+        "kv_cache",
+        "double",
+        "metric",
+        "KV-cache use, 0..1 (`vllm:kv_cache_usage_perc`)",
+        0.0,
+        KV_CACHE,
+    ),
+    Field(
+        "active_loras",
+        "list<string>",
+        "metric",
+        "LoRA adapters with running requests",
+        (),
+        LORA_INFO,
+        "running",
+    ),
+    Field(
+        "waiting_loras",
+        "list<string>",
+        "metric",
+        "LoRA adapters with waiting requests",
+        (),
+        LORA_INFO,
+        "waiting",
+    ),
+    Field(
+        "max_loras", "int", "metric", "adapters the server can hold at once", 0, LORA_INFO, "max"
+    ),
+    Field(
+        "lora_info_known",
+        "bool",
+        "metric",
+        "the pod has published its LoRA state (`vllm:lora_requests_info`); while false,"
+        " `active_loras` and `waiting_loras` are empty and `max_loras` is 0 for want of"
+        " knowledge, not because the pod is full (see below)",
+        # A pod written by hand describes a known state unless it says otherwise;
+        # a scraped pod is known only once the series is there.
+        True,
+        LORA_INFO,
+        "known",
+        logged=False,
+    ),
+    Field(
+        "num_preemptions",
+        "int",
+        "metric",
+        "requests the model server preempted since it started, a counter"
+        " (`vllm:num_preemptions_total`; 0 where the server does not publish it)",
+        0,
+        PREEMPTIONS,
+    ),
+    Field(
+        "in_flight",
+        "int",
+        "serving",
+        "requests policyd sent to the pod that have not finished",
+        0,
+    ),
+    Field(
+        "metrics_age",
+        "duration",
+        "scrape",
+        "time since the pod's metrics were scraped",
+        0.0,
+    ),
+)
+
+# The fields a scrape produces, in the order of ``policyd.pool.exposition.PodMetrics``.
+SCRAPED_POD_FIELDS: Final = tuple(field for field in POD_FIELDS if field.metric is not None)
+
+REQUEST_FIELDS: Final[tuple[Field, ...]] = (
+    Field("model", "string", "request", "model named by the client"),
+    Field("target_model", "string", "request", "model after this policy's rewrite / traffic split"),
+    Field(
+        "criticality",
+        "string",
+        "request",
+        '`"critical"`, `"standard"` or `"sheddable"`, as decided by the policy',
+    ),
+    Field("headers", "map<string,string>", "request", "request headers, lower-case names"),
+    Field("prompt_tokens", "int", "request", "estimated prompt length"),
+    Field("max_tokens", "int", "request", "`max_tokens` asked for (0 when absent)"),
+    Field("stream", "bool", "request", "streamed response asked for"),
+    Field("path", "string", "request", "HTTP path, e.g. `/v1/completions`"),
+    Field("id", "string", "request", "request id"),
+)
+
+
+def dataclass_fields(
+    fields: Iterable[Field], default_of: Callable[[Field], object]
+) -> list[tuple[str, Any, Any]]:
+    """``dataclasses.make_dataclass`` field specs for classes whose attributes are
+    these fields (``default_of`` turns a declared default into a value)."""
+    specs: list[tuple[str, Any, Any]] = []
+    for field in fields:
+        if field.default is REQUIRED:
+            specs.append((field.name, object, dataclasses.field()))
+        elif field.kind.startswith("map<"):  # a mapping is no shareable default
+            specs.append((field.name, object, dataclasses.field(default_factory=dict)))
+        else:
+            specs.append((field.name, object, dataclasses.field(default=default_of(field))))
+    return specs

@@ -49,7 +49,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from policyd.extproc.exchange import Exchange, ServingSettings
 from policyd.extproc.servicer import ExternalProcessor
-from policyd.extproc.settlement import Settlement, Settles
+from policyd.extproc.settlement import Settlement, Work
 from policyd.policy import PolicyStore, Router
 from policyd.telemetry import DecisionTracer, build_telemetry
 
@@ -70,8 +70,8 @@ PHASES = ("request headers", "request body", "response headers", "response body"
 class Batches(Settlement):
     """The server's settlement, flushed by the benchmark rather than by a timer."""
 
-    def add(self, item: Settles) -> None:
-        self._queue.append(item)
+    def add(self, work: Work) -> None:
+        self._queue.append(work)
 
 
 class Dropped(SpanProcessor):
@@ -146,8 +146,8 @@ class PolicydRequest:
         self.exchange = Exchange(server, tuple)
 
     def message(self, message: pb.ProcessingRequest) -> None:
-        self.exchange.handle(message)
-        self.exchange.after_reply()
+        if self.exchange.handle(message) is not None:
+            self.exchange.reply_sent()
 
     def close(self) -> None:
         self.exchange.close()

@@ -32,7 +32,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Request, Router
-from policyd.policy.decision import Decision
+from policyd.policy.decision import Decision, ShadowReport
 from policyd.pool.pod import Pod
 from policyd.telemetry import DecisionLog, DecisionMetrics, DecisionTelemetry, DecisionTracer
 
@@ -201,28 +201,28 @@ class Snapshot:
     candidates: tuple[Pod, ...]
 
 
-class ShadowsBeforeReply(DecisionTelemetry):
-    """For contrast only: evaluates the shadows before the reply, as a naive design would."""
+class ShadowsBeforeReply:
+    """For contrast only: a router that decides the shadows before the reply, as a
+    naive design would (the serving path asks ``decide_shadows`` after it)."""
 
-    def start(
-        self,
-        request: Request,
-        decision: Decision,
-        trace_carrier: Mapping[str, str],
-        decision_seconds: float,
-    ) -> Any:
-        if decision.shadows is not None:
-            decision.shadows.results()
-        return super().start(request, decision, trace_carrier, decision_seconds)
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.reports: dict[int, ShadowReport | None] = {}
+
+    def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
+        decision = self.router.decide(request, candidates)
+        self.reports[id(decision)] = self.router.decide_shadows(decision)
+        return decision
+
+    def decide_shadows(self, decision: Decision) -> ShadowReport | None:
+        return self.reports.pop(id(decision), None)
 
 
 def run_server(port: int, policy: str, pods_count: int, inline: bool) -> None:
-    router = Router(PolicyStore.open(Path(policy)))
+    live = Router(PolicyStore.open(Path(policy)))
+    router: Router | ShadowsBeforeReply = ShadowsBeforeReply(live) if inline else live
     snapshot = Snapshot(tuple(make_pods(pods_count)))
-    metrics = DecisionMetrics()
-    telemetry = (
-        ShadowsBeforeReply(metrics=metrics) if inline else DecisionTelemetry(metrics=metrics)
-    )
+    telemetry = DecisionTelemetry(metrics=DecisionMetrics())
     server = ExtProcServer(
         lambda: router,
         lambda: snapshot,

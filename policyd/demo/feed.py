@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from policyd.policy.decision import Decision, NodeTrace, Outcome
+from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowReport
 from policyd.policy.request import Request
 
 LABEL_HEADER: Final = "x-demo-request"  # the demo client's name for a request
@@ -86,7 +86,7 @@ class DemoSpan:
         self._feed = feed
         self.record = record
 
-    def after_reply(self) -> None:
+    def after_reply(self, shadows: ShadowReport | None = None) -> None:
         return None
 
     def response_headers(self, status: int, seconds_to_headers: float) -> None:

@@ -13,6 +13,13 @@ raises, a telemetry bug) ends as an answer for that request alone, and
 request is routed and down exactly once when its exchange ends, however it
 ends.
 
+The exchange owns its end. Where it is in a request's life is one value,
+``State`` (reading, decided, routed, responding, answered, ended,
+aborted), and the bookkeeping it defers past the replies (the shadow
+policies, then telemetry's record of the decision and of the response) is
+queued from one place, ``Exchange._record_later``, on the server's
+``Settlement``.
+
 Memory is bounded per request and per server (``ServingSettings``): a request
 whose header block, path, body or model name is over its limit gets a
 413/414/431/400 before anything is built from it, and the request-body bytes
@@ -27,6 +34,7 @@ cannot steer ``pod.in_flight`` for long.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import time
@@ -42,6 +50,7 @@ from policyd.extproc.errors import RequestError
 from policyd.extproc.interfaces import (
     NULL_SPAN,
     RequestSpan,
+    RouterLike,
     RouterSource,
     SnapshotSource,
     Telemetry,
@@ -49,7 +58,7 @@ from policyd.extproc.interfaces import (
 from policyd.extproc.openai import MAX_MODEL_BYTES, InferenceBody, parse_body, rewrite_model
 from policyd.extproc.settlement import Settlement
 from policyd.extproc.usage import UsageReader
-from policyd.policy.decision import Decision, Outcome
+from policyd.policy.decision import Decision, Outcome, ShadowReport
 from policyd.policy.request import Request
 from policyd.pool.pod import InFlight, Pod
 
@@ -255,17 +264,54 @@ class _TraceCarrier(Mapping[str, str]):
         return len(self._read())
 
 
+class State(enum.Enum):
+    """Where an exchange is. Messages, replies and the stream's end move it on, never back.
+
+    ::
+
+        READING --decided--> DECIDED --reply out--> ROUTED --response headers--> RESPONDING
+           |                    |                      |                              |
+           |                    +-- not routed, or an error --> ANSWERED --reply out--> ENDED
+           +-- an error answer ----------------------------^                             ^
+                                                       +-- the response's last message --+
+        any state but ENDED --the stream goes--> ABORTED (ANSWERED --> ENDED: it had ended)
+
+    ANSWERED is an exchange policyd answered itself (an ImmediateResponse)
+    before the reply carrying its decision went out: it is over, but nothing
+    is recorded until that reply is out. An error answered after the routing
+    reply went out (Envoy repeating a request phase) goes straight to ENDED.
+    """
+
+    READING = "reading"  # the request's headers and body arrive; nothing decided yet
+    DECIDED = "decided"  # decided, the span open; the reply carrying it not out yet
+    ROUTED = "routed"  # the routing reply is out; the response's headers not yet in
+    RESPONDING = "responding"  # the response's headers came; its body passes through
+    ANSWERED = "answered"  # policyd answered the request itself; that reply not out yet
+    ENDED = "ended"  # over: the response ended, or policyd's answer went out
+    ABORTED = "aborted"  # over: the stream went before the exchange ended
+
+
+_OVER: Final = (State.ANSWERED, State.ENDED, State.ABORTED)
+
+
 class Exchange:
-    """One HTTP request's life through policyd, phase by phase."""
+    """One HTTP request's life through policyd, phase by phase.
+
+    The exchange owns its end: it releases the pod and the body budget the
+    moment it ends, and it alone defers the bookkeeping to after the reply
+    (``_record_later``): the decision's record (shadow policies, metrics, span
+    attributes, log entry) is queued on the settlement once the reply carrying
+    the decision is out, the response's record (status, usage, the span's end)
+    once the exchange has ended and that reply is out, and always in that
+    order. Telemetry only records what it is handed, when it is handed it.
+    """
 
     __slots__ = (
         "_body",
         "_body_mode",
-        "_completed",
         "_decided_at",
-        "_duration",
-        "_end_due",
-        "_ended",
+        "_decision",
+        "_ended_at",
         "_first_body_at",
         "_headers",  # regular request headers: what policies see as request.headers
         "_held",  # bytes taken from the server's body budget
@@ -273,16 +319,13 @@ class Exchange:
         "_metadata",
         "_method",
         "_path",
-        "_queued",
-        "_record_due",
-        "_replied",
+        "_router",
         "_server",
         "_span",
         "_status",
         "_to_headers",
         "_usage",
-        "_watched",
-        "answered",
+        "state",
     )
 
     def __init__(self, server: ServingContext, metadata: Callable[[], Any]) -> None:
@@ -290,34 +333,35 @@ class Exchange:
         the trace context, and only when telemetry asks for it)."""
         self._server = server
         self._metadata = metadata
+        self.state = State.READING
         self._headers: dict[str, str] = {}
         self._path = ""
         self._method = ""
         self._body = bytearray()
         self._body_mode: int | None = None  # unknown until protocol_config says
-        self._span: RequestSpan | None = None
-        self._replied = True  # False from the decision until its reply has gone out
-        self._load: InFlight | None = None
-        self._watched = False  # in the server's ResponseWatch
         self._held = 0
+        # The decision (set from DECIDED on) and the router that made it (None for
+        # a body-less request), for its shadows; its span; the pod's in-flight count.
+        self._decision: Decision | None = None
+        self._router: RouterLike | None = None
+        self._span: RequestSpan | None = None
+        self._load: InFlight | None = None
+        # What the response's record reports (times from perf_counter).
         self._decided_at = 0.0
-        self._first_body_at: float | None = None
-        self._usage: UsageReader | None = None
-        self._ended = False
-        self.answered = False  # True once policyd answered the request itself (an error)
-        # The bookkeeping left to settle (see settlement.py) and what it needs.
-        self._queued = False
-        self._record_due = False
-        self._end_due = False
         self._status: int | None = None  # the response's, once its headers came
         self._to_headers = 0.0
-        self._completed = False
-        self._duration = 0.0
+        self._first_body_at: float | None = None
+        self._usage: UsageReader | None = None
+        self._ended_at = 0.0
 
     # -- dispatch -------------------------------------------------------------------
 
-    def handle(self, message: pb.ProcessingRequest) -> bytes:
-        """The reply to one message; never raises."""
+    def handle(self, message: pb.ProcessingRequest) -> bytes | None:
+        """The reply to one message, or None for the response's last message; never raises.
+
+        None ends the exchange without a reply: the stream's status OK answers
+        that message (see ``servicer.py``).
+        """
         phase = message.WhichOneof("request")
         try:
             if self._body_mode is None and message.HasField("protocol_config"):
@@ -333,8 +377,8 @@ class Exchange:
             if phase == "response_body":
                 return self._on_response_body(message.response_body)
             if phase == "response_trailers":
-                self._end(completed=True)
-                return replies.RESPONSE_TRAILERS_CONTINUE
+                self._end(State.ENDED)
+                return None
             raise RequestError.internal(f"unexpected ext_proc message {phase!r}")
         except RequestError as error:
             if self._span is None:
@@ -347,23 +391,30 @@ class Exchange:
                 return _CONTINUE[phase]  # the response is on its way: never break it
             return self._reject(RequestError.internal())
 
-    def after_reply(self) -> None:
-        """The last reply went out: what telemetry deferred past the decision is now due."""
-        if not self._replied:
-            self._replied = True
-            if self._span is not None:
-                self._record_due = True
-                self._settle_later()
+    def reply_sent(self) -> None:
+        """The last reply ``handle`` gave went out (gRPC took it)."""
+        state = self.state
+        if state is State.DECIDED:
+            self.state = State.ROUTED
+            self._record_later(decision=True, end=False)
+        elif state is State.ANSWERED:
+            self.state = State.ENDED
+            self._record_later(decision=True, end=True)
 
-    @property
-    def ended(self) -> bool:
-        """Whether the exchange has ended (response complete, or answered by policyd)."""
-        return self._ended
+    def close(self, *, reset: bool = False) -> None:
+        """The stream is gone (``reset``: cancelled, as Envoy's reset does).
 
-    def close(self) -> None:
-        """The stream is gone; settle what a normal end would have settled."""
-        self.after_reply()
-        self._end(completed=False)
+        An exchange that had not ended is aborted; a reset after the end is
+        a normal end, counted (``stream_error("reset", "after_end")``).
+        """
+        state = self.state
+        if state is State.ENDED or state is State.ANSWERED:
+            if reset:
+                log.debug("ext_proc stream reset after its exchange ended")
+                self._report("reset", "after_end")
+            self.reply_sent()  # an answer whose reply never went out: over all the same
+        elif state is not State.ABORTED:
+            self._end(State.ABORTED)
 
     def _configure(self, config: pb.ProtocolConfiguration) -> None:
         self._body_mode = config.request_body_mode
@@ -449,7 +500,7 @@ class Exchange:
             self._held = 0
 
     def _on_request_body(self, message: pb.HttpBody) -> bytes:
-        if self._span is not None:
+        if self.state is not State.READING:
             return replies.REQUEST_BODY_CONTINUE  # already routed; nothing left to decide
         chunk = message.body
         whole = message.end_of_stream or self._body_mode == _BodyMode.BUFFERED
@@ -471,7 +522,7 @@ class Exchange:
         return replies.REQUEST_BODY_CONTINUE  # STREAMED: wait for the rest
 
     def _on_request_trailers(self) -> bytes:
-        if self._span is None:
+        if self.state is State.READING:
             # A STREAMED body ended by trailers: a trailers reply cannot set the
             # destination, so the request cannot be routed.
             raise RequestError.bad_request(
@@ -489,7 +540,8 @@ class Exchange:
         candidates: Sequence[Pod] = ()
         try:
             candidates = self._server.snapshots().candidates
-            decision = self._checked(self._server.routers().decide(request, candidates))
+            router = self._router = self._server.routers()
+            decision = self._checked(router.decide(request, candidates))
         except Exception as error:
             log.exception("request %s: the router raised", request.id or "-")
             reason = f"the routing policy failed on this request ({type(error).__name__})"
@@ -520,7 +572,7 @@ class Exchange:
     def _claim(self, decision: Decision, candidates: Sequence[Pod]) -> None:
         load = self._load = _claim(decision, candidates)
         if load is not None:
-            self._watched = self._server.response_watch.watch(self)
+            self._server.response_watch.watch(self)
 
     @property
     def routed_at(self) -> float:
@@ -532,8 +584,7 @@ class Exchange:
 
         Whether the count was released (the exchange may have moved on).
         """
-        self._watched = False
-        if self._load is None or self._ended:
+        if self._load is None:  # released already: the exchange ended
             return False
         self._load.count -= 1
         self._load = None
@@ -543,8 +594,9 @@ class Exchange:
     def _decided(self, request: Request, decision: Decision, started: float) -> RequestSpan:
         """Open the decision's span; a decision that did not route becomes its error."""
         self._decided_at = time.perf_counter()
+        self._decision = decision
         span = self._span = self._start_span(request, decision, self._decided_at - started)
-        self._replied = False
+        self.state = State.DECIDED
         if decision.outcome is not Outcome.ROUTED:
             raise RequestError.from_decision(decision)
         return span
@@ -594,14 +646,13 @@ class Exchange:
     def _reject(self, error: RequestError) -> bytes:
         if self._span is not None:
             self._status, self._to_headers = error.status, self._elapsed()
-        self._end(completed=True)
+        self._end(State.ANSWERED)
         log.debug("request %s: %d %s", self._request_id, error.status, error.message)
-        self.answered = True
         return replies.immediate(error)
 
     # -- response path --------------------------------------------------------------
 
-    def _on_response_headers(self, message: pb.HttpHeaders) -> bytes:
+    def _on_response_headers(self, message: pb.HttpHeaders) -> bytes | None:
         status = 0
         content_type = ""
         for header in message.headers.headers:
@@ -615,66 +666,88 @@ class Exchange:
             if status and content_type:
                 break
         self._usage = UsageReader(content_type)
-        if self._watched:
-            self._watched = False
-            self._server.response_watch.forget(self)
+        if self.state is State.ROUTED:
+            self.state = State.RESPONDING
+            if self._load is not None:
+                self._server.response_watch.forget(self)
         if self._span is not None:
             self._status, self._to_headers = status, self._elapsed()
         if message.end_of_stream:
-            self._end(completed=True)
+            self._end(State.ENDED)
+            return None
         return replies.RESPONSE_HEADERS_CONTINUE
 
-    def _on_response_body(self, message: pb.HttpBody) -> bytes:
+    def _on_response_body(self, message: pb.HttpBody) -> bytes | None:
         chunk = message.body  # each read of a bytes field makes a new copy
         if self._first_body_at is None and chunk:
             self._first_body_at = time.perf_counter()
         if self._usage is not None:
             self._usage.feed(chunk)
         if message.end_of_stream:
-            self._end(completed=True)
+            self._end(State.ENDED)
+            return None
         return replies.RESPONSE_BODY_CONTINUE
 
-    def _end(self, *, completed: bool) -> None:
-        """End the exchange once: release the pod now, settle the span later."""
-        if self._ended:
-            return
-        self._ended = True
-        self._let_go()
-        if self._watched:
-            self._watched = False
-            self._server.response_watch.forget(self)
-        if not completed:
-            self._report("aborted", "decided" if self._span is not None else "undecided")
-        if self._load is not None:
-            self._load.count -= 1
-            self._load = None
-        if self._span is not None:
-            self._completed = completed
-            self._duration = self._elapsed()
-            self._end_due = True
-            self._settle_later()
+    # -- the end, and the bookkeeping after the reply -------------------------------
 
-    def _settle_later(self) -> None:
-        if not self._queued:
-            self._queued = True
-            self._server.settlement.add(self)
+    def _end(self, end: State) -> None:
+        """End the exchange as ``end`` (ENDED, ANSWERED or ABORTED), once.
 
-    def settle(self) -> None:
-        """The telemetry due since the last call: the decision's record, then the response's.
-
-        Called by the settlement, a few milliseconds after the replies (see
-        ``settlement.py``); never raises.
+        The body budget and the pod's in-flight count are let go now, since
+        routing reads them; the bookkeeping is queued once the reply carrying
+        the decision is out.
         """
-        self._queued = False
+        before = self.state
+        if before in _OVER:
+            return
+        self._ended_at = time.perf_counter()
+        self._let_go()
+        if end is State.ABORTED:
+            self._report("aborted", "decided" if self._span is not None else "undecided")
+        load = self._load
+        if load is not None:
+            self._server.response_watch.forget(self)
+            load.count -= 1
+            self._load = None
+        if end is State.ANSWERED and (before is State.ROUTED or before is State.RESPONDING):
+            end = State.ENDED  # the decision's reply is out already: nothing waits for this one
+        self.state = end
+        if end is not State.ANSWERED:  # an answer is recorded once it is out (reply_sent)
+            self._record_later(decision=before is State.DECIDED, end=True)
+
+    def _record_later(self, *, decision: bool, end: bool) -> None:
+        """Queue the bookkeeping now due, in order: the one place it is deferred.
+
+        Run by the settlement a few milliseconds later (see ``settlement.py``).
+        The decision's record is queued once its reply is out, the response's
+        with it or after it, so telemetry always gets ``after_reply`` first.
+        """
+        if self._span is None:
+            return  # answered before any decision: nothing to record
+        add = self._server.settlement.add
+        if decision:
+            add(self._record_decision)
+        if end:
+            add(self._record_end)
+
+    def _record_decision(self) -> None:
+        """The decision's shadow policies decided, and everything handed to telemetry."""
+        span, decision = self._span, self._decision
+        if span is None or decision is None:
+            return
+        shadows: ShadowReport | None = None
+        if decision.shadow_inputs is not None and self._router is not None:
+            try:
+                shadows = self._router.decide_shadows(decision)
+            except Exception:
+                log.exception("request %s: the shadow policies failed", self._request_id)
+        self._safely(span.after_reply, shadows)
+
+    def _record_end(self) -> None:
+        """How the response ended, handed to telemetry (the exchange is over)."""
         span = self._span
         if span is None:
             return
-        if self._record_due:
-            self._record_due = False
-            self._safely(span.after_reply)
-        if not self._end_due:
-            return
-        self._end_due = False
         if self._status is not None:
             self._safely(span.response_headers, self._status, self._to_headers)
         try:
@@ -683,8 +756,8 @@ class Exchange:
                 self._first_body_at - self._decided_at if self._first_body_at is not None else None
             )
             span.end(
-                completed=self._completed,
-                duration_seconds=self._duration,
+                completed=self.state is not State.ABORTED,
+                duration_seconds=self._ended_at - self._decided_at,
                 first_body_seconds=first_body,
                 prompt_tokens=usage.prompt_tokens if usage else None,
                 completion_tokens=usage.completion_tokens if usage else None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, Protocol
 
-from policyd.policy.decision import Decision
+from policyd.policy.decision import Decision, ShadowReport
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod, PoolSnapshot
 
@@ -27,6 +27,11 @@ class RouterLike(Protocol):
     """``policyd.policy.Router``: pure, non-blocking, safe to call concurrently."""
 
     def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision: ...
+
+    def decide_shadows(self, decision: Decision) -> ShadowReport | None:
+        """What the decision's shadow policies would have decided (asked only
+        when ``decision.shadow_inputs`` is set, after the live reply went out)."""
+        ...
 
 
 RouterSource = Callable[[], RouterLike]
@@ -47,14 +52,16 @@ class RequestSpan(Protocol):
         """Headers to add to the request sent to the model server (``traceparent``)."""
         ...
 
-    def after_reply(self) -> None:
+    def after_reply(self, shadows: ShadowReport | None = None) -> None:
         """The reply carrying the decision has been handed to gRPC.
 
-        Called once: right after that reply went out, or when the stream
-        closes if it never did. Work that must not delay the live reply
-        (shadow policies, span attributes, metrics, the decision log) runs
-        here. ``end`` may come before it (an error reply ends the exchange
-        before it is sent).
+        Called once, a few milliseconds after that reply went out (or after
+        the stream closed, if it never did), with what the policy's shadow
+        policies would have decided (None when it has none). Work that must
+        not delay the live reply (span attributes, metrics, the decision log)
+        runs here. The exchange (``policyd.extproc.exchange``) owns the
+        order: ``after_reply`` first, then ``response_headers`` and ``end``,
+        each once.
         """
         ...
 
@@ -117,7 +124,7 @@ class NullSpan:
 
     upstream_headers: Mapping[str, str] = {}
 
-    def after_reply(self) -> None:
+    def after_reply(self, shadows: ShadowReport | None = None) -> None:
         return None
 
     def response_headers(self, status: int, seconds_to_headers: float) -> None:

@@ -2,7 +2,9 @@
 
 The servicer only moves messages: each one goes to the request's
 ``Exchange`` (``policyd.extproc.exchange``), which answers it, and the answer
-goes back to gRPC.
+goes back to gRPC. The exchange owns the request's end; the servicer tells it
+when a reply went out and when the stream is gone, and stops reading once the
+exchange says it is over.
 
 policyd ends the stream itself, with status OK, when the exchange ends, and
 reads nothing after that. Envoy (without the experimental
@@ -15,8 +17,8 @@ close as "processing complete" and passes the message on unchanged, which is
 what the reply would have said), and Envoy's reset can only follow it. An
 error policyd answers (an ImmediateResponse) must be sent, and its status
 races Envoy's reset. A reset that still reaches policyd after the end is a
-normal end: counted (``stream_error("reset", "after_end")``), never logged
-above debug.
+normal end: the exchange counts it (``stream_error("reset", "after_end")``),
+never logged above debug.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import replies
-from policyd.extproc.exchange import BodyBudget, Exchange, ResponseWatch, ServingSettings
+from policyd.extproc.exchange import (
+    BodyBudget,
+    Exchange,
+    ResponseWatch,
+    ServingSettings,
+    State,
+)
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
 from policyd.extproc.settlement import Settlement
 
@@ -80,34 +88,24 @@ class ExternalProcessor:
         read = getattr(context, "read", None)
         if read is None:
             read = functools.partial(anext, aiter(request_iterator), _EOF)
+        reset = False
         try:
             while True:
                 message = await read()
                 if message is _EOF:
-                    break
-                reply = exchange.handle(message)
-                if exchange.ended and not exchange.answered:
-                    # The response's last message: the status OK below answers it
-                    # (the reply would only say "continue, unchanged").
                     return
+                reply = exchange.handle(message)
                 # Not kept while the stream waits (a request body can be megabytes,
                 # and the next message may be a whole generation away).
                 del message
+                if reply is None:  # the response's last message: the status OK answers it
+                    return
                 yield reply  # resumes once gRPC has taken the reply
-                exchange.after_reply()
-                if exchange.ended:  # the response is over, or policyd answered it
+                exchange.reply_sent()
+                if exchange.state is State.ENDED:  # policyd answered the request itself
                     return  # status OK now: no read left for Envoy's reset to cancel
         except asyncio.CancelledError:
-            if exchange.ended:
-                self._reset_after_end()
+            reset = True
             raise
         finally:
-            exchange.close()
-
-    def _reset_after_end(self) -> None:
-        """Envoy reset a stream whose exchange had ended: a normal end, counted."""
-        log.debug("ext_proc stream reset after its exchange ended")
-        try:
-            self.telemetry.stream_error("reset", "after_end")
-        except Exception:
-            log.exception("telemetry hook failed")
+            exchange.close(reset=reset)

@@ -11,39 +11,42 @@ Queued and run a few milliseconds later, one request after another, only
 the first of a batch finds the caches cold.
 
 Only bookkeeping waits: the in-flight count of a pod drops the moment its
-request ends, since routing reads it.
+request ends, since routing reads it. What is due, and when, is the
+exchange's to say (``Exchange``, the one owner of a request's end, queues a
+request's decision record once its reply is out and its end record once the
+exchange ended); this queue only runs what it is given, in the order given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Final, Protocol
+from collections.abc import Callable
+from typing import Final
 
 log = logging.getLogger("policyd.extproc")
 
 DEFAULT_DELAY_SECONDS: Final = 0.005
 
 
-class Settles(Protocol):
-    def settle(self) -> None:
-        """Do the queued bookkeeping; must not raise."""
+Work = Callable[[], None]
+"""One piece of bookkeeping; it should not raise (one that does is logged)."""
 
 
 class Settlement:
-    """A queue of requests with bookkeeping due, emptied by a timer on the event loop.
+    """A queue of bookkeeping due, run in order by a timer on the event loop.
 
     Used from the event loop only (no lock). Without a running loop (a caller
-    driving an exchange directly) an item is settled at once.
+    driving an exchange directly) the work is done at once.
     """
 
     def __init__(self, delay_seconds: float = DEFAULT_DELAY_SECONDS) -> None:
         self._delay = delay_seconds
-        self._queue: list[Settles] = []
+        self._queue: list[Work] = []
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, item: Settles) -> None:
-        self._queue.append(item)
+    def add(self, work: Work) -> None:
+        self._queue.append(work)
         if self._timer is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -58,13 +61,13 @@ class Settlement:
         return not self._queue
 
     def flush(self) -> None:
-        """Settle everything queued now (the timer's call, and at shutdown)."""
+        """Do everything queued now, in order (the timer's call, and at shutdown)."""
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
         queue, self._queue = self._queue, []
-        for item in queue:
+        for work in queue:
             try:
-                item.settle()
-            except Exception:  # settle must not raise; if it does, the others still run
+                work()
+            except Exception:  # work must not raise; if it does, the rest still runs
                 log.exception("settling a request's bookkeeping failed")

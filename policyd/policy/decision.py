@@ -5,19 +5,22 @@ has returned them. They are not ``frozen`` dataclasses only because a frozen
 dataclass's ``__init__`` costs several times more, and the router builds one
 ``NodeTrace`` per node and one ``Decision`` per request.
 
-A decision under a policy with shadow policies carries a ``ShadowTrial``: what
-each shadow would have decided on the same request and candidates, evaluated
-only when someone asks (telemetry does, once the live reply has gone out), and
-then only once.
+A decision under a policy with shadow policies carries ``ShadowInputs``: the
+shadow policies and what they decide over (the request and candidates the live
+decision saw), plain data. Deciding them is a separate call,
+``Router.decide_shadows(decision) -> ShadowReport``, made by whoever holds the
+decision once the live reply has gone out (the serving path's exchange, or
+``explain``); the report goes to telemetry as data too.
 """
 
 from __future__ import annotations
 
 import enum
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from policyd.policy.request import Request
 
 
 class Outcome(enum.Enum):
@@ -101,7 +104,8 @@ class Decision:
     # The pods the policy chose from (its pool), as the snapshot holds them: for
     # telemetry's record of the inputs. Not a copy: read it soon.
     candidates: Sequence[Any] = ()
-    shadows: ShadowTrial | None = None  # set when the policy has shadow policies
+    # What deciding the policy's shadow policies needs (None: it has none).
+    shadow_inputs: ShadowInputs | None = None
     # The picked pod object itself (None unless routed), so the server can count
     # the request against it without searching the candidates.
     chosen: Any = None
@@ -143,42 +147,29 @@ class ShadowResult:
     agreement: Agreement
 
 
-class ShadowTrial:
-    """The shadow policies of one live decision, evaluated on first ``results()``.
+@dataclass(frozen=True, slots=True)
+class ShadowInputs:
+    """What a live decision's shadow policies decide over, kept until they are decided.
 
-    ``evaluate`` decides the request under each shadow policy (the router
-    builds it over the same request and candidates); it runs at most once, and
-    is dropped afterwards so the request and candidates it holds are freed.
-    ``seconds`` is how long that took.
+    ``policies`` are the live policy's shadows as compiled when it decided
+    (``policyd.policy.compiler.CompiledPolicy``), so a policy swapped in
+    meanwhile changes nothing; ``request`` and ``candidates`` are the live
+    decision's own. ``picked_in_flight`` is the picked pod's in-flight count
+    when the live decision was made: the serving path counts the request
+    against that pod before the shadows run, and they must see it as the live
+    decision did.
     """
 
-    __slots__ = ("_evaluate", "_results", "live_outcome", "live_pod", "seconds")
+    policies: tuple[Any, ...]
+    request: Request
+    candidates: Sequence[Any]
+    picked: Any  # the live decision's pod (None unless routed)
+    picked_in_flight: int
 
-    def __init__(
-        self,
-        evaluate: Callable[[], Sequence[Decision]],
-        live_outcome: Outcome,
-        live_pod: str,
-    ) -> None:
-        self._evaluate: Callable[[], Sequence[Decision]] | None = evaluate
-        self._results: tuple[ShadowResult, ...] | None = None
-        self.live_outcome = live_outcome
-        self.live_pod = live_pod
-        self.seconds = 0.0
 
-    @property
-    def evaluated(self) -> bool:
-        return self._results is not None
+@dataclass(frozen=True, slots=True)
+class ShadowReport:
+    """What each shadow policy would have decided, and how long deciding them all took."""
 
-    def results(self) -> tuple[ShadowResult, ...]:
-        if self._results is None:
-            evaluate, self._evaluate = self._evaluate, None
-            assert evaluate is not None
-            started = time.perf_counter()
-            self._results = ()  # should evaluate raise, it is not tried again
-            decisions = evaluate()
-            self.seconds = time.perf_counter() - started
-            self._results = tuple(
-                ShadowResult(d, agreement(self.live_outcome, self.live_pod, d)) for d in decisions
-            )
-        return self._results
+    results: tuple[ShadowResult, ...]
+    seconds: float

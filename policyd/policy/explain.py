@@ -47,19 +47,23 @@ class Explanation:
     nodes: tuple[NodeDetail, ...]
     scores: tuple[ScoreDetail, ...]
     fallback_pods: tuple[str, ...]  # names of the decision's fallback endpoints
+    shadows: tuple[ShadowResult, ...] = ()  # what each shadow policy would have decided
 
 
 def explain(
     policies: PolicySet, request: Request, pods: Sequence[Any], *, seed: int = 0
 ) -> Explanation:
     """Decide ``request`` over ``pods`` and gather the detail of every step."""
-    decision = Router(policies, rng=random.Random(seed)).decide(request, pods)
+    router = Router(policies, rng=random.Random(seed))
+    decision = router.decide(request, pods)
+    report = router.decide_shadows(decision)
+    shadows = report.results if report is not None else ()
     policy = policies.select(request.model, request.headers)
     resolved = request.decided(decision.target_model, decision.criticality)
     by_address = {pod.address: pod.name for pod in pods}
     fallback_pods = tuple(by_address.get(a, a) for a in decision.fallbacks)
     if policy is None:
-        return Explanation(decision, None, resolved, len(pods), (), (), fallback_pods)
+        return Explanation(decision, None, resolved, len(pods), (), (), fallback_pods, shadows)
     ev = Evaluation(resolved)
     by_name = {pod.name: pod for pod in pods}
     entering = in_pool(policy.pool_labels, pods)
@@ -82,7 +86,9 @@ def explain(
         details.append(NodeDetail(trace, source, node.description, shown))
         if trace.branch == "on_success":
             entering = [by_name[name] for name in trace.kept]
-    return Explanation(decision, policy, resolved, len(pods), tuple(details), scores, fallback_pods)
+    return Explanation(
+        decision, policy, resolved, len(pods), tuple(details), scores, fallback_pods, shadows
+    )
 
 
 def _errors(trace: NodeTrace, pods: Sequence[Any]) -> list[str]:
@@ -179,13 +185,9 @@ def render_text(explanation: Explanation) -> str:
             )
     lines.append("")
     lines.append(_outcome_line(explanation))
-    for shadow in _shadows(explanation.decision):
+    for shadow in explanation.shadows:
         lines.append(_shadow_line(shadow))
     return "\n".join(lines) + "\n"
-
-
-def _shadows(decision: Decision) -> tuple[ShadowResult, ...]:
-    return decision.shadows.results() if decision.shadows is not None else ()
 
 
 def _shadow_line(shadow: ShadowResult) -> str:
@@ -259,6 +261,6 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
                 "reason": s.decision.reason,
                 "agreement": s.agreement.value,
             }
-            for s in _shadows(d)
+            for s in explanation.shadows
         ],
     }

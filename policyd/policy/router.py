@@ -10,12 +10,14 @@ Steps: choose the policy (none: 404), resolve criticality and target model,
 keep the policy's pool, walk the filter tree (shed or nothing left: 429; no
 candidates at all: 503), score the survivors if the picker uses scores, pick.
 
-When the policy has shadow policies, the decision carries a ``ShadowTrial``
-that decides the same request over the same candidates under each shadow, but
-only when asked (after the live reply is out). Shadows draw from their own
-random generator, so they never change the live policy's random sequence, and
-they see the picked pod's ``in_flight`` as the live decision saw it (the
-serving path has counted the request against that pod by then).
+When the policy has shadow policies, the decision carries ``ShadowInputs``
+(plain data: the shadows, the request, the candidates, the pick), and
+``decide_shadows(decision)`` decides the same request over the same
+candidates under each shadow; the serving path calls it after the live reply
+is out. Shadows draw from their own random generator, so they never change the
+live policy's random sequence, and they see the picked pod's ``in_flight`` as
+the live decision saw it (the serving path has counted the request against
+that pod by then).
 
 The walk of the filter tree is reused: the pool publishes candidates as a new
 tuple per scrape round, and a tree that reads only pod metrics and a few
@@ -28,16 +30,24 @@ picking, which may read in-flight counts or draw at random, run per request.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import logging
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from policyd.policy.compiler import CompiledPolicy
-from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowTrial
+from policyd.policy.decision import (
+    Decision,
+    NodeTrace,
+    Outcome,
+    ShadowInputs,
+    ShadowReport,
+    ShadowResult,
+    agreement,
+)
 from policyd.policy.document import CRITICALITIES
 from policyd.policy.evaluation import Evaluation
 from policyd.policy.nodes import pod_names
@@ -98,8 +108,33 @@ class Router:
             )
         decision, picked = self._decide_safely(policy, request, candidates, self._rng)
         if policy.shadows:
-            decision.shadows = self._trial(policy.shadows, request, candidates, decision, picked)
+            seen_in_flight = picked.in_flight if picked is not None else 0
+            decision.shadow_inputs = ShadowInputs(
+                policy.shadows, request, candidates, picked, seen_in_flight
+            )
         return decision
+
+    def decide_shadows(self, decision: Decision) -> ShadowReport | None:
+        """What each of the live decision's shadow policies would have decided.
+
+        None when its policy has no shadows. Each call decides them anew (the
+        serving path calls it once, after the live reply went out); a shadow
+        that fails is an error decision, never an exception.
+        """
+        inputs = decision.shadow_inputs
+        if inputs is None:
+            return None
+        started = time.perf_counter()
+        candidates = inputs.candidates
+        picked = inputs.picked
+        if picked is not None and picked.in_flight != inputs.picked_in_flight:
+            as_seen = _AsSeen(picked, inputs.picked_in_flight)
+            candidates = [as_seen if pod is picked else pod for pod in candidates]
+        results = []
+        for shadow in inputs.policies:
+            would = self._decide_safely(shadow, inputs.request, candidates, self._shadow_rng)[0]
+            results.append(ShadowResult(would, agreement(decision.outcome, decision.pod, would)))
+        return ShadowReport(tuple(results), time.perf_counter() - started)
 
     def _decide_safely(
         self,
@@ -121,37 +156,6 @@ class Router:
                 reason=f"internal error: {type(error).__name__}: {error}",
             )
             return failed, None
-
-    def _trial(
-        self,
-        shadows: tuple[CompiledPolicy, ...],
-        request: Request,
-        candidates: Sequence[Any],
-        live: Decision,
-        picked: Any,
-    ) -> ShadowTrial:
-        seen_in_flight = picked.in_flight if picked is not None else 0
-        evaluate = functools.partial(
-            self._shadow_decisions, shadows, request, candidates, picked, seen_in_flight
-        )
-        return ShadowTrial(evaluate, live.outcome, live.pod)
-
-    def _shadow_decisions(
-        self,
-        shadows: tuple[CompiledPolicy, ...],
-        request: Request,
-        candidates: Sequence[Any],
-        picked: Any,
-        seen_in_flight: int,
-    ) -> list[Decision]:
-        """Each shadow's decision over the candidates as the live decision saw them."""
-        if picked is not None and picked.in_flight != seen_in_flight:
-            as_seen = _AsSeen(picked, seen_in_flight)
-            candidates = [as_seen if pod is picked else pod for pod in candidates]
-        return [
-            self._decide_safely(shadow, request, candidates, self._shadow_rng)[0]
-            for shadow in shadows
-        ]
 
     def _decide(
         self,

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from policyd.policy.decision import Decision
+from policyd.policy.decision import Decision, ShadowReport
 from policyd.policy.request import Request
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class SpanLike(Protocol):
 
     @property
     def upstream_headers(self) -> Mapping[str, str]: ...
-    def after_reply(self) -> None: ...
+    def after_reply(self, shadows: ShadowReport | None = None) -> None: ...
     def response_headers(self, status: int, seconds_to_headers: float) -> None: ...
     def end(
         self,
@@ -101,8 +101,8 @@ class FanoutSpan:
                 break
         self.upstream_headers = headers
 
-    def after_reply(self) -> None:
-        _each(self.spans, lambda span: span.after_reply())
+    def after_reply(self, shadows: ShadowReport | None = None) -> None:
+        _each(self.spans, lambda span: span.after_reply(shadows))
 
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         _each(self.spans, lambda span: span.response_headers(status, seconds_to_headers))

@@ -10,20 +10,19 @@ The work is split by what the live reply needs:
   Envoy sent (else the client's, else a new root), and make the
   ``traceparent`` that goes to the model server; decide whether the decision
   log samples this request. Nothing else.
-- ``after_reply`` (the reply has been handed to gRPC): evaluate the shadow
-  policies, put the decision's attributes (the filter-tree walk among them)
-  and one event per shadow on the span, count the decision in the metrics, build the
-  decision-log entry.
+- ``after_reply(shadows)`` (the reply has been handed to gRPC): put the
+  decision's attributes and one event per shadow policy on the span, count
+  the decision in the metrics, build the decision-log entry. The shadows come
+  decided (``ShadowReport``): telemetry only records them.
 - ``response_headers`` / ``end``: the response's status, time to first token,
   token usage and duration; then the span ends, the response is counted and
   the log entry is written. The span's end time is the exchange's end (the
-  decision plus ``duration_seconds``), not the time ``end`` is called: the
-  serving path calls it when it settles, a few milliseconds later.
+  decision plus ``duration_seconds``), not the time ``end`` is called.
 
-An error reply ends the exchange before it is sent: ``end`` then keeps its
-figures and the span is finished by ``after_reply``, so shadows still never
-delay a reply. A stream that dies first (``end(completed=False)`` before
-``after_reply``) has no reply left to delay and finishes at once.
+When each is called is the serving path's to decide, not this module's: the
+exchange (``policyd.extproc.exchange``) calls ``after_reply``, then
+``response_headers`` and ``end``, each once and in that order, a few
+milliseconds after the replies (``policyd/extproc/settlement.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import (
@@ -44,7 +43,7 @@ from opentelemetry.trace import (
 )
 
 from policyd.fields import POD_FIELDS
-from policyd.policy.decision import Decision, Outcome, ShadowResult
+from policyd.policy.decision import Decision, Outcome, ShadowReport, ShadowResult
 from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
 from policyd.telemetry.decision_log import DecisionLog
@@ -101,12 +100,8 @@ class RequestRecord:
         "_carrier",
         "_decided_ns",
         "_decision",
-        "_deferred_done",
-        "_end_ns",
         "_entry",
-        "_finished",
         "_owner",
-        "_pending_end",
         "_request",
         "_seconds",
         "_shadow_events",
@@ -134,10 +129,6 @@ class RequestRecord:
         self._decided_ns = now_ns
         self._status = 0
         self._to_headers: float | None = None
-        self._deferred_done = False
-        self._finished = False
-        self._pending_end: _Response | None = None
-        self._end_ns = 0
         self._span: StartedSpan | None = None
         # The span's parts, made by _annotate: its attributes (the response's
         # added at the end) and its shadow events.
@@ -159,35 +150,20 @@ class RequestRecord:
 
     # -- after the reply ----------------------------------------------------------------
 
-    def after_reply(self) -> None:
-        if self._deferred_done:
-            return
-        self._deferred_done = True
-        self._record_decision()
-        if self._pending_end is not None:
-            pending, self._pending_end = self._pending_end, None
-            self._finish(pending)
-
-    def _record_decision(self) -> None:
+    def after_reply(self, shadows: ShadowReport | None = None) -> None:
+        results = shadows.results if shadows is not None else ()
         decision = self._decision
-        shadows: tuple[ShadowResult, ...] = ()
-        trial = decision.shadows
-        if trial is not None:
-            try:
-                shadows = trial.results()
-            except Exception:
-                log.exception("shadow policies of %s failed", decision.policy)
         metrics = self._owner.metrics
         if metrics is not None:
             metrics.decision(decision, self._seconds)
-            if trial is not None:
-                metrics.shadows(decision.policy, shadows, trial.seconds)
+            if shadows is not None:
+                metrics.shadows(decision.policy, results, shadows.seconds)
         if self._span is not None and self._span.recording:
-            self._annotate(shadows)
+            self._annotate(results, shadows is not None)
         if self._entry is not None:
-            self._entry.update(self._log_decision(shadows))
+            self._entry.update(self._log_decision(results))
 
-    def _annotate(self, shadows: tuple[ShadowResult, ...]) -> None:
+    def _annotate(self, shadows: tuple[ShadowResult, ...], shadowed: bool) -> None:
         decision = self._decision
         request = self._request
         criticality = decision.criticality or request.criticality
@@ -228,7 +204,7 @@ class RequestRecord:
             top = decision.scores[: a.MAX_LISTED_PODS]
             attributes[a.SCORED_PODS] = tuple([name for name, _ in top])
             attributes[a.SCORED_VALUES] = tuple([score for _, score in top])
-        if decision.shadows is not None:
+        if shadowed:
             attributes[a.SHADOWS] = len(shadows)
             attributes[a.SHADOWS_AGREED] = sum(1 for s in shadows if s.agreement.agrees)
         if decision.trace:
@@ -340,24 +316,6 @@ class RequestRecord:
         prompt_tokens: int | None,
         completion_tokens: int | None,
     ) -> None:
-        response = _Response(
-            completed, duration_seconds, first_body_seconds, prompt_tokens, completion_tokens
-        )
-        # The span ends when the exchange did, as the serving path measured it, not
-        # now: ``end`` is called when the request is settled, milliseconds later.
-        self._end_ns = self._decided_ns + round(duration_seconds * 1e9)
-        if not self._deferred_done:
-            if completed:  # an error reply not sent yet: finish once it is (after_reply)
-                self._pending_end = response
-                return
-            self._deferred_done = True  # the stream is gone: nothing left to delay
-            self._record_decision()
-        self._finish(response)
-
-    def _finish(self, response: _Response) -> None:
-        if self._finished:
-            return
-        self._finished = True
         decision = self._decision
         routed = decision.outcome is Outcome.ROUTED
         metrics = self._owner.metrics
@@ -365,32 +323,34 @@ class RequestRecord:
             metrics.response(
                 decision.policy,
                 self._status,
-                completed=response.completed,
-                first_body_seconds=response.first_body_seconds,
-                duration_seconds=response.duration_seconds,
+                completed=completed,
+                first_body_seconds=first_body_seconds,
+                duration_seconds=duration_seconds,
             )
         span = self._span
         tracer = self._owner.tracer
         if span is not None and span.recording and tracer is not None:
             attributes = self._attributes
-            attributes[a.RESPONSE_COMPLETED] = response.completed
-            attributes[a.RESPONSE_DURATION] = response.duration_seconds
+            attributes[a.RESPONSE_COMPLETED] = completed
+            attributes[a.RESPONSE_DURATION] = duration_seconds
             if self._status:
                 attributes[a.HTTP_STATUS] = self._status
             if self._to_headers is not None:
                 attributes[a.TIME_TO_HEADERS] = self._to_headers
-            if response.first_body_seconds is not None:
-                attributes[a.TIME_TO_FIRST_TOKEN] = response.first_body_seconds
-            if response.prompt_tokens is not None:
-                attributes[a.GEN_AI_INPUT_TOKENS] = response.prompt_tokens
-            if response.completion_tokens is not None:
-                attributes[a.GEN_AI_OUTPUT_TOKENS] = response.completion_tokens
+            if first_body_seconds is not None:
+                attributes[a.TIME_TO_FIRST_TOKEN] = first_body_seconds
+            if prompt_tokens is not None:
+                attributes[a.GEN_AI_INPUT_TOKENS] = prompt_tokens
+            if completion_tokens is not None:
+                attributes[a.GEN_AI_OUTPUT_TOKENS] = completion_tokens
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
+            # The span ends when the exchange did, as the serving path measured it,
+            # not now: ``end`` is called milliseconds later, when it is recorded.
             tracer.finish(
                 span,
-                self._end_ns,
+                self._decided_ns + round(duration_seconds * 1e9),
                 attributes=attributes,
                 events=self._shadow_events,
                 status=self._span_status,
@@ -400,24 +360,14 @@ class RequestRecord:
         if entry is not None and decision_log is not None:
             entry["response"] = {
                 "status": self._status,
-                "completed": response.completed,
+                "completed": completed,
                 "time_to_headers_seconds": self._to_headers,
-                "time_to_first_token_seconds": response.first_body_seconds,
-                "duration_seconds": response.duration_seconds,
-                "prompt_tokens": response.prompt_tokens,
-                "completion_tokens": response.completion_tokens,
+                "time_to_first_token_seconds": first_body_seconds,
+                "duration_seconds": duration_seconds,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
             }
             decision_log.write(entry)
-
-
-class _Response(NamedTuple):
-    """How the response ended, as ``RequestSpan.end`` reports it."""
-
-    completed: bool
-    duration_seconds: float
-    first_body_seconds: float | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
 
 
 def _parent(carrier: Mapping[str, str]) -> SpanContext | None:

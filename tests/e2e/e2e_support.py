@@ -194,7 +194,7 @@ class RecordedSpan:
     end_calls: int = 0
     after_reply_calls: int = 0
 
-    def after_reply(self) -> None:
+    def after_reply(self, shadows: Any = None) -> None:
         self.after_reply_calls += 1
 
     def response_headers(self, status: int, seconds_to_headers: float) -> None:

@@ -178,7 +178,7 @@ class Span:
             raise RuntimeError("telemetry bug")
         return {"traceparent": "00-11111111111111111111111111111111-2222222222222222-01"}
 
-    def after_reply(self) -> None:
+    def after_reply(self, shadows: Any = None) -> None:
         self.after_replies += 1
         if self.fail_on == "after_reply":
             raise RuntimeError("telemetry bug")

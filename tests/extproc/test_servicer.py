@@ -535,7 +535,7 @@ def test_the_streams_metadata_is_read_only_when_telemetry_reads_the_carrier(
     clients = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
     for message in (request_headers({"traceparent": clients}), request_body(BODY)):
         exchange.handle(message)
-        exchange.after_reply()
+        exchange.reply_sent()
     exchange.close()
     assert len(reads) == (1 if reads_carrier else 0)
     assert seen == ([{"traceparent": envoys}] * 2 if reads_carrier else [])

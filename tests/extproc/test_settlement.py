@@ -25,7 +25,7 @@ class Item:
 def test_without_an_event_loop_an_item_is_settled_at_once() -> None:
     settled: list[str] = []
     settlement = Settlement()
-    settlement.add(Item("a", settled))
+    settlement.add(Item("a", settled).settle)
     assert settled == ["a"]
     assert settlement.idle
 
@@ -34,7 +34,7 @@ async def test_items_wait_for_the_delay_then_settle_together_in_order() -> None:
     settled: list[str] = []
     settlement = Settlement(delay_seconds=0.05)
     for name in "abc":
-        settlement.add(Item(name, settled))
+        settlement.add(Item(name, settled).settle)
     await asyncio.sleep(0.01)
     assert settled == []
     assert not settlement.idle
@@ -44,7 +44,7 @@ async def test_items_wait_for_the_delay_then_settle_together_in_order() -> None:
             break
     assert settled == ["a", "b", "c"]
     assert settlement.idle
-    settlement.add(Item("d", settled))  # a new batch, a new timer
+    settlement.add(Item("d", settled).settle)  # a new batch, a new timer
     await asyncio.sleep(0.1)
     assert settled == ["a", "b", "c", "d"]
 
@@ -52,7 +52,7 @@ async def test_items_wait_for_the_delay_then_settle_together_in_order() -> None:
 async def test_flush_settles_now_and_the_timer_does_not_run_them_again() -> None:
     settled: list[str] = []
     settlement = Settlement(delay_seconds=0.02)
-    settlement.add(Item("a", settled))
+    settlement.add(Item("a", settled).settle)
     settlement.flush()
     assert settled == ["a"]
     await asyncio.sleep(0.05)
@@ -64,8 +64,8 @@ async def test_a_failing_item_is_logged_and_the_rest_still_settle(
 ) -> None:
     settled: list[str] = []
     settlement = Settlement(delay_seconds=0.01)
-    settlement.add(Item("a", settled, fail=True))
-    settlement.add(Item("b", settled))
+    settlement.add(Item("a", settled, fail=True).settle)
+    settlement.add(Item("b", settled).settle)
     with caplog.at_level(logging.ERROR, logger="policyd.extproc"):
         settlement.flush()
     assert settled == ["a", "b"]

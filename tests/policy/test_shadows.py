@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from importlib import resources
@@ -13,7 +14,7 @@ import pytest
 
 from policyd.policy import PolicyError, PolicyStore, Router
 from policyd.policy.commands import run_check
-from policyd.policy.decision import Agreement, Outcome
+from policyd.policy.decision import Agreement, Decision, Outcome, ShadowResult
 from policyd.policy.explain import explain, render_text, to_json
 from policyd.policy.loader import load_policy_set
 
@@ -67,38 +68,51 @@ def problems_of(tmp_path: Path, path: Path) -> list[str]:
     return [str(d).replace(str(tmp_path) + "/", "") for d in caught.value.diagnostics]
 
 
-def test_a_shadow_is_decided_only_when_asked_and_once(tmp_path: Path) -> None:
+def shadows_of(router: Router, decision: Decision) -> tuple[ShadowResult, ...]:
+    report = router.decide_shadows(decision)
+    assert report is not None
+    return report.results
+
+
+def test_a_decision_carries_its_shadows_inputs_as_data_and_they_are_decided_when_asked(
+    tmp_path: Path,
+) -> None:
     router = load(tmp_path, LIVE, candidate=CANDIDATE)
     decision = router.decide(request(), PODS)
     assert (decision.outcome, decision.pod) == (Outcome.ROUTED, "a")  # the live pick
-    trial = decision.shadows
-    assert trial is not None and not trial.evaluated
-    results = trial.results()
-    assert trial.evaluated and trial.results() is results
+    inputs = decision.shadow_inputs
+    assert inputs is not None
+    assert [p.name for p in inputs.policies] == ["candidate"]
+    assert (inputs.request.model, inputs.candidates, inputs.picked.name) == ("m", PODS, "a")
+    assert dataclasses.replace(decision) == decision  # a value: fields only, no callback
+    report = router.decide_shadows(decision)
+    assert report is not None and report.seconds > 0
+    results = report.results
     assert len(results) == 1
     shadow = results[0]
     assert (shadow.decision.policy, shadow.decision.pod) == ("candidate", "b")
     assert shadow.decision.policy_version == router.store.current.policies[0].shadows[0].version
     assert shadow.agreement is Agreement.OTHER_POD and not shadow.agreement.agrees
-    assert trial.seconds > 0
 
 
-def test_a_policy_without_shadows_carries_no_trial(tmp_path: Path) -> None:
+def test_a_policy_without_shadows_carries_no_shadow_inputs(tmp_path: Path) -> None:
     router = load(tmp_path, CANDIDATE)
-    assert router.decide(request(), PODS).shadows is None
+    decision = router.decide(request(), PODS)
+    assert decision.shadow_inputs is None
+    assert router.decide_shadows(decision) is None
 
 
 def test_agreement_kinds(tmp_path: Path) -> None:
     (tmp_path / "shed").mkdir()
     live_shed = "name: live\nfilters:\n  nothing:\n    keep: 'false'\nshadows: [shedder.yaml]\n"
     both_shed = load(tmp_path / "shed", live_shed, shedder=SHEDDER)
-    (result,) = both_shed.decide(request(), PODS).shadows.results()  # type: ignore[union-attr]
+    (result,) = shadows_of(both_shed, both_shed.decide(request(), PODS))
     assert result.agreement is Agreement.SAME_OUTCOME and result.agreement.agrees
 
     (tmp_path / "routed").mkdir()
     live = LIVE.replace("[candidate.yaml]", "[shedder.yaml]")
     routed_vs_shed = load(tmp_path / "routed", live, shedder=SHEDDER)
-    (result,) = routed_vs_shed.decide(request(), PODS).shadows.results()  # type: ignore[union-attr]
+    (result,) = shadows_of(routed_vs_shed, routed_vs_shed.decide(request(), PODS))
     assert result.decision.outcome is Outcome.SHED
     assert result.agreement is Agreement.OTHER_OUTCOME and not result.agreement.agrees
 
@@ -123,7 +137,7 @@ def test_a_shadow_identical_to_the_live_policy_agrees_although_the_pick_is_count
         decision = router.decide(request(), pods)
         picked = next(p for p in pods if p.name == decision.pod)
         picked.load.count += 1  # what the serving path does when it routes
-        (result,) = decision.shadows.results()  # type: ignore[union-attr]
+        (result,) = shadows_of(router, decision)
         assert result.decision.pod == decision.pod
         assert result.agreement is Agreement.SAME_POD
     assert sorted(p.in_flight for p in pods) == [3, 3]  # the live picks alternated
@@ -139,7 +153,7 @@ def test_shadows_never_change_the_live_random_sequence(tmp_path: Path) -> None:
     picks_with, picks_alone = [], []
     for _ in range(20):
         decision = with_shadow.decide(request(), pods)
-        decision.shadows.results()  # type: ignore[union-attr]
+        with_shadow.decide_shadows(decision)
         picks_with.append(decision.pod)
         picks_alone.append(alone.decide(request(), pods).pod)
     assert picks_with == picks_alone
@@ -150,7 +164,7 @@ def test_a_shadow_that_fails_on_a_request_is_an_error_decision_not_an_exception(
 ) -> None:
     failing = "name: failing\nfilters:\n  zone:\n    keep: pod.labels['zone'] == 'a'\n"
     router = load(tmp_path, LIVE.replace("candidate.yaml", "failing.yaml"), failing=failing)
-    (result,) = router.decide(request(), PODS).shadows.results()  # type: ignore[union-attr]
+    (result,) = shadows_of(router, router.decide(request(), PODS))
     # A CEL error on every pod drops them all (on_error: drop): the shadow sheds.
     assert result.decision.outcome is Outcome.SHED
     assert result.agreement is Agreement.OTHER_OUTCOME
@@ -237,13 +251,13 @@ def test_a_changed_shadow_file_is_reloaded(tmp_path: Path) -> None:
     write(tmp_path, CANDIDATE, "candidate.yaml")
     store = PolicyStore.open(write(tmp_path, LIVE))
     router = Router(store, rng=random.Random(0))
-    (result,) = router.decide(request(), PODS).shadows.results()  # type: ignore[union-attr]
+    (result,) = shadows_of(router, router.decide(request(), PODS))
     assert result.decision.pod == "b"
     assert store.reload().changed is False
     write(tmp_path, CANDIDATE.replace("1.0 - pod.kv_cache", "pod.kv_cache"), "candidate.yaml")
     reload = store.reload()
     assert reload.changed and reload.error is None
-    (result,) = router.decide(request(), PODS).shadows.results()  # type: ignore[union-attr]
+    (result,) = shadows_of(router, router.decide(request(), PODS))
     assert result.decision.pod == "a"
 
 

@@ -122,9 +122,10 @@ async def test_a_decision_span_sent_over_otlp_comes_back_from_api_v3(
     telemetry = build_telemetry(otlp_endpoint=jaeger.otlp_grpc)
     assert telemetry.tracer is not None
     since = time.time_ns() - 1_000_000_000
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry.start(request(), decision, {}, 0.002)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     record.response_headers(200, 0.01)
     record.end(
         completed=True,

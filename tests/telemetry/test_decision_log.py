@@ -19,9 +19,10 @@ CARRIER = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-
 
 
 def one_request(telemetry: DecisionTelemetry, tmp_path: Path, carrier: dict[str, str]) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry.start(request(), decision, carrier, 0.0003)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     record.response_headers(200, 0.02)
     record.end(
         completed=True,

@@ -47,9 +47,10 @@ def test_a_request_of_long_texts_is_cut_on_its_span_and_log_line_and_is_no_label
     metrics = DecisionMetrics()
     telemetry = DecisionTelemetry(tracer=spans.tracer, decision_log=log, metrics=metrics)
     asked = request(model="m" * HUGE, id="i" * HUGE, path="/v1/" + "p" * HUGE + "/chat/completions")
-    decision = router_for(tmp_path).decide(asked, pods())
+    router = router_for(tmp_path)
+    decision = router.decide(asked, pods())
     record = telemetry.start(asked, decision, CARRIER, 0.0003)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     record.response_headers(200, 0.02)
     record.end(
         completed=True,

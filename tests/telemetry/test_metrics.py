@@ -37,7 +37,7 @@ def served(metrics: DecisionMetrics, tmp_path: Path, count: int = 1, busy: bool 
     for _ in range(count):
         decision = router.decide(request(), candidates)
         record = telemetry.start(request(), decision, {}, 0.0004)
-        record.after_reply()
+        record.after_reply(router.decide_shadows(decision))
         record.response_headers(200 if not busy else 429, 0.01)
         record.end(
             completed=True,
@@ -325,8 +325,9 @@ def test_remembered_walks_do_not_grow_memory_without_bound(tmp_path: Path) -> No
     def serve(count: int) -> None:
         for _ in range(count):
             candidates = tuple(fleet)  # a new snapshot: the router walks anew
-            record = telemetry.start(asked, router.decide(asked, candidates), {}, 0.0004)
-            record.after_reply()
+            decision = router.decide(asked, candidates)
+            record = telemetry.start(asked, decision, {}, 0.0004)
+            record.after_reply(router.decide_shadows(decision))
             record.end(
                 completed=True,
                 duration_seconds=0.8,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import threading
 import time
@@ -31,7 +30,7 @@ from telemetry_support import Spans, pods, router_for
 from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.extproc.settlement import Settlement
 from policyd.policy import Router
-from policyd.policy.decision import Decision, ShadowTrial
+from policyd.policy.decision import Decision, ShadowReport
 from policyd.policy.request import Request
 from policyd.telemetry import DecisionMetrics, DecisionTelemetry
 from policyd.telemetry import attributes as a
@@ -150,12 +149,7 @@ async def test_stream_errors_reach_the_metrics(rig: Rig, spans: Spans) -> None:
 
 
 class SlowShadows:
-    """The real Router, with shadow evaluation slowed down so its timing is visible.
-
-    It wraps the router rather than subclassing it: the router is compiled
-    (``pyproject.toml``, ``[tool.policyd] compiled``), so its own calls would
-    not reach an override anyway.
-    """
+    """The real Router, with shadow evaluation slowed down so its timing is visible."""
 
     delay = 0.5
 
@@ -165,20 +159,14 @@ class SlowShadows:
         self.shadow_ended = 0.0
 
     def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
-        decision = self.router.decide(request, candidates)
-        trial = decision.shadows
-        if trial is None:
-            return decision
+        return self.router.decide(request, candidates)
 
-        def slowly() -> list[Decision]:
-            self.shadow_started = time.monotonic()
-            time.sleep(self.delay)  # blocks the event loop, as CPU-bound shadows would
-            decisions = [result.decision for result in trial.results()]
-            self.shadow_ended = time.monotonic()
-            return decisions
-
-        slow_trial = ShadowTrial(slowly, trial.live_outcome, trial.live_pod)
-        return dataclasses.replace(decision, shadows=slow_trial)
+    def decide_shadows(self, decision: Decision) -> ShadowReport | None:
+        self.shadow_started = time.monotonic()
+        time.sleep(self.delay)  # blocks the event loop, as CPU-bound shadows would
+        report = self.router.decide_shadows(decision)
+        self.shadow_ended = time.monotonic()
+        return report
 
 
 def exchange_in_a_thread(port: int, done: threading.Event) -> float:

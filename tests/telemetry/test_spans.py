@@ -44,7 +44,7 @@ def test_the_span_is_parented_on_the_carrier_and_its_context_goes_upstream(
     router = router_for(tmp_path)
     decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.002)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     span = spans.only()
     assert span.context is not None and span.parent is not None
@@ -58,9 +58,10 @@ def test_the_span_is_parented_on_the_carrier_and_its_context_goes_upstream(
 
 
 def test_without_a_carrier_the_span_is_a_new_root(tmp_path: Path, spans: Spans) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, {}, 0.001)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     span = spans.only()
     assert span.parent is None
@@ -74,7 +75,7 @@ def test_the_decision_attributes(tmp_path: Path, spans: Spans) -> None:
     assert decision.pod == "a"  # the freest KV cache among the short queues
     started = time.time_ns()
     record = telemetry(spans).start(request(), decision, CARRIER, 0.25)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     span = spans.only()
     attributes = dict(span.attributes or {})
@@ -107,9 +108,10 @@ def test_the_decision_attributes(tmp_path: Path, spans: Spans) -> None:
 
 
 def test_the_walk_is_one_attribute(tmp_path: Path, spans: Spans) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     span = spans.only()
     attributes = dict(span.attributes or {})
@@ -119,11 +121,12 @@ def test_the_walk_is_one_attribute(tmp_path: Path, spans: Spans) -> None:
 
 
 def test_the_walk_counts_cel_errors_and_names_the_first(tmp_path: Path, spans: Spans) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     failing = replace(decision.trace[0], errors=(("a", "no such key"), ("b", "overflow")))
     decision = replace(decision, trace=(failing, *decision.trace[1:]))
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     attributes = dict(spans.only().attributes or {})
     assert attributes[a.WALK].startswith("short queue (keep) 3\u21922 on_success [2 errors] > ")
@@ -132,9 +135,10 @@ def test_the_walk_counts_cel_errors_and_names_the_first(tmp_path: Path, spans: S
 
 
 def test_the_response_closes_the_loop_when_it_ends(tmp_path: Path, spans: Spans) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     record.response_headers(200, 0.05)
     assert spans.finished() == ()  # still open while the response streams
     routed_end(record)
@@ -151,11 +155,12 @@ def test_the_response_closes_the_loop_when_it_ends(tmp_path: Path, spans: Spans)
 def test_the_span_ends_when_the_response_ended_not_when_end_is_called(
     tmp_path: Path, spans: Spans
 ) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     before = time.time_ns()
     record = telemetry(spans).start(request(), decision, CARRIER, 0.25)
     after = time.time_ns()
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     # The serving path reports the end when it settles, after the response ended.
     routed_end(record, duration_seconds=0.5)
     span = spans.only()
@@ -168,21 +173,23 @@ def test_an_error_replys_span_ends_with_the_exchange_not_with_its_settlement(
     tmp_path: Path, spans: Spans
 ) -> None:
     busy = [Pod("c", "10.0.0.3:8000", waiting_queue=30)]
-    decision = router_for(tmp_path).decide(request(), busy)
+    router = router_for(tmp_path)
+    decision = router.decide(request(), busy)
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply(router.decide_shadows(decision))
     record.response_headers(429, 0.0)
+    time.sleep(0.01)  # the exchange ended, its bookkeeping runs later
     routed_end(record, first_body_seconds=None, duration_seconds=0.002)
-    time.sleep(0.01)  # the reply goes out, the settlement comes later
-    record.after_reply()
     span = spans.only()
     assert span.start_time is not None and span.end_time is not None
     assert span.end_time - span.start_time == 3_000_000  # the decision and its answer only
 
 
 def test_a_server_error_from_the_pod_marks_the_span(tmp_path: Path, spans: Spans) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     record.response_headers(503, 0.01)
     routed_end(record, first_body_seconds=None, completion_tokens=None, prompt_tokens=None)
     span = spans.only()
@@ -193,18 +200,16 @@ def test_a_server_error_from_the_pod_marks_the_span(tmp_path: Path, spans: Spans
     assert a.GEN_AI_OUTPUT_TOKENS not in attributes
 
 
-def test_a_shed_request_ends_only_after_its_error_reply_went_out(
-    tmp_path: Path, spans: Spans
-) -> None:
+def test_a_shed_requests_span_says_why_and_what_was_answered(tmp_path: Path, spans: Spans) -> None:
+    # (That its record waits for the error reply to go out is the exchange's
+    # to ensure: tests/extproc/test_exchange_state.py.)
     busy = [Pod("c", "10.0.0.3:8000", waiting_queue=30)]
-    decision = router_for(tmp_path).decide(request(), busy)
+    router = router_for(tmp_path)
+    decision = router.decide(request(), busy)
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
-    # What the serving path does for a decision that did not route: the
-    # status and the end come before the error reply is handed to gRPC.
+    record.after_reply(router.decide_shadows(decision))
     record.response_headers(429, 0.0)
     routed_end(record, completed=True, first_body_seconds=None)
-    assert spans.finished() == ()  # shadows and attributes wait for the reply
-    record.after_reply()
     span = spans.only()
     attributes = dict(span.attributes or {})
     assert attributes[a.OUTCOME] == "shed"
@@ -215,24 +220,26 @@ def test_a_shed_request_ends_only_after_its_error_reply_went_out(
     assert "(keep)" in attributes[a.WALK] and "(shed)" in attributes[a.WALK]
 
 
-def test_a_stream_gone_before_the_reply_finishes_at_once(tmp_path: Path, spans: Spans) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+def test_a_stream_gone_before_the_response_ended_is_not_completed(
+    tmp_path: Path, spans: Spans
+) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record, completed=False, first_body_seconds=None)
     span = spans.only()
     attributes = dict(span.attributes or {})
     assert attributes[a.RESPONSE_COMPLETED] is False
     assert attributes[a.POD] == "a"  # the decision is recorded all the same
-    record.after_reply()  # the serving path's close: nothing more happens
-    assert len(spans.finished()) == 1
 
 
 def test_shadow_policies_are_recorded_with_their_agreement(tmp_path: Path, spans: Spans) -> None:
     router = router_for(tmp_path)
     decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
-    assert decision.shadows is not None and not decision.shadows.evaluated
-    record.after_reply()
+    assert decision.shadow_inputs is not None
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     span = spans.only()
     attributes = dict(span.attributes or {})
@@ -264,7 +271,7 @@ def test_large_pools_and_trees_stay_within_bounds(tmp_path: Path, spans: Spans) 
     many = [Pod(f"p{i}", f"10.1.0.{i}:8000", kv_cache=i / 200) for i in range(100)]
     decision = router.decide(request(), many)
     record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     span = spans.only()
     attributes = dict(span.attributes or {})
@@ -279,9 +286,10 @@ def test_a_trace_the_sampler_dropped_still_carries_its_context_upstream(
     tmp_path: Path, spans: Spans
 ) -> None:
     unsampled = {"traceparent": f"00-{ENVOY_TRACE}-{ENVOY_SPAN}-00"}
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, unsampled, 0.001)
-    record.after_reply()
+    record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     assert spans.finished() == ()  # parent-based sampling: not recorded
     version, trace_id, _, flags = record.upstream_headers["traceparent"].split("-")
@@ -303,7 +311,8 @@ def test_a_trace_the_sampler_dropped_still_carries_its_context_upstream(
 def test_a_malformed_traceparent_starts_a_new_trace(
     tmp_path: Path, spans: Spans, traceparent: str
 ) -> None:
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, {"traceparent": traceparent}, 0.0)
     routed_end(record, completed=False)
     span = spans.only()
@@ -312,7 +321,8 @@ def test_a_malformed_traceparent_starts_a_new_trace(
 
 def test_the_parents_tracestate_is_carried_on(tmp_path: Path, spans: Spans) -> None:
     carrier = {**CARRIER, "tracestate": "vendor=abc"}
-    decision = router_for(tmp_path).decide(request(), pods())
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
     record = telemetry(spans).start(request(), decision, carrier, 0.0)
     assert record.upstream_headers["tracestate"] == "vendor=abc"
     routed_end(record, completed=False)

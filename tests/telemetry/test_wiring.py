@@ -147,7 +147,7 @@ class Feed:
     def upstream_headers(self) -> Mapping[str, str]:
         return {"traceparent": "from-feed"}
 
-    def after_reply(self) -> None:
+    def after_reply(self, shadows: Any = None) -> None:
         self.events.append("after_reply")
         if self.fail:
             raise RuntimeError("feed bug")

@@ -8,6 +8,7 @@ To add a field, copy these tests for it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from policyd.cel import Environment, pod_type
@@ -80,3 +81,29 @@ def test_every_declared_field_is_on_every_pod_type_with_its_default() -> None:
     for metric in METRICS:
         assert metric.combine in ("sum", "fullest", "lora-info")
         assert set(metric.presets) <= set(PRESETS)
+
+
+def test_the_documented_presets_are_the_declared_ones() -> None:
+    # docs/pool.md's preset table: one column per preset, each cell the metric
+    # names in fallback order (or "none published"); its last row the path.
+    doc = (Path(__file__).parents[2] / "docs" / "pool.md").read_text()
+    section = doc.split("\n## Metric names and presets\n", 1)[1]
+    table = section[section.index("\n| field |") + 1 :].split("\n\n", 1)[0].splitlines()
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    presets = [re.findall(r"`([^`]+)`", cell)[0] for cell in cells[0][1:]]
+    assert presets == list(PRESETS)
+    documented = {
+        (preset, row[0]): re.findall(r"`([^`]+)`", cell)
+        for row in cells[2:]
+        for preset, cell in zip(presets, row[1:], strict=True)
+    }
+    for metric in METRICS:
+        (row,) = [
+            key
+            for (p, key), names in documented.items()
+            if p == "vllm" and names[:1] == list(metric.presets["vllm"][:1])
+        ]
+        for preset in PRESETS:
+            assert documented[(preset, row)] == list(metric.presets.get(preset, ())), (preset, row)
+    for preset, names in PRESETS.items():
+        assert documented[(preset, "path")][0] == names.path

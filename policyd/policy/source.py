@@ -115,6 +115,10 @@ def kind_name(node: YNode) -> str:
 
 
 MAX_NODES: Final = 100_000  # values in one document, counting each use of an alias
+# Collections inside collections. PyYAML composes recursively, so a deeper
+# document would meet Python's recursion limit, which depends on the caller's
+# stack; it is refused from the parser's events first, which need no recursion.
+MAX_DEPTH: Final = 100
 
 
 def parse_yaml(source: Source) -> tuple[YNode | None, list[Diagnostic]]:
@@ -133,6 +137,7 @@ def parse_yaml(source: Source) -> tuple[YNode | None, list[Diagnostic]]:
     except yaml.reader.ReaderError as error:  # checked up front over the whole text
         return None, [_unacceptable_character(source, error)]
     try:
+        _refuse_deep_nesting(source.text)
         root = loader.get_single_node()
         if root is None:
             return None, []
@@ -147,8 +152,9 @@ def parse_yaml(source: Source) -> tuple[YNode | None, list[Diagnostic]]:
         return None, [_unacceptable_character(source, error)]
     except yaml.YAMLError as error:
         return None, [source.diagnostic((1, 1), f"invalid YAML: {error}")]
-    except RecursionError:
-        return None, [source.diagnostic((1, 1), "invalid YAML: nested too deeply")]
+    except _TooDeepError as error:
+        message = f"invalid YAML: nested more than {MAX_DEPTH} levels deep"
+        return None, [source.diagnostic(error.at, message)]
     except _TooManyNodesError as error:
         message = (
             f"invalid YAML: more than {MAX_NODES} values once aliases are expanded "
@@ -171,6 +177,24 @@ def _unacceptable_character(source: Source, error: yaml.reader.ReaderError) -> D
 
 
 _CONTROL_NAMES: Final = {0: "NUL", 7: "BEL", 8: "backspace", 0x1B: "ESC", 0x7F: "DEL"}
+
+
+def _refuse_deep_nesting(text: str) -> None:
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                raise _TooDeepError((mark.line + 1, mark.column + 1))
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+class _TooDeepError(Exception):
+    def __init__(self, at: tuple[int, int]) -> None:
+        super().__init__(at)
+        self.at = at
 
 
 class _TooManyNodesError(Exception):

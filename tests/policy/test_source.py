@@ -66,7 +66,14 @@ def test_duplicate_keys_are_reported_not_silently_overwritten() -> None:
         ),
         ("a: &x [1, *x]\n", "f.yaml:1:4: invalid YAML: an alias used inside what it names"),
         ("a: &x {b: *x}\n", "f.yaml:1:4: invalid YAML: an alias used inside what it names"),
-        ("a: " + "[" * 5000 + "]" * 5000, "f.yaml:1:1: invalid YAML: nested too deeply"),
+        (
+            "a: " + "[" * 5000 + "]" * 5000,
+            "f.yaml:1:103: invalid YAML: nested more than 100 levels deep",
+        ),
+        (  # the root mapping and 99 lists are 100 levels; a mapping and 99 lists inside one, 101
+            "a: " + "[" * 99 + "]" * 99 + "\nb: {c: " + "[" * 99 + "]" * 99 + "}",
+            "f.yaml:2:106: invalid YAML: nested more than 100 levels deep",
+        ),
     ],
 )
 def test_what_yaml_cannot_read_is_a_diagnostic_never_an_exception(text: str, expected: str) -> None:

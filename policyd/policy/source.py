@@ -186,7 +186,7 @@ def _refuse_deep_nesting(text: str) -> None:
             depth += 1
             if depth > MAX_DEPTH:
                 mark = event.start_mark
-                raise _TooDeepError((mark.line + 1, mark.column + 1))
+                raise _TooDeepError((mark.line + 1, mark.column + 1) if mark else (1, 1))
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
 

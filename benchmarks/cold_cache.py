@@ -48,7 +48,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from policyd.extproc.exchange import Exchange, ServingSettings
-from policyd.extproc.servicer import ExternalProcessor
+from policyd.extproc.process_stream import ExternalProcessor
 from policyd.extproc.settlement import Settlement, Work
 from policyd.policy import PolicyStore, Router
 from policyd.telemetry import DecisionTracer, build_telemetry

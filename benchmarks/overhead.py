@@ -100,11 +100,11 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 
 from policyd.cli import build_parser
 from policyd.extproc import replies
+from policyd.extproc.assembly import Policyd
 from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
-from policyd.extproc.serve import freeze_startup_heap
-from policyd.extproc.server import ExtProcServer, ServerOptions
-from policyd.extproc.service import Policyd
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
+from policyd.extproc.serve_command import freeze_startup_heap
 from policyd.policy import PolicyStore
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request

@@ -46,7 +46,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Request, Router
 from policyd.policy.decision import Decision, ShadowReport
 from policyd.pool.pod import Pod

@@ -19,7 +19,10 @@ from policyd import __version__
 
 # name -> (module that implements it, one-line help)
 COMMANDS: Final[dict[str, tuple[str, str]]] = {
-    "serve": ("policyd.extproc.serve", "run the ext_proc service Envoy asks for each request"),
+    "serve": (
+        "policyd.extproc.serve_command",
+        "run the ext_proc service Envoy asks for each request",
+    ),
     "demo": (
         "policyd.demo.command",
         "run Envoy + policyd + a simulated vLLM pool and show decisions",

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import aiohttp
 
+from policyd.extproc.assembly import Policyd
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyError, EnvoyProcess, start_envoy
+from policyd.extproc.grpc_server import ServerOptions
 from policyd.extproc.interfaces import Telemetry
-from policyd.extproc.server import ServerOptions
-from policyd.extproc.service import Policyd
 from policyd.policy import PolicyStore
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.sim import SimPool, SimServer

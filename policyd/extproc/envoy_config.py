@@ -50,7 +50,7 @@ What it sets up, and why:
   default): with it on, Envoy 1.40 crashed (segmentation fault in the ext_proc
   stream's close) under long generations ending together. Envoy then resets
   each ext_proc stream as it ends; policyd ends the stream itself first
-  (``servicer.py``), so the reset has nothing to cancel (grpcio leaks a batch
+  (``process_stream.py``), so the reset has nothing to cancel (grpcio leaks a batch
   a reset makes fail, grpc/grpc#43360; ``benchmarks/leak_soak.py``). The
   admin runtime layer, which Envoy has by default, stays.
 - the admin interface on loopback only.

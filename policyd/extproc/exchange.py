@@ -4,7 +4,7 @@ Envoy opens an ext_proc stream per request and sends its phases in order:
 request headers, the request body (one BUFFERED message, or STREAMED chunks
 that are accumulated to the end), response headers, response body chunks,
 trailers if configured. An ``Exchange`` holds one request's state across
-those messages and answers each one (``policyd.extproc.servicer`` moves the
+those messages and answers each one (``policyd.extproc.process_stream`` moves the
 messages between gRPC and it).
 
 Isolation is the rule: whatever one request does (bad JSON, a router that
@@ -360,7 +360,7 @@ class Exchange:
         """The reply to one message, or None for the response's last message; never raises.
 
         None ends the exchange without a reply: the stream's status OK answers
-        that message (see ``servicer.py``).
+        that message (see ``process_stream.py``).
         """
         phase = message.WhichOneof("request")
         try:

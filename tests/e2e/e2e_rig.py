@@ -24,10 +24,10 @@ import aiohttp
 from e2e_support import RecordingTelemetry, ScriptedRouter, SwappablePool, TestUpstream
 
 from policyd.demo.stack import warm_up
+from policyd.extproc.assembly import Policyd
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyProcess, start_envoy
-from policyd.extproc.server import ExtProcServer, ServerOptions
-from policyd.extproc.service import Policyd
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Reload
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.pool.pod import Pod

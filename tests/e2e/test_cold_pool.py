@@ -21,10 +21,10 @@ import aiohttp
 import pytest
 from e2e_rig import until
 
+from policyd.extproc.assembly import Policyd
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import start_envoy
-from policyd.extproc.server import ServerOptions
-from policyd.extproc.service import Policyd
+from policyd.extproc.grpc_server import ServerOptions
 from policyd.policy import PolicyStore
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.sim import L4_LLAMA2_7B, SimPool, adapter_names

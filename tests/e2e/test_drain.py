@@ -10,7 +10,7 @@ import pytest
 from e2e_rig import start_gateway, stop_gateway
 from e2e_support import sse_events
 
-from policyd.extproc.server import ServerOptions
+from policyd.extproc.grpc_server import ServerOptions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 

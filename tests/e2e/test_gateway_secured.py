@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from policyd.cli import main
 from policyd.extproc.envoy_config import EnvoyConfigOptions, PolicydTls
 from policyd.extproc.envoy_process import EnvoyProcess, start_envoy
-from policyd.extproc.server import ServerOptions, TlsFiles
+from policyd.extproc.grpc_server import ServerOptions, TlsFiles
 from policyd.sim import SimPool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]

@@ -30,11 +30,11 @@ import aiohttp
 import pytest
 from e2e_rig import until
 
+from policyd.extproc.assembly import Policyd
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyProcess, start_envoy
 from policyd.extproc.exchange import ServingSettings
-from policyd.extproc.server import ServerOptions
-from policyd.extproc.service import Policyd
+from policyd.extproc.grpc_server import ServerOptions
 from policyd.policy import PolicyStore
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.sim import L4_LLAMA2_7B

@@ -14,7 +14,7 @@ from e2e_support import ScriptedRouter, SwappablePool
 
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import free_port, start_envoy
-from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 
 pytestmark = [pytest.mark.e2e]
 

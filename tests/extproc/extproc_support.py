@@ -19,7 +19,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from policyd.extproc.server import ExtProcServer
+from policyd.extproc.grpc_server import ExtProcServer
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
@@ -119,7 +119,7 @@ class EnvoySide:
         """Send the messages in order, reading the reply to each; then close.
 
         The response's last message gets no reply: policyd ends the stream with
-        status OK instead (servicer.py), so the replies stop there."""
+        status OK instead (process_stream.py), so the replies stop there."""
         call = self.open()
         replies = []
         for message in messages:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.workers import run_in_workers
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request

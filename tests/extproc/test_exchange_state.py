@@ -19,7 +19,7 @@ from extproc_support import (
 )
 
 from policyd.extproc.exchange import Exchange, ServingSettings, State
-from policyd.extproc.servicer import ExternalProcessor
+from policyd.extproc.process_stream import ExternalProcessor
 from policyd.policy.decision import (
     Agreement,
     Decision,

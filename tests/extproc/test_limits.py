@@ -29,7 +29,7 @@ from extproc_support import (
 )
 
 from policyd.extproc.exchange import ServingSettings
-from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.pool.pod import Pod
 
 PODS = (Pod("pod-a", "10.0.0.1:8000"), Pod("pod-b", "10.0.0.2:8000"))

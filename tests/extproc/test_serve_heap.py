@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from policyd.cli import main
-from policyd.extproc.service import Policyd
+from policyd.extproc.assembly import Policyd
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from policyd.cli import main
-from policyd.extproc import serve
+from policyd.extproc import serve_command as serve
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = str(REPO / "rules" / "default.yaml")

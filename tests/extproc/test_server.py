@@ -27,8 +27,8 @@ from extproc_support import (
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions, TlsFiles
 from policyd.extproc.health import EXT_PROC_SERVICE, LIVENESS, READINESS
-from policyd.extproc.server import ExtProcServer, ServerOptions, TlsFiles
 from policyd.pool.pod import Pod
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -16,7 +16,7 @@ import grpc
 from extproc_support import PickFirst, RecordingTelemetry, Snapshot, request_body, request_headers
 
 from policyd.extproc.exchange import ServingSettings
-from policyd.extproc.servicer import ExternalProcessor
+from policyd.extproc.process_stream import ExternalProcessor
 from policyd.pool.pod import Pod
 
 

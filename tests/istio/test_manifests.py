@@ -46,10 +46,10 @@ from policyd.extproc.envoy_config import (
 )
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
 from policyd.extproc.exchange import ServingSettings
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.health import LIVENESS, READINESS
 from policyd.extproc.replies import DESTINATION_HEADER
-from policyd.extproc.serve import check_arguments
-from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.serve_command import check_arguments
 from policyd.policy import PolicyStore
 from policyd.policy.decision import Decision
 from policyd.policy.request import Request

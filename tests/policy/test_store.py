@@ -440,7 +440,7 @@ async def test_a_failure_while_a_change_settles_does_not_speed_up_the_looks(
 
 def test_serve_guards_reloads_unless_the_operator_opts_out(tmp_path: Path) -> None:
     from policyd.cli import build_parser
-    from policyd.extproc.serve import UsageError, check_arguments, open_policy
+    from policyd.extproc.serve_command import UsageError, check_arguments, open_policy
 
     path = write(tmp_path, SHORT)
     pods = write(tmp_path, "pods: []\n", "pods.yaml")

@@ -27,7 +27,7 @@ from extproc_support import (
 )
 from telemetry_support import Spans, pods, router_for
 
-from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.settlement import Settlement
 from policyd.policy import Router
 from policyd.policy.decision import Decision, ShadowReport

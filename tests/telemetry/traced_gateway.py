@@ -25,7 +25,7 @@ from telemetry_support import write_policies
 
 from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
 from policyd.extproc.envoy_process import EnvoyProcess
-from policyd.extproc.server import ExtProcServer, ServerOptions
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Router
 from policyd.pool.pod import Pod
 from policyd.telemetry import DecisionTelemetry, build_telemetry

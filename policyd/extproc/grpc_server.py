@@ -38,7 +38,7 @@ from policyd.extproc.interfaces import (
     SnapshotSource,
     Telemetry,
 )
-from policyd.extproc.servicer import ExternalProcessor
+from policyd.extproc.process_stream import ExternalProcessor
 
 log = logging.getLogger("policyd.extproc.server")
 

@@ -26,8 +26,8 @@ import logging
 import signal
 from collections.abc import Callable
 
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.interfaces import Telemetry
-from policyd.extproc.server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Reload, Router
 from policyd.pool import Pool
 

@@ -284,12 +284,12 @@ def server_options(arguments: argparse.Namespace) -> ServerOptions:
 def freeze_startup_heap() -> None:
     """Take what start-up made out of the garbage collector's full passes.
 
-    A full collection walks every tracked object, and start-up leaves ~60,000
-    that live as long as the process (modules, protobuf descriptors, the
-    compiled policy). Under load a full pass came every 4-5 s and stopped
-    the serving loop for 21-32 ms each time on the development VM, holding
-    up every open stream; with the start-up heap frozen the same passes took
-    1.0-2.9 ms (``benchmarks/RESULTS.md``, "Full collections"). A frozen
+    A full collection walks every tracked object, and start-up leaves tens of
+    thousands that live as long as the process (modules, protobuf
+    descriptors, the compiled policy). Under load full passes come every few
+    seconds, and each stops the serving loop, holding up every open stream,
+    for as long as its walk takes; frozen, the start-up heap is left out of
+    that walk, which shortens each pass by an order of magnitude. A frozen
     object is never collected: one that later becomes garbage in a reference
     cycle stays, which bounds the cost by what start-up made.
     """

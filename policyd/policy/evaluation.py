@@ -139,7 +139,8 @@ class PodExpression:
         """The pods for which the expression is ``true``, and the errors.
 
         Written out rather than filtering ``values()``: the extra list and pass
-        made a decision over 100 pods about 13% slower (benchmarks/decision.py).
+        would make a decision over 100 pods visibly slower
+        (``benchmarks/decision.py``).
         """
         evaluate = self.evaluate
         kept: list[Any] = []

@@ -88,8 +88,9 @@ def score(
         values, failures = scorer.expression.values(pods, ev)
         weight = scorer.weight
         for index, value in enumerate(values):
-            # ``clamp`` inlined (NaN fails ``>= 0`` there too): calling it per pod and
-            # scorer cost ~8% of a decision over 100 pods (benchmarks/decision.py).
+            # ``clamp`` inlined (NaN fails ``>= 0`` there too): a call per pod and
+            # scorer is a visible share of a decision over 100 pods
+            # (``benchmarks/decision.py``).
             if value is not FAILED and value >= 0:
                 totals[index] += weight if value > 1 else weight * value
         errors.extend((pod, f"{scorer.name}: {message}") for pod, message in failures)

@@ -1,10 +1,10 @@
 """A small HTTP/1.1 client made for one job: GET ``/metrics`` from many pods, often.
 
-Why not aiohttp, nor asyncio at all: on these machines an aiohttp
-``ClientSession`` GET over a kept-alive loopback connection costs about 190 us
-of CPU, and even a bare asyncio protocol pays ~45 us per scrape in transports,
-handles and callbacks on top of the ~20 us the kernel spends on the socket
-calls (``benchmarks/RESULTS.md``, "Pool scraping"). Here a round is one loop
+Why not aiohttp, nor asyncio at all: an aiohttp ``ClientSession`` GET over a
+kept-alive loopback connection costs several times the CPU the kernel spends
+on the socket calls, and even a bare asyncio protocol pays more per scrape in
+transports, handles and callbacks than those calls themselves
+(``benchmarks/scrape.py``, ``benchmarks/RESULTS.md``). Here a round is one loop
 on the calling thread: it sends every pod's request, then waits on one
 selector and reads whatever is ready, framing each response as its bytes
 arrive and handing the finished body, still where it was read, to a
@@ -14,7 +14,7 @@ the sockets stay registered with the selector from round to round.
 A response's first read goes to one buffer that all endpoints share, and a
 whole page usually arrives in that one read. That buffer stays in the CPU's
 caches from one pod to the next, where a hundred buffers of their own would
-be written cold every round (a few microseconds per scrape, ``RESULTS.md``).
+be written cold every round.
 Only a response that needs more reads is copied to its endpoint's own buffer.
 
 What it speaks: GET over plain TCP, HTTP/1.0 and 1.1 responses framed by

@@ -105,9 +105,9 @@ class RoundAnswer(NamedTuple):
 # A round's results as they cross the socket: plain tuples. Pickle takes a
 # named tuple apart and puts it together again with Python-level calls per
 # object; plain tuples it copies in C, and ``tuple.__new__`` makes the named
-# tuples again without their Python-level constructors. For 100 results that
-# is ~55 us instead of ~300 in the child, and ~50-55 instead of ~80-90 in
-# the serving process (``timeit`` on these machines).
+# tuples again without their Python-level constructors, so a round's results
+# cost several times less to pickle in the child and less to unpickle in the
+# serving process.
 WireResult = tuple[tuple[Any, ...] | None, str | None, float]
 
 
@@ -271,11 +271,10 @@ def answer_timeout(config: ScrapeConfig) -> float:
     """How long a round waits for the child's answer before failing every pod.
 
     As long as the last snapshot's metrics may stay in use anyway (the stale
-    threshold): a child that waits for a core (on a saturated 2-core machine a
-    round's answer takes 14-19 ms, its p99 50-80 ms, and one in about 1600 takes
-    over 175 ms: ``benchmarks/RESULTS.md``) then costs no more than a busy
-    serving loop would, instead of emptying the candidate set. At least the
-    request timeout plus one interval.
+    threshold): a child that waits for a core (on a saturated machine a rare
+    round's answer comes many times later than the usual one) then costs no
+    more than a busy serving loop would, instead of emptying the candidate
+    set. At least the request timeout plus one interval.
     """
     return max(config.stale_threshold, config.request_timeout + config.interval)
 

@@ -1,9 +1,9 @@
 """Counters and histograms for the serving path: written by one thread, read by scrapes.
 
 prometheus-client's ``Counter.inc`` and ``Histogram.observe`` take a lock
-and check the metric's state on every call, about 1 us each; a decision under
-the default policy makes some twenty of them, which was a fifth of policyd's
-own Python per request. Every per-request metric is written from the event
+and check the metric's state on every call; a decision under the default
+policy makes some twenty of them, a large share of policyd's own Python per
+request. Every per-request metric is written from the event
 loop alone, so it needs no lock: a tally is a plain dict from label values to
 a number (or to a histogram row), updated in place, and a Prometheus scrape
 on the metrics thread reads a copy (``dict.copy`` and ``list`` copies are

@@ -2,10 +2,11 @@
 
 Issue 23, item 3: a vLLM pod prints ``vllm:lora_requests_info`` only once it
 has logged its stats, so in a freshly started pool the pods that have not
-served anything show no LoRA state. policyd used to read that as
-``max_loras`` 0, the seed policy's free-slot rules dropped those pods, and a
-sequential run of 20 LoRA requests all went to the one pod that had served
-the first. Here the simulated pods log their stats only after serving (a
+served anything show no LoRA state. policyd marks such a pod
+``lora_info_known`` false (its ``max_loras`` 0 is for want of knowledge), and
+the seed policy's free-slot rules keep it: read as full, those pods would be
+dropped, and a sequential run of 20 LoRA requests would all go to the one pod
+that had served the first. Here the simulated pods log their stats only after serving (a
 stats interval longer than the test, as vLLM V1 engines of some versions do),
 so every pod but those that served stays unknown for the whole run.
 """
@@ -107,7 +108,7 @@ async def test_a_sequential_run_over_a_cold_pool_spreads_over_its_pods(tmp_path:
                 await until(scraped, f"policyd to scrape {pod} after it served")
         spread = served(sim)
         assert sum(spread.values()) == 20
-        # Every request to the pod that served first was the bug; random routing
+        # Every request on the pod that served first would be the failure; random routing
         # over 6 pods puts 20 requests on at least 3 of them but for ~1e-10 odds.
         assert len(spread) > 1, spread
         known = {p.name for p in service.pool.snapshot().candidates if p.lora_info_known}

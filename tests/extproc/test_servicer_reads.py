@@ -3,8 +3,9 @@
 grpc's request iterator keeps the last message it gave in a suspended
 generator frame; a stream policyd ends itself (an error answer) leaves that
 generator, and a request body of megabytes with it, in a reference cycle until
-the cyclic garbage collector runs (``benchmarks/memory.py`` measured 400-600 MB
-peaks under a flood of such requests, 150-180 MB reading with ``read()``).
+the cyclic garbage collector runs (under a flood of such requests the peak
+memory is several times what it is reading with ``read()``:
+``benchmarks/memory.py``, ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """The policyd gRPC server: ext_proc + health, TLS, graceful shutdown.
 
-Build one from the pieces ``policyd serve`` owns and run it::
+Build one from a policy store and a pool (``assembly.Policyd`` does this) and
+run it::
 
+    router = Router(store)                      # reads store.current per decision (hot swap)
     server = ExtProcServer(
-        routers=lambda: loader.router,          # read per request (hot swap)
-        snapshots=lambda: datastore.snapshot,   # read per request (immutable)
-        telemetry=tracing,                      # optional
-        ready=datastore.is_ready,               # drives the readiness check
+        routers=lambda: router,                 # called per request
+        snapshots=pool.snapshot,                # called per request (immutable snapshots)
+        telemetry=telemetry,                    # optional
+        ready=lambda: pool.snapshot().ready,    # drives the readiness check
         options=ServerOptions(port=9002),
     )
     await server.run_until_signalled()          # SIGTERM/SIGINT: drain, then return

@@ -35,10 +35,10 @@ class RouterLike(Protocol):
 
 
 RouterSource = Callable[[], RouterLike]
-"""Returns the router in force now (e.g. ``lambda: loader.router``)."""
+"""Returns the router in force now (e.g. ``lambda: router``, one ``Router(store)``)."""
 
 SnapshotSource = Callable[[], PoolSnapshot]
-"""Returns the newest pool snapshot (e.g. ``lambda: datastore.snapshot``)."""
+"""Returns the newest pool snapshot (e.g. ``pool.snapshot``)."""
 
 Readiness = Callable[[], bool]
 """True once pods and their metrics are loaded; drives the gRPC readiness check."""

@@ -28,7 +28,8 @@ RESPONSE_BUCKETS: Final = (
 # Steps (and walks) whose tally increments are remembered. A walk is reused only
 # while the pool's snapshot lasts (one scrape interval when pods report new
 # load), so older entries are never hit again, yet each holds its trace and the
-# trace's tuples of pod names: 4096 of them held ~20 MB under changing pods.
+# trace's tuples of pod names: thousands of them hold tens of megabytes under
+# changing pods.
 _STEPS_KEPT: Final = 512
 
 # A step's increments: the tally's values, the label set, the amount.
@@ -89,7 +90,7 @@ class DecisionMetrics:
         )
         self._node_pods = CounterTally(
             "policyd_filter_node_pods",
-            "Pods that entered a filter, band or top-k node, by whether they were kept.",
+            "Pods that entered a keep, band or top_k node, by whether they were kept.",
             ["policy", "node", "result"],
         )
         self._node_errors = CounterTally(

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from policyd.policy import PolicyStore, Request, Router
 from policyd.pool.pod import Pod
-from policyd.telemetry import DecisionTracer
+from policyd.telemetry import DecisionTelemetry, DecisionTracer
 
 # The live policy: keep pods with a short queue, prefer free KV cache, one fallback.
 LIVE = """
@@ -78,6 +78,29 @@ def request(**fields: object) -> Request:
     }
     values.update(fields)
     return Request(**values)  # type: ignore[arg-type]
+
+
+def one_request(
+    telemetry: DecisionTelemetry,
+    directory: Path,
+    carrier: dict[str, str],
+    asked: Request | None = None,
+) -> None:
+    """Record one routed request as the serving path does: the decision (the
+    live policy over ``pods()``), its shadows after the reply, a 200, the end."""
+    asked = request() if asked is None else asked
+    router = router_for(directory)
+    decision = router.decide(asked, pods())
+    record = telemetry.start(asked, decision, carrier, 0.0003)
+    record.after_reply(router.decide_shadows(decision))
+    record.response_headers(200, 0.02)
+    record.end(
+        completed=True,
+        duration_seconds=0.9,
+        first_body_seconds=0.1,
+        prompt_tokens=12,
+        completion_tokens=30,
+    )
 
 
 @dataclass

@@ -11,26 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from telemetry_support import Spans, pods, request, router_for
+from telemetry_support import Spans, one_request
 
 from policyd.telemetry import DecisionLog, DecisionTelemetry
 
 CARRIER = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-
-
-def one_request(telemetry: DecisionTelemetry, tmp_path: Path, carrier: dict[str, str]) -> None:
-    router = router_for(tmp_path)
-    decision = router.decide(request(), pods())
-    record = telemetry.start(request(), decision, carrier, 0.0003)
-    record.after_reply(router.decide_shadows(decision))
-    record.response_headers(200, 0.02)
-    record.end(
-        completed=True,
-        duration_seconds=0.9,
-        first_body_seconds=0.1,
-        prompt_tokens=12,
-        completion_tokens=30,
-    )
 
 
 def lines(out: io.StringIO) -> list[dict[str, Any]]:

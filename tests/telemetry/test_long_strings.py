@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from prometheus_client import generate_latest
-from telemetry_support import Spans, pods, request, router_for
+from telemetry_support import Spans, one_request, request
 
 from policyd.telemetry import DecisionLog, DecisionMetrics, DecisionTelemetry
 from policyd.telemetry import attributes as a
@@ -47,18 +47,7 @@ def test_a_request_of_long_texts_is_cut_on_its_span_and_log_line_and_is_no_label
     metrics = DecisionMetrics()
     telemetry = DecisionTelemetry(tracer=spans.tracer, decision_log=log, metrics=metrics)
     asked = request(model="m" * HUGE, id="i" * HUGE, path="/v1/" + "p" * HUGE + "/chat/completions")
-    router = router_for(tmp_path)
-    decision = router.decide(asked, pods())
-    record = telemetry.start(asked, decision, CARRIER, 0.0003)
-    record.after_reply(router.decide_shadows(decision))
-    record.response_headers(200, 0.02)
-    record.end(
-        completed=True,
-        duration_seconds=0.9,
-        first_body_seconds=0.1,
-        prompt_tokens=12,
-        completion_tokens=30,
-    )
+    one_request(telemetry, tmp_path, CARRIER, asked)
     log.close()
 
     span = spans.only()

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import grpc
 from e2e_support import RecordingTelemetry, ScriptedRouter, SwappablePool, TestUpstream
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from policyd.demo.stack import warm_up
 from policyd.extproc.assembly import Policyd
@@ -206,6 +209,39 @@ async def stop_policyd_gateway(gateway: PolicydGateway) -> None:
         await gateway.client.close()
         await gateway.service.stop(0)
         await gateway.sim.stop()
+
+
+async def until_serving(
+    channel: grpc.aio.Channel, process: subprocess.Popen[str], timeout: float = 30
+) -> None:
+    """Until ``policyd serve``'s gRPC health, asked over ``channel``, says ``readiness``
+    is SERVING; fails if the process exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    stub = health_pb2_grpc.HealthStub(channel)
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "policyd serve exited during start"
+        try:
+            request = health_pb2.HealthCheckRequest(service="readiness")
+            answer = await stub.Check(request, timeout=1)
+            if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("policyd serve did not become ready")
+
+
+async def policyd_health(client: aiohttp.ClientSession, admin_port: int) -> str:
+    """The health flags Envoy's admin page shows for its policyd host (``healthy``, or
+    what failed, e.g. ``/failed_active_hc``)."""
+    async with client.get(f"http://127.0.0.1:{admin_port}/clusters") as response:
+        text = await response.text()
+    (flags,) = [
+        line.rpartition("::")[2]
+        for line in text.splitlines()
+        if line.startswith("policyd::") and "::health_flags::" in line
+    ]
+    return flags
 
 
 def service_candidates(service: Policyd) -> tuple[Pod, ...]:

@@ -26,9 +26,8 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
-from e2e_rig import Gateway, start_gateway, stop_gateway
+from e2e_rig import Gateway, policyd_health, start_gateway, stop_gateway, until_serving
 from e2e_support import free_port
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from policyd.cli import main
 from policyd.extproc.envoy_config import EnvoyConfigOptions, PolicydTls
@@ -119,17 +118,6 @@ def rogue_client(directory: Path) -> tuple[Path, Path]:
     return directory / "rogue.crt", directory / "rogue.key"
 
 
-async def policyd_host_health(envoy: EnvoyProcess, client: aiohttp.ClientSession) -> str:
-    async with client.get(f"http://127.0.0.1:{envoy.admin_port}/clusters") as response:
-        text = await response.text()
-    (flags,) = [
-        line.rpartition("::")[2]
-        for line in text.splitlines()
-        if line.startswith("policyd::") and "::health_flags::" in line
-    ]
-    return flags
-
-
 @pytest.mark.parametrize("client_tls", ["plain text", "no client certificate", "rogue CA"])
 async def test_an_envoy_without_a_trusted_client_certificate_gets_nothing_from_policyd(
     gateway: Gateway,
@@ -153,7 +141,7 @@ async def test_an_envoy_without_a_trusted_client_certificate_gets_nothing_from_p
         async with gateway.client.post(url, json={"model": "m", "prompt": "p"}) as response:
             assert response.status == 503, await response.text()
         deadline = time.monotonic() + 10
-        while (health := await policyd_host_health(intruder, gateway.client)) == "healthy":
+        while (health := await policyd_health(gateway.client, intruder.admin_port)) == "healthy":
             assert time.monotonic() < deadline, "the health check never failed"
             await asyncio.sleep(0.1)
         assert "failed_active_hc" in health
@@ -176,20 +164,8 @@ async def ready_over_mtls(port: int, process: subprocess.Popen[str], certificate
         certificates.client_cert.read_bytes(),
     )
     options = [("grpc.ssl_target_name_override", "policyd")]
-    deadline = time.monotonic() + 30
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials, options) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert process.poll() is None, "policyd serve exited during start"
-            try:
-                request = health_pb2.HealthCheckRequest(service="readiness")
-                answer = await stub.Check(request, timeout=1)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError("policyd serve did not become ready")
+        await until_serving(channel, process)
 
 
 async def test_policyd_serve_and_envoy_config_tls_flags_route_end_to_end(
@@ -241,7 +217,7 @@ async def test_policyd_serve_and_envoy_config_tls_flags_route_end_to_end(
         async with aiohttp.ClientSession() as client:
             # Envoy's gRPC health check of policyd's readiness passes over mTLS.
             deadline = time.monotonic() + 10
-            while await policyd_host_health(envoy, client) != "healthy":
+            while await policyd_health(client, envoy.admin_port) != "healthy":
                 assert time.monotonic() < deadline, "the health check never passed"
                 await asyncio.sleep(0.1)
             for _ in range(3):

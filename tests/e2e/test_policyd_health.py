@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from e2e_rig import policyd_health
 from e2e_support import ScriptedRouter, SwappablePool
 
 from policyd.extproc.envoy_config import EnvoyConfigOptions
@@ -17,17 +18,6 @@ from policyd.extproc.envoy_process import free_port, start_envoy
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 
 pytestmark = [pytest.mark.e2e]
-
-
-async def policyd_health(client: aiohttp.ClientSession, admin_port: int) -> str:
-    async with client.get(f"http://127.0.0.1:{admin_port}/clusters") as response:
-        text = await response.text()
-    (flags,) = [
-        line.rpartition("::")[2]
-        for line in text.splitlines()
-        if line.startswith("policyd::") and "::health_flags::" in line
-    ]
-    return flags
 
 
 async def test_a_policyd_that_starts_after_envoy_is_healthy_within_seconds(

@@ -9,13 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from e2e_rig import until_serving
 from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.demo.stack import warm_up
@@ -30,21 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 async def wait_ready(port: int, process: subprocess.Popen[str], timeout: float = 30) -> None:
     """Until policyd's gRPC health says ``readiness`` is SERVING."""
-    deadline = time.monotonic() + timeout
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert process.poll() is None, "policyd serve exited during start"
-            try:
-                answer = await stub.Check(
-                    health_pb2.HealthCheckRequest(service="readiness"), timeout=1
-                )
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError("policyd serve did not become ready")
+        await until_serving(channel, process, timeout)
 
 
 def two_free_ports() -> int:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-from policyd.sim.text import tokenize
+from policyd.sim.tokenizer import render_chat, tokenize
 
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
 _ERROR_TYPES: Final = {
@@ -92,7 +92,7 @@ def _completion_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenize(prompt)
+        return tuple(tokenize(prompt))
     if (
         isinstance(prompt, list)
         and prompt
@@ -108,12 +108,12 @@ def _chat_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "`messages` must be a non-empty list", "messages")
-    lines = []
+    texts = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "every message needs a `role` string", "messages")
-        lines.append(f"{message['role']}: {_message_text(message.get('content'))}")
-    return tokenize("\n".join(lines))
+        texts.append({"role": message["role"], "content": _message_text(message.get("content"))})
+    return tuple(tokenize(render_chat(texts)))
 
 
 def _message_text(content: object) -> str:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.sim.profile import L4_LLAMA2_7B
 from policyd.sim.server import SimServer
-from policyd.sim.text import tokenize
+from policyd.sim.tokenizer import tokenize
 
 TIME_SCALE = 50.0
 BASE = "meta-llama/Llama-2-7b-hf"

@@ -8,22 +8,49 @@ whose last user finished keep their key and stay reusable until a fresh block
 is needed and none is left uncached; then the least recently freed cached
 block is evicted. A freed sequence releases its blocks tail first, so a chain
 is evicted from its end and its shared head survives longest.
+
+The keys are ``policyd.sim.tokenizer.block_hashes``, the hashes the pod's KV
+events announce. When asked to (``record``), the manager notes every eviction
+as a ``BlocksRemoved``; the engine notes what it stores (``BlocksStored``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policyd.sim.tokenizer import block_hashes
 
 
-def prefix_keys(adapter: str | None, tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Chained cache keys of the full blocks of ``tokens`` under ``adapter``."""
-    keys: list[int] = []
-    parent = hash(adapter)
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start : start + block_size])))
-        keys.append(parent)
-    return tuple(keys)
+def prefix_keys(model: str, tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """Chained cache keys of the full blocks of ``tokens`` served as ``model`` (or adapter)."""
+    return tuple(block_hashes(tokens, block_size, model))
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """Consecutive full blocks of one sequence entered the prefix cache (vLLM's ``BlockStored``)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None  # the block before the first one; None at a sequence's start
+    token_ids: tuple[int, ...]
+    adapter: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    """Cached blocks were evicted (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset (vLLM's ``AllBlocksCleared``)."""
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
 
 class BlockManager:
@@ -38,6 +65,8 @@ class BlockManager:
         self._block_of: dict[int, int] = {}
         # Cached blocks nobody uses, least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # KV events since the last drain; None (the default) records nothing.
+        self.record: list[KvEvent] | None = None
 
     @property
     def num_free(self) -> int:
@@ -86,14 +115,18 @@ class BlockManager:
             assert key is not None
             del self._block_of[key]
             self._key_of[block] = None
+            if self.record is not None:
+                self.record.append(BlocksRemoved((key,)))
         self._refcount[block] = 1
         return block
 
-    def register(self, block: int, key: int) -> None:
-        """Make a computed full block findable by ``key`` (first writer wins)."""
+    def register(self, block: int, key: int) -> bool:
+        """Make a computed full block findable by ``key`` (first writer wins); whether it was."""
         if key not in self._block_of and self._key_of[block] is None:
             self._block_of[key] = block
             self._key_of[block] = key
+            return True
+        return False
 
     def free(self, blocks: Sequence[int]) -> None:
         """Release one sequence's hold on its blocks, tail first."""
@@ -104,6 +137,19 @@ class BlockManager:
                     self._uncached_free.append(block)
                 else:
                     self._evictable[block] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache``: only when none is in use."""
+        if len(self._uncached_free) + len(self._evictable) < self.num_blocks:
+            return False
+        for block in self._evictable:
+            self._key_of[block] = None
+            self._uncached_free.append(block)
+        self._evictable.clear()
+        self._block_of.clear()
+        if self.record is not None:
+            self.record.append(AllBlocksCleared())
+        return True
 
     def cached_blocks(self) -> int:
         """Blocks currently findable by key (in use or evictable)."""

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from policyd.sim.blocks import BlockManager, prefix_keys
+from policyd.sim.blocks import BlockManager, BlocksStored, KvEvent, prefix_keys
 from policyd.sim.lora import AdapterResidence
 from policyd.sim.profile import Profile
 from policyd.sim.stats import LORA_SERIES_KEPT, EngineStats
@@ -212,6 +212,25 @@ class Engine:
             self._release(state)
             state.phase = Phase.FINISHED
 
+    # -- KV events ----------------------------------------------------------------------------
+
+    def record_kv_events(self) -> None:
+        """Start noting blocks stored, evicted and cleared (off by default: no cost)."""
+        if self._blocks.record is None:
+            self._blocks.record = []
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The KV events since the last call, oldest first (empty unless recording)."""
+        events = self._blocks.record
+        if not events:
+            return []
+        self._blocks.record = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block if none is in use (vLLM's ``reset_prefix_cache``)."""
+        return self._blocks.reset_prefix_cache()
+
     # -- stepping ---------------------------------------------------------------------------
 
     @property
@@ -334,7 +353,11 @@ class Engine:
         profile = self.profile
         if state.keys is None:
             state.keys = (
-                prefix_keys(state.request.adapter, state.request.prompt, profile.block_size)
+                prefix_keys(
+                    state.request.adapter or profile.base_model,
+                    state.request.prompt,
+                    profile.block_size,
+                )
                 if profile.enable_prefix_caching
                 else ()
             )
@@ -384,8 +407,35 @@ class Engine:
 
     def _register_prefix(self, state: RequestState) -> None:
         keys = state.keys or ()
-        for block, key in zip(state.blocks, keys, strict=False):
-            self._blocks.register(block, key)
+        blocks = self._blocks
+        if blocks.record is None:
+            for block, key in zip(state.blocks, keys, strict=False):
+                blocks.register(block, key)
+            return
+        # Each run of newly cached blocks is one BlockStored, chained to the block before it.
+        run: list[int] = []
+        for index, (block, key) in enumerate(zip(state.blocks, keys, strict=False)):
+            if blocks.register(block, key):
+                run.append(index)
+                continue
+            self._record_stored(state, run)
+            run = []
+        self._record_stored(state, run)
+
+    def _record_stored(self, state: RequestState, run: list[int]) -> None:
+        if not run or self._blocks.record is None:
+            return
+        keys = state.keys or ()
+        size = self.profile.block_size
+        first, last = run[0], run[-1]
+        self._blocks.record.append(
+            BlocksStored(
+                tuple(keys[first : last + 1]),
+                keys[first - 1] if first else None,
+                tuple(state.request.prompt[first * size : (last + 1) * size]),
+                state.request.adapter,
+            )
+        )
 
     def _emit_token(self, state: RequestState, now: float) -> None:
         stats = self.stats

@@ -7,11 +7,11 @@ from policyd.sim.blocks import BlockManager, prefix_keys
 
 def test_prefix_keys_cover_full_blocks_only_and_chain_through_the_prefix() -> None:
     tokens = list(range(40))
-    keys = prefix_keys(None, tokens, 16)
+    keys = prefix_keys("base", tokens, 16)
     assert len(keys) == 2  # 8 trailing tokens make no key
-    assert keys == prefix_keys(None, tokens[:32], 16)
+    assert keys == prefix_keys("base", tokens[:32], 16)
     # the same second block after a different first block is a different key
-    changed = prefix_keys(None, [99, *tokens[1:]], 16)
+    changed = prefix_keys("base", [99, *tokens[1:]], 16)
     assert changed[0] != keys[0] and changed[1] != keys[1]
     # the adapter is part of every key
     assert set(prefix_keys("adapter-1", tokens, 16)).isdisjoint(keys)
@@ -19,7 +19,7 @@ def test_prefix_keys_cover_full_blocks_only_and_chain_through_the_prefix() -> No
 
 def test_blocks_are_shared_while_in_use_and_kept_cached_after() -> None:
     manager = BlockManager(4, watermark_blocks=0)
-    keys = prefix_keys(None, range(32), 16)
+    keys = prefix_keys("base", range(32), 16)
     first, hits = manager.allocate(keys, 2)
     assert hits == 0
     for block, key in zip(first, keys, strict=True):
@@ -35,7 +35,7 @@ def test_blocks_are_shared_while_in_use_and_kept_cached_after() -> None:
 
 def test_eviction_takes_the_tail_of_the_least_recently_freed_chain_first() -> None:
     manager = BlockManager(3, watermark_blocks=0)
-    keys = prefix_keys(None, range(48), 16)
+    keys = prefix_keys("base", range(48), 16)
     blocks, _ = manager.allocate(keys, 3)
     for block, key in zip(blocks, keys, strict=True):
         manager.register(block, key)

@@ -5,7 +5,8 @@ from (the pod's identity, a metric the model server exports and how its
 series combine under each preset, the serving path, the scrape's time, the
 request) and its doc line. Everything else is derived from it: the CEL
 schema (``policyd.cel.schema``), the ``Pod`` and ``PodMetrics`` types and
-the datastore's copying (``policyd.pool``), the metric presets and
+the datastore's copying (``policyd.pool``), the ``Request`` type and the
+router's copy of it (``policyd.policy.request``), the metric presets and
 ``--metric-*`` flags, the pods written by hand for ``policyd test`` /
 ``explain``, the decision log's and span's pod inputs, and the schema tables
 of docs/policy-language.md (a test holds the tables to the declarations).

@@ -6,6 +6,10 @@ under each preset that publishes it, how its series combine) and its
 value is not scraped (``in_flight``, counted by the serving path; per-request
 values such as a prefix-cache match) is declared with its origin and no
 metric, and the code that computes it sets it.
+
+To add a request field: declare its ``Field`` in ``REQUEST_FIELDS`` with its
+default, fill it where ``policyd.extproc.openai`` builds the ``Request``, and
+add its row to docs/policy-language.md.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ Kind = str
 # - "serving": the serving path (``in_flight``) or, for a field computed per
 #   request, the code that computes it;
 # - "scrape": the scrape's bookkeeping (``metrics_age``);
-# - "request": the request (headers, body, the policy's decisions).
-Origin = Literal["identity", "metric", "serving", "scrape", "request"]
+# - "request": the request's headers and body, read by ``policyd.extproc.openai``;
+# - "policy": decided by the router for each request (``Request.decided``).
+Origin = Literal["identity", "metric", "serving", "scrape", "request", "policy"]
 
 # How the series of a metric make one value; each is one rule of
 # ``policyd.pool.exposition``:
@@ -145,12 +150,12 @@ PREEMPTIONS: Final = Metric(
 
 METRICS: Final[tuple[Metric, ...]] = (WAITING, RUNNING, KV_CACHE, LORA_INFO, PREEMPTIONS)
 
-_NO_LABELS: Final[Mapping[str, str]] = MappingProxyType({})
+_EMPTY_MAP: Final[Mapping[str, str]] = MappingProxyType({})
 
 POD_FIELDS: Final[tuple[Field, ...]] = (
     Field("name", "string", "identity", "pod name"),
     Field("address", "string", "identity", "`ip:port` Envoy sends the request to"),
-    Field("labels", "map<string,string>", "identity", "pod labels", _NO_LABELS, logged=False),
+    Field("labels", "map<string,string>", "identity", "pod labels", _EMPTY_MAP, logged=False),
     Field(
         "waiting_queue",
         "int",
@@ -233,19 +238,32 @@ SCRAPED_POD_FIELDS: Final = tuple(field for field in POD_FIELDS if field.metric 
 
 REQUEST_FIELDS: Final[tuple[Field, ...]] = (
     Field("model", "string", "request", "model named by the client"),
-    Field("target_model", "string", "request", "model after this policy's rewrite / traffic split"),
+    Field(
+        "target_model",
+        "string",
+        "policy",
+        "model after this policy's rewrite / traffic split",
+        "",
+    ),
     Field(
         "criticality",
         "string",
-        "request",
+        "policy",
         '`"critical"`, `"standard"` or `"sheddable"`, as decided by the policy',
+        "standard",
     ),
-    Field("headers", "map<string,string>", "request", "request headers, lower-case names"),
-    Field("prompt_tokens", "int", "request", "estimated prompt length"),
-    Field("max_tokens", "int", "request", "`max_tokens` asked for (0 when absent)"),
-    Field("stream", "bool", "request", "streamed response asked for"),
-    Field("path", "string", "request", "HTTP path, e.g. `/v1/completions`"),
-    Field("id", "string", "request", "request id"),
+    Field(
+        "headers",
+        "map<string,string>",
+        "request",
+        "request headers, lower-case names",
+        _EMPTY_MAP,
+    ),
+    Field("prompt_tokens", "int", "request", "estimated prompt length", 0),
+    Field("max_tokens", "int", "request", "`max_tokens` asked for (0 when absent)", 0),
+    Field("stream", "bool", "request", "streamed response asked for", False),
+    Field("path", "string", "request", "HTTP path, e.g. `/v1/completions`", "/v1/completions"),
+    Field("id", "string", "request", "request id", ""),
 )
 
 

@@ -52,7 +52,7 @@ else:
 
 _POD_KINDS = {f.name: f.kind for f in POD_FIELDS}
 _REQUEST_KINDS = {f.name: f.kind for f in REQUEST_FIELDS}
-_DECIDED_BY_POLICY = ("target_model", "criticality")
+_DECIDED_BY_POLICY = tuple(f.name for f in REQUEST_FIELDS if f.origin == "policy")
 
 
 def read_pods(node: YNode, diagnostics: list[Diagnostic]) -> tuple[StaticPod, ...]:

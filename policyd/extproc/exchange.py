@@ -55,7 +55,12 @@ from policyd.extproc.interfaces import (
     SnapshotSource,
     Telemetry,
 )
-from policyd.extproc.openai import MAX_MODEL_BYTES, InferenceBody, parse_body, rewrite_model
+from policyd.extproc.openai import (
+    MAX_MODEL_BYTES,
+    parse_body,
+    request_without_body,
+    rewrite_model,
+)
 from policyd.extproc.settlement import Settlement
 from policyd.extproc.usage import UsageReader
 from policyd.policy.decision import Decision, Outcome, ShadowReport
@@ -532,10 +537,12 @@ class Exchange:
         return replies.REQUEST_TRAILERS_CONTINUE
 
     def _route(self, document: bytes) -> bytes:
-        body = parse_body(document, self._path, self._server.settings.max_model_bytes)
+        body = parse_body(
+            document, self._path, self._server.settings.max_model_bytes, headers=self._headers
+        )
         if self._body:
             self._body = bytearray()  # gathered from several messages: let it go
-        request = self._build_request(body)
+        request = body.request
         started = time.perf_counter()
         candidates: Sequence[Pod] = ()
         try:
@@ -552,16 +559,13 @@ class Exchange:
         destination = replies.destination_value(
             decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
         )
-        target = decision.target_model or body.model
-        new_body = rewrite_model(body, target) if target != body.model else None
+        target = decision.target_model or request.model
+        new_body = rewrite_model(body, target) if target != request.model else None
         return self._server.route_replies.route(destination, self._upstream_headers(span), new_body)
 
     def _route_without_body(self) -> bytes:
         """Send a body-less GET or HEAD to the least busy ready pod (``bodyless``)."""
-        headers = self._headers
-        request = Request(
-            model="", headers=headers, path=self._path, id=headers.get("x-request-id", "")
-        )
+        request = request_without_body(self._headers, self._path)
         started = time.perf_counter()
         candidates = self._server.snapshots().candidates
         decision = bodyless.least_busy_pod(candidates, self._server.rng)
@@ -600,20 +604,6 @@ class Exchange:
         if decision.outcome is not Outcome.ROUTED:
             raise RequestError.from_decision(decision)
         return span
-
-    def _build_request(self, body: InferenceBody) -> Request:
-        # Criticality is the policy's to decide (its own header, the model's
-        # setting, its default), so it is not read here.
-        headers = self._headers
-        return Request(
-            model=body.model,
-            headers=headers,
-            prompt_tokens=body.prompt_tokens,
-            max_tokens=body.max_tokens,
-            stream=body.stream,
-            path=self._path,
-            id=headers.get("x-request-id", ""),
-        )
 
     def _checked(self, decision: Decision) -> Decision:
         """A routed decision must name an endpoint; one that does not is a router bug."""

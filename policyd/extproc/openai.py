@@ -1,8 +1,10 @@
 """Reading OpenAI completions and chat request bodies, and rewriting the model.
 
-Routing needs four facts from the body: the model, a prompt length, the
-completion budget and whether the answer streams. Everything else in the body
-is passed through untouched. Types are checked only where policyd reads a
+This module fills the ``policy.Request`` routing sees: from the body the
+model, a prompt length, the completion budget and whether the answer streams;
+from the request's headers and path the rest (a new request field declared in
+``policyd.fields`` is filled here). Everything else in the body is passed
+through untouched. Types are checked only where policyd reads a
 field, so a malformed field the router relies on is a clear 400 and an unknown
 field is none of policyd's business.
 
@@ -16,10 +18,13 @@ are counted exactly.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 
 from policyd.extproc.errors import RequestError
+from policyd.policy.request import Request
 
 CHARS_PER_TOKEN: Final = 4
 TOKENS_PER_MESSAGE: Final = 4  # role, separators and the turn delimiter of chat templates
@@ -29,16 +34,16 @@ MAX_MODEL_BYTES: Final = 1024  # the default limit on a model name (ServingSetti
 CHAT_SUFFIX: Final = "/chat/completions"
 COMPLETIONS_SUFFIX: Final = "/completions"
 
+REQUEST_ID_HEADER: Final = "x-request-id"
+_NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
+
 
 @dataclass(frozen=True, slots=True)
 class InferenceBody:
-    """What routing reads from a request body; ``document`` is kept for a rewrite."""
+    """The ``Request`` routing reads; ``document`` is the body, kept for a rewrite."""
 
     document: dict[str, Any]
-    model: str
-    prompt_tokens: int
-    max_tokens: int
-    stream: bool
+    request: Request
 
 
 def estimate_text_tokens(text: str) -> int:
@@ -46,8 +51,24 @@ def estimate_text_tokens(text: str) -> int:
     return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
-def parse_body(raw: bytes, path: str, max_model_bytes: int = MAX_MODEL_BYTES) -> InferenceBody:
-    """Parse and check a request body; raises :class:`RequestError` (400).
+def request_without_body(headers: Mapping[str, str], path: str) -> Request:
+    """The ``Request`` of a body-less GET or HEAD: no model, the header and path fields."""
+    return Request(model="", headers=headers, path=path, id=headers.get(REQUEST_ID_HEADER, ""))
+
+
+def parse_body(
+    raw: bytes,
+    path: str,
+    max_model_bytes: int = MAX_MODEL_BYTES,
+    *,
+    headers: Mapping[str, str] = _NO_HEADERS,
+) -> InferenceBody:
+    """Parse and check a request body into its ``Request``; raises :class:`RequestError` (400).
+
+    ``headers`` are the request's (lower-case names); the request id is their
+    ``x-request-id``. Criticality and the target model are the policy's to
+    decide (its own header, the model's setting, its default), so they are
+    not read here.
 
     A model name over ``max_model_bytes`` (UTF-8) is a 400 too: the model is
     kept for the whole request (the span, the decision log, caches keyed on
@@ -94,13 +115,16 @@ def parse_body(raw: bytes, path: str, max_model_bytes: int = MAX_MODEL_BYTES) ->
     else:
         prompt_tokens = 0
 
-    return InferenceBody(
-        document=document,
+    request = Request(
         model=model,
+        headers=headers,
         prompt_tokens=prompt_tokens,
         max_tokens=_max_tokens(document),
         stream=_optional_bool(document, "stream"),
+        path=path,
+        id=headers.get(REQUEST_ID_HEADER, ""),
     )
+    return InferenceBody(document, request)
 
 
 def rewrite_model(body: InferenceBody, model: str) -> bytes:

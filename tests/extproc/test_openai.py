@@ -14,6 +14,7 @@ from policyd.extproc.openai import (
     TOKENS_PER_MESSAGE,
     estimate_text_tokens,
     parse_body,
+    request_without_body,
     rewrite_model,
 )
 
@@ -29,12 +30,25 @@ def test_a_completions_body_gives_model_budget_stream_and_prompt_estimate() -> N
     parsed = parse_body(
         body({"model": "llama", "prompt": "a" * 10, "max_tokens": 32, "stream": True}),
         COMPLETIONS,
-    )
+        headers={"x-request-id": "r1", "x-zone": "a"},
+    ).request
     assert (parsed.model, parsed.prompt_tokens, parsed.max_tokens, parsed.stream) == (
         "llama",
         3,
         32,
         True,
+    )
+    assert (parsed.path, parsed.id, parsed.headers["x-zone"]) == (COMPLETIONS, "r1", "a")
+    assert (parsed.target_model, parsed.criticality) == ("", "standard")  # the policy's
+
+
+def test_a_request_without_a_body_has_no_model_and_the_header_fields() -> None:
+    request = request_without_body({"x-request-id": "r2"}, "/v1/models")
+    assert (request.model, request.path, request.id, request.prompt_tokens) == (
+        "",
+        "/v1/models",
+        "r2",
+        0,
     )
 
 
@@ -44,14 +58,14 @@ def test_a_chat_body_counts_every_message_and_its_text_parts() -> None:
         {"role": "user", "content": [{"type": "text", "text": "u" * 12}, {"type": "image_url"}]},
         {"role": "assistant", "content": None, "tool_calls": []},
     ]
-    parsed = parse_body(body({"model": "m", "messages": messages}), CHAT)
+    parsed = parse_body(body({"model": "m", "messages": messages}), CHAT).request
     assert parsed.prompt_tokens == 3 * TOKENS_PER_MESSAGE + 2 + 3
     assert (parsed.max_tokens, parsed.stream) == (0, False)
 
 
 def test_max_completion_tokens_wins_over_the_legacy_max_tokens() -> None:
     document = {"model": "m", "messages": [{"content": "x"}], "max_completion_tokens": 7}
-    parsed = parse_body(body({**document, "max_tokens": 99}), CHAT)
+    parsed = parse_body(body({**document, "max_tokens": 99}), CHAT).request
     assert parsed.max_tokens == 7
 
 
@@ -68,12 +82,20 @@ def test_max_completion_tokens_wins_over_the_legacy_max_tokens() -> None:
     ],
 )
 def test_every_prompt_shape_of_the_completions_api_is_counted(prompt: Any, tokens: int) -> None:
-    assert parse_body(body({"model": "m", "prompt": prompt}), COMPLETIONS).prompt_tokens == tokens
+    assert (
+        parse_body(body({"model": "m", "prompt": prompt}), COMPLETIONS).request.prompt_tokens
+        == tokens
+    )
 
 
 def test_other_paths_need_only_a_model() -> None:
-    assert parse_body(body({"model": "emb", "input": "x"}), "/v1/embeddings").prompt_tokens == 0
-    assert parse_body(body({"model": "m", "prompt": "abcd"}), "/generate").prompt_tokens == 1
+    assert (
+        parse_body(body({"model": "emb", "input": "x"}), "/v1/embeddings").request.prompt_tokens
+        == 0
+    )
+    assert (
+        parse_body(body({"model": "m", "prompt": "abcd"}), "/generate").request.prompt_tokens == 1
+    )
 
 
 @pytest.mark.parametrize(

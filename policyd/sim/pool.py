@@ -1,4 +1,9 @@
-"""A pool of simulated pods in one process, on consecutive local ports."""
+"""A pool of simulated pods in one process, on consecutive local ports.
+
+With ``kv_events_port_base`` set, pod ``i`` publishes its KV events on
+``kv_events_port_base + 2 * i`` and answers replay requests on the port after
+(free ports for both if the base is 0).
+"""
 
 from __future__ import annotations
 
@@ -23,11 +28,16 @@ class SimPool:
         adapters: int = 12,
         time_scale: float = 1.0,
         seed: int = 0,
+        kv_events_port_base: int | None = None,
     ) -> None:
         if pods < 1:
             raise ValueError("a pool needs at least one pod")
         if base_port and not 0 < base_port + pods - 1 < 65536:
             raise ValueError(f"ports {base_port}..{base_port + pods - 1} are not all valid")
+        kv_base = kv_events_port_base
+        if kv_base and not 0 < kv_base + 2 * pods - 1 < 65536:
+            last = kv_base + 2 * pods - 1
+            raise ValueError(f"KV-event ports {kv_base}..{last} are not all valid")
         names = adapter_names(adapters)
         self.servers = [
             SimServer(
@@ -38,6 +48,8 @@ class SimPool:
                 adapters=names,
                 time_scale=time_scale,
                 seed=seed * 1000 + i,
+                kv_events_port=None if kv_base is None else kv_base and kv_base + 2 * i,
+                kv_replay_port=None if kv_base is None else kv_base and kv_base + 2 * i + 1,
             )
             for i in range(pods)
         ]

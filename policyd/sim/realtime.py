@@ -15,8 +15,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from policyd.sim.engine import Engine, RequestState, SimRequest
+
+if TYPE_CHECKING:
+    from policyd.sim.kv_events import KvEventPublisher
 
 _log = logging.getLogger(__name__)
 
@@ -24,10 +28,17 @@ _log = logging.getLogger(__name__)
 class RealTimeDriver:
     """Runs one engine's steps on the running event loop."""
 
-    def __init__(self, engine: Engine, time_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        time_scale: float = 1.0,
+        *,
+        kv_events: KvEventPublisher | None = None,
+    ) -> None:
         if time_scale <= 0:
             raise ValueError("the time scale must be positive")
         self.engine = engine
+        self.kv_events = kv_events
         self.time_scale = time_scale
         self._loop = asyncio.get_running_loop()
         self._origin = self._loop.time()
@@ -55,6 +66,17 @@ class RealTimeDriver:
 
     def abort(self, state: RequestState) -> None:
         self.engine.abort(state)
+
+    @property
+    def kv_events(self) -> KvEventPublisher | None:
+        """Where the engine's KV events go after every step; ``None``: not recorded at all."""
+        return self._kv_events
+
+    @kv_events.setter
+    def kv_events(self, publisher: KvEventPublisher | None) -> None:
+        self._kv_events = publisher
+        if publisher is not None:
+            self.engine.record_kv_events()
 
     def start(self) -> None:
         if self._task is None:
@@ -89,6 +111,13 @@ class RealTimeDriver:
             delay = self._origin + planned_end / self.time_scale - self._loop.time()
             await asyncio.sleep(max(delay, 0.0))
             engine.finish_step(planned_end)
+            if self._kv_events is not None:  # one batch per step, as vLLM publishes
+                self.publish_kv_events(planned_end)
+
+    def publish_kv_events(self, simulated: float) -> None:
+        """Publish the engine's KV events so far as one batch stamped ``simulated``."""
+        if self._kv_events is not None:
+            self._kv_events.publish(self.engine.take_kv_events(), self.unix_time(simulated))
 
     async def _log_stats(self) -> None:
         """vLLM's periodic stats logging: every ``log_stats_interval_s`` simulated

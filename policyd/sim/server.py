@@ -5,6 +5,11 @@ The routes are vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``/sim/faults``, lets tests misbehave the pod over HTTP (the same knobs are
 methods here): fail every completion request with a chosen status, hang
 ``/metrics``, or go away (stop listening, drop every connection) for a while.
+``POST /reset_prefix_cache`` is vLLM's (development-mode) route.
+
+With ``kv_events_port`` set (0 picks a free port) the pod publishes vLLM's KV
+events over ZMQ (``policyd.sim.kv_events``), with a replay socket on
+``kv_replay_port`` if that is set too; without, it records none.
 
     server = SimServer(port=0, time_scale=10)
     await server.start()
@@ -21,7 +26,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -32,6 +37,9 @@ from policyd.sim.names import adapter_names
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.realtime import RealTimeDriver
 from policyd.sim.text import generated_text, token_text
+
+if TYPE_CHECKING:
+    from policyd.sim.kv_events import KvEventPublisher
 
 _SHUTDOWN_TIMEOUT_S = 0.25
 _CREATED = int(time.time())
@@ -77,8 +85,14 @@ class SimServer:
         adapters: Sequence[str] = adapter_names(12),
         time_scale: float = 1.0,
         seed: int = 0,
+        kv_events_port: int | None = None,
+        kv_replay_port: int | None = None,
     ) -> None:
+        if kv_replay_port is not None and kv_events_port is None:
+            raise ValueError("a KV-event replay port needs a KV-event port")
         self.profile = profile
+        self.kv_events_port = kv_events_port
+        self.kv_replay_port = kv_replay_port
         self.name = name
         self.host = host
         self.port = port
@@ -127,6 +141,32 @@ class SimServer:
                 raise RuntimeError(f"{self.name} is already running")
             await self._start()
 
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """``tcp://host:port`` of the KV-event PUB socket, or ``None`` when not publishing."""
+        return None if self.kv_events_port is None else f"tcp://{self.host}:{self.kv_events_port}"
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        """``tcp://host:port`` of the KV-event replay (ROUTER) socket, or ``None``."""
+        return None if self.kv_replay_port is None else f"tcp://{self.host}:{self.kv_replay_port}"
+
+    def _kv_publisher(self) -> KvEventPublisher | None:
+        if self.kv_events_port is None:
+            return None
+        from policyd.sim.kv_events import KvEventPublisher  # noqa: PLC0415 (zmq only when asked)
+
+        publisher = KvEventPublisher(
+            host=self.host,
+            port=self.kv_events_port,
+            replay_port=self.kv_replay_port,
+            topic=f"kv@{self.address}@{self.profile.base_model}",
+            block_size=self.profile.block_size,
+            lora_ids={name: i + 1 for i, name in enumerate(self.adapters)},
+        )
+        self.kv_events_port, self.kv_replay_port = publisher.port, publisher.replay_port
+        return publisher
+
     async def _start(self) -> None:
         driver = RealTimeDriver(Engine(self.profile, seed=self.seed), self.time_scale)
         runner = web.AppRunner(
@@ -139,10 +179,11 @@ class SimServer:
         site = web.TCPSite(runner, self.host, self.port)
         try:
             await site.start()
+            self.port = runner.addresses[0][1]
+            driver.kv_events = self._kv_publisher()  # its topic names the bound port
         except BaseException:
             await runner.cleanup()
             raise
-        self.port = runner.addresses[0][1]
         driver.start()
         self._driver, self._runner = driver, runner
 
@@ -161,6 +202,8 @@ class SimServer:
             driver, self._driver = self._driver, None
             if driver is not None:
                 await driver.stop()
+                if driver.kv_events is not None:
+                    await driver.kv_events.close()
 
     async def come_back(self) -> None:
         """Listen again on the same port, like the pod restarted (fresh engine and metrics)."""
@@ -201,6 +244,7 @@ class SimServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.router.add_get("/sim/faults", self._get_faults)
         app.router.add_post("/sim/faults", self._post_faults)
         return app
@@ -263,6 +307,13 @@ class SimServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         await self._metrics_released.wait()
         return web.Response(body=render(self._registry), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's route: drop the prefix cache if no block is in use (200 either way)."""
+        driver = self.driver
+        if driver.engine.reset_prefix_cache():
+            driver.publish_kv_events(driver.now())
+        return web.Response(status=200)
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return _json(self.faults.as_json(), 200)

@@ -1,0 +1,171 @@
+"""KV-cache events of one pod, published the way vLLM publishes them.
+
+vLLM started with ``--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", ...}'`` publishes, after every engine step that changed its
+prefix cache, one ``KVEventBatch`` on a ZMQ PUB socket and keeps the recent
+batches for a ROUTER replay socket (``vllm/distributed/kv_events.py``,
+``ZmqEventPublisher``). The simulator does the same:
+
+- PUB message, three frames: ``[topic, seq, payload]``; ``seq`` an unsigned
+  8-byte big-endian counter from 0 per publisher (a restarted pod starts again
+  at 0); ``topic`` here ``kv@<host:port>@<base model>``, the convention llm-d
+  configures vLLM with.
+- ``payload`` is msgpack of msgspec's array-like encoding of ``KVEventBatch``:
+  ``[ts, [event, ...], data_parallel_rank]`` with ``ts`` Unix seconds (float)
+  and the rank 0; each event an array whose first element is its tag:
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
+  ``["AllBlocksCleared"]``. Hashes are unsigned 64-bit integers (vLLM's default
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), ``medium`` is ``"GPU"``,
+  ``lora_id`` the adapter's 1-based index on the pod (``None`` for the base
+  model).
+- Replay: a client sends ``[b"", seq]`` (8 bytes big-endian) from a DEALER (or
+  REQ) socket; the ROUTER answers every buffered batch from ``seq`` on as
+  ``[b"", seq, payload]``, then ``[b"", -1 (8 bytes, signed), b""]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from policyd.sim.blocks import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+
+MEDIUM_GPU: Final = "GPU"
+END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
+REPLAY_BUFFER_STEPS: Final = 10_000  # vLLM's default buffer_steps
+_HWM: Final = 100_000  # vLLM's default high-water mark
+
+_log = logging.getLogger(__name__)
+
+
+def encode_event(event: KvEvent, block_size: int, lora_ids: Mapping[str, int]) -> list[Any]:
+    """One event as msgspec encodes vLLM's array-like, tagged ``KVCacheEvent`` structs."""
+    if isinstance(event, BlocksStored):
+        lora_id = None if event.adapter is None else lora_ids.get(event.adapter)
+        return [
+            "BlockStored",
+            list(event.block_hashes),
+            event.parent_block_hash,
+            list(event.token_ids),
+            block_size,
+            lora_id,
+            MEDIUM_GPU,
+        ]
+    if isinstance(event, BlocksRemoved):
+        return ["BlockRemoved", list(event.block_hashes), MEDIUM_GPU]
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def encode_batch(
+    events: Sequence[KvEvent], ts: float, block_size: int, lora_ids: Mapping[str, int]
+) -> bytes:
+    """A ``KVEventBatch`` payload: ``[ts, events, data_parallel_rank]`` in msgpack."""
+    encoded = [encode_event(event, block_size, lora_ids) for event in events]
+    payload: bytes = msgpack.packb([ts, encoded, 0])
+    return payload
+
+
+class KvEventPublisher:
+    """The PUB socket, the replay buffer and the ROUTER replay socket of one pod."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        replay_port: int | None,
+        topic: str,
+        block_size: int,
+        lora_ids: Mapping[str, int],
+        buffer_steps: int = REPLAY_BUFFER_STEPS,
+    ) -> None:
+        self.topic = topic
+        self._topic = topic.encode()
+        self._block_size = block_size
+        self._lora_ids = dict(lora_ids)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = 0
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = context.socket(zmq.PUB)
+        self._pub.set_hwm(_HWM)
+        self._replay: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+        try:
+            self.port = _bind(self._pub, host, port)
+            self.replay_port: int | None = None
+            if replay_port is not None:
+                router = context.socket(zmq.ROUTER)
+                try:
+                    self.replay_port = _bind(router, host, replay_port)
+                except BaseException:
+                    router.close(linger=0)
+                    raise
+                self._replay = zmq.asyncio.Socket.from_socket(router)
+        except BaseException:
+            self._pub.close(linger=0)
+            raise
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self.replay_endpoint = (
+            None if self.replay_port is None else f"tcp://{host}:{self.replay_port}"
+        )
+        if self._replay is not None:
+            self._replay_task = asyncio.create_task(self._serve_replay(), name="sim-kv-replay")
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will carry."""
+        return self._seq
+
+    def publish(self, events: Sequence[KvEvent], ts: float) -> None:
+        """Send one batch (nothing if ``events`` is empty) and keep it for replay."""
+        if not events:
+            return
+        payload = encode_batch(events, ts, self._block_size, self._lora_ids)
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
+        with contextlib.suppress(zmq.Again):  # a PUB socket drops at its high-water mark
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+
+    async def close(self) -> None:
+        task, self._replay_task = self._replay_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._pub.close(linger=0)
+
+    async def _serve_replay(self) -> None:
+        replay = self._replay
+        assert replay is not None
+        while True:
+            frames = await replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                _log.warning("malformed KV-event replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    await replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            await replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+def _bind(socket: zmq.Socket[bytes], host: str, port: int) -> int:
+    if port == 0:
+        return socket.bind_to_random_port(f"tcp://{host}")
+    socket.bind(f"tcp://{host}:{port}")
+    return port

@@ -43,6 +43,7 @@ MEDIUM_GPU: Final = "GPU"
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 REPLAY_BUFFER_STEPS: Final = 10_000  # vLLM's default buffer_steps
 _HWM: Final = 100_000  # vLLM's default high-water mark
+_REBIND_WAIT_S: Final = 2.0
 
 _log = logging.getLogger(__name__)
 
@@ -79,8 +80,9 @@ def encode_batch(
 class KvEventPublisher:
     """The PUB socket, the replay buffer and the ROUTER replay socket of one pod."""
 
-    def __init__(
-        self,
+    @classmethod
+    async def open(
+        cls,
         *,
         host: str,
         port: int,
@@ -89,6 +91,46 @@ class KvEventPublisher:
         block_size: int,
         lora_ids: Mapping[str, int],
         buffer_steps: int = REPLAY_BUFFER_STEPS,
+    ) -> KvEventPublisher:
+        """Bind the sockets (0: a free port) and start answering replay requests."""
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        pub = context.socket(zmq.PUB)
+        pub.set_hwm(_HWM)
+        router: zmq.Socket[bytes] | None = None
+        try:
+            port = await _bind(pub, host, port)
+            if replay_port is not None:
+                router = context.socket(zmq.ROUTER)
+                replay_port = await _bind(router, host, replay_port)
+        except BaseException:
+            pub.close(linger=0)
+            if router is not None:
+                router.close(linger=0)
+            raise
+        return cls(
+            pub,
+            router,
+            host=host,
+            port=port,
+            replay_port=replay_port,
+            topic=topic,
+            block_size=block_size,
+            lora_ids=lora_ids,
+            buffer_steps=buffer_steps,
+        )
+
+    def __init__(
+        self,
+        pub: zmq.Socket[bytes],
+        router: zmq.Socket[bytes] | None,
+        *,
+        host: str,
+        port: int,
+        replay_port: int | None,
+        topic: str,
+        block_size: int,
+        lora_ids: Mapping[str, int],
+        buffer_steps: int,
     ) -> None:
         self.topic = topic
         self._topic = topic.encode()
@@ -96,30 +138,15 @@ class KvEventPublisher:
         self._lora_ids = dict(lora_ids)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._pub = context.socket(zmq.PUB)
-        self._pub.set_hwm(_HWM)
+        self._pub = pub
+        self.port = port
+        self.replay_port = replay_port
+        self.endpoint = f"tcp://{host}:{port}"
+        self.replay_endpoint = None if replay_port is None else f"tcp://{host}:{replay_port}"
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
-        try:
-            self.port = _bind(self._pub, host, port)
-            self.replay_port: int | None = None
-            if replay_port is not None:
-                router = context.socket(zmq.ROUTER)
-                try:
-                    self.replay_port = _bind(router, host, replay_port)
-                except BaseException:
-                    router.close(linger=0)
-                    raise
-                self._replay = zmq.asyncio.Socket.from_socket(router)
-        except BaseException:
-            self._pub.close(linger=0)
-            raise
-        self.endpoint = f"tcp://{host}:{self.port}"
-        self.replay_endpoint = (
-            None if self.replay_port is None else f"tcp://{host}:{self.replay_port}"
-        )
-        if self._replay is not None:
+        if router is not None:
+            self._replay = zmq.asyncio.Socket.from_socket(router)
             self._replay_task = asyncio.create_task(self._serve_replay(), name="sim-kv-replay")
 
     @property
@@ -164,8 +191,19 @@ class KvEventPublisher:
             await replay.send_multipart((client, b"", END_SEQ, b""))
 
 
-def _bind(socket: zmq.Socket[bytes], host: str, port: int) -> int:
+async def _bind(socket: zmq.Socket[bytes], host: str, port: int) -> int:
     if port == 0:
         return socket.bind_to_random_port(f"tcp://{host}")
-    socket.bind(f"tcp://{host}:{port}")
-    return port
+    # A pod that comes back rebinds the ports its previous sockets held; ZMQ's I/O
+    # thread releases a closed socket's port a moment after close() returns.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _REBIND_WAIT_S
+    while True:
+        try:
+            socket.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as error:
+            if error.errno != zmq.EADDRINUSE or loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.01)
+        else:
+            return port

@@ -151,12 +151,12 @@ class SimServer:
         """``tcp://host:port`` of the KV-event replay (ROUTER) socket, or ``None``."""
         return None if self.kv_replay_port is None else f"tcp://{self.host}:{self.kv_replay_port}"
 
-    def _kv_publisher(self) -> KvEventPublisher | None:
+    async def _kv_publisher(self) -> KvEventPublisher | None:
         if self.kv_events_port is None:
             return None
         from policyd.sim.kv_events import KvEventPublisher  # noqa: PLC0415 (zmq only when asked)
 
-        publisher = KvEventPublisher(
+        publisher = await KvEventPublisher.open(
             host=self.host,
             port=self.kv_events_port,
             replay_port=self.kv_replay_port,
@@ -180,7 +180,7 @@ class SimServer:
         try:
             await site.start()
             self.port = runner.addresses[0][1]
-            driver.kv_events = self._kv_publisher()  # its topic names the bound port
+            driver.kv_events = await self._kv_publisher()  # its topic names the bound port
         except BaseException:
             await runner.cleanup()
             raise

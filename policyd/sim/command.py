@@ -36,10 +36,21 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         help="run simulated time this many times faster than the clock (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the output lengths")
+    parser.add_argument(
+        "--kv-events-port-base",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="publish vLLM KV-cache events over ZMQ: pod i on PORT+2i, its replay socket on "
+        "PORT+2i+1; 0 picks free ports (default: no events)",
+    )
     parser.set_defaults(run=run)
 
 
 def run(arguments: argparse.Namespace) -> int:
+    if arguments.kv_events_port_base is not None and arguments.kv_events_port_base < 0:
+        print("policyd sim: --kv-events-port-base must be >= 0", file=sys.stderr)
+        return 2
     if arguments.pods < 1 or arguments.adapters < 0 or arguments.time_scale <= 0:
         print(
             "policyd sim: --pods must be >= 1, --adapters >= 0, --time-scale > 0", file=sys.stderr
@@ -54,6 +65,7 @@ def run(arguments: argparse.Namespace) -> int:
             adapters=arguments.adapters,
             time_scale=arguments.time_scale,
             seed=arguments.seed,
+            kv_events_port_base=arguments.kv_events_port_base,
         )
     except ValueError as error:
         print(f"policyd sim: {error}", file=sys.stderr)
@@ -77,7 +89,10 @@ async def _serve(pool: SimPool, arguments: argparse.Namespace) -> int:
         flush=True,
     )
     for server in pool.servers:
-        print(f"{server.name} {server.url}", flush=True)
+        events = server.kv_events_endpoint
+        replay = f" replay {server.kv_replay_endpoint}" if server.kv_replay_endpoint else ""
+        kv = f" kv-events {events}{replay}" if events else ""
+        print(f"{server.name} {server.url}{kv}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signal_number in (signal.SIGINT, signal.SIGTERM):

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -59,3 +60,52 @@ def test_policyd_sim_rejects_nonsense_arguments(capsys: pytest.CaptureFixture[st
     assert "--pods must be >= 1" in capsys.readouterr().err
     assert main(["sim", "--base-port", "65535", "--pods", "3"]) == 2
     assert "ports 65535..65537 are not all valid" in capsys.readouterr().err
+    assert main(["sim", "--kv-events-port-base", "-1"]) == 2
+    assert "--kv-events-port-base must be >= 0" in capsys.readouterr().err
+
+
+def test_policyd_sim_publishes_kv_events_when_asked() -> None:
+    import msgpack
+    import zmq
+
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "policyd", "sim", "--pods", "1", "--base-port", "0"),
+            *("--time-scale", "50", "--kv-events-port-base", "0"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        assert process.stdout is not None
+        process.stdout.readline()
+        name, url, kv, events, replay, replay_endpoint = process.stdout.readline().split()
+        assert (name, kv, replay) == ("vllm-0", "kv-events", "replay")
+        assert events.startswith("tcp://127.0.0.1:") and replay_endpoint != events
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 10_000)
+        sub.connect(events)
+        time.sleep(0.2)  # ZMQ's slow joiner
+        body = json.dumps(
+            {"model": "meta-llama/Llama-2-7b-hf", "prompt": "a b c " * 6, "max_tokens": 1}
+        ).encode()
+        request = urllib.request.Request(
+            url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+        topic, seq, payload = sub.recv_multipart()
+        assert topic.decode() == f"kv@{url.removeprefix('http://')}@meta-llama/Llama-2-7b-hf"
+        assert int.from_bytes(seq, "big") == 0
+        assert msgpack.unpackb(payload)[1][0][0] == "BlockStored"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 0
+    finally:
+        sub.close(linger=0)
+        context.term()
+        if process.poll() is None:
+            process.kill()
+            process.wait()

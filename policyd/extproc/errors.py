@@ -72,6 +72,11 @@ class RequestError(Exception):
         return cls(400, message, code)
 
     @classmethod
+    def over_limit(cls, status: int, what: str, limit: int, code: str) -> RequestError:
+        """A part of the request past one of policyd's size limits, with the limit."""
+        return cls(status, f"{what} than policyd accepts ({limit} bytes)", code)
+
+    @classmethod
     def internal(cls, message: str = "internal error in policyd") -> RequestError:
         return cls(500, message, "internal_error")
 

@@ -451,18 +451,15 @@ class Exchange:
                 headers[name] = value
         settings = self._server.settings
         if size > settings.max_header_bytes:
-            raise RequestError(
+            raise RequestError.over_limit(
                 431,
-                f"the request headers are larger than policyd accepts"
-                f" ({settings.max_header_bytes} bytes)",
+                "the request headers are larger",
+                settings.max_header_bytes,
                 "headers_too_large",
             )
         if len(self._path) > settings.max_path_bytes:
-            raise RequestError(
-                414,
-                f"the request path is longer than policyd accepts"
-                f" ({settings.max_path_bytes} bytes)",
-                "path_too_long",
+            raise RequestError.over_limit(
+                414, "the request path is longer", settings.max_path_bytes, "path_too_long"
             )
         if message.end_of_stream:
             if self._method in bodyless.METHODS:
@@ -480,11 +477,8 @@ class Exchange:
         """Hold ``size`` bytes of body in all (from the budget); raises 413 or 429."""
         settings = self._server.settings
         if size > settings.max_body_bytes:
-            raise RequestError(
-                413,
-                f"the request body is larger than policyd accepts"
-                f" ({settings.max_body_bytes} bytes)",
-                "body_too_large",
+            raise RequestError.over_limit(
+                413, "the request body is larger", settings.max_body_bytes, "body_too_large"
             )
         more = size - self._held
         if more <= 0:

@@ -1,4 +1,10 @@
-"""Reading OpenAI completions and chat request bodies, and rewriting the model.
+"""Reading inference request bodies, and rewriting the model.
+
+The APIs read are OpenAI's completions, chat completions, responses and
+embeddings, and Anthropic's messages, each picked by the path's suffix
+(:func:`api_of`); any other path is routed by its ``model`` alone (see
+:func:`parse_body`). Every one names the model in a top-level ``model``, so
+the rewrite is the same for all.
 
 This module fills the ``policy.Request`` routing sees: from the body the
 model, a prompt length, the completion budget and whether the answer streams;
@@ -12,11 +18,14 @@ The prompt length is an *estimate*: a real tokenizer per model would cost more
 than the whole routing decision. Text counts as one token per four characters
 (the usual rule of thumb for English BPE vocabularies), chat messages add a
 few tokens each for the role and delimiters, and prompts given as token ids
-are counted exactly.
+are counted exactly. Each API's prompt shape is known in one place,
+:func:`prompt_of`, which gives the prompt in order as :class:`Turn` s; the
+estimate and the canonical text (:func:`render_prompt`) are made from them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +42,18 @@ MAX_MODEL_BYTES: Final = 1024  # the default limit on a model name (ServingSetti
 
 CHAT_SUFFIX: Final = "/chat/completions"
 COMPLETIONS_SUFFIX: Final = "/completions"
+RESPONSES_SUFFIX: Final = "/responses"
+EMBEDDINGS_SUFFIX: Final = "/embeddings"
+MESSAGES_SUFFIX: Final = "/messages"
+
+# The APIs by path suffix, the more specific first ("/chat/completions" before "/completions").
+APIS: Final = (
+    (CHAT_SUFFIX, "chat"),
+    (COMPLETIONS_SUFFIX, "completions"),
+    (RESPONSES_SUFFIX, "responses"),
+    (EMBEDDINGS_SUFFIX, "embeddings"),
+    (MESSAGES_SUFFIX, "messages"),
+)
 
 REQUEST_ID_HEADER: Final = "x-request-id"
 _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
@@ -44,6 +65,84 @@ class InferenceBody:
 
     document: dict[str, Any]
     request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One piece of a prompt, in order: a message (``role`` a string, ``""`` when the
+    message names none) or bare input (``role`` None: a completions prompt, an
+    embeddings input); its text parts, and its token ids when given as ids."""
+
+    role: str | None
+    texts: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+
+def api_of(path: str) -> str:
+    """The API ``path`` names by its suffix: ``chat``, ``completions``, ``responses``,
+    ``embeddings`` or ``messages``; ``""`` for any other path."""
+    for suffix, api in APIS:
+        if path.endswith(suffix):
+            return api
+    return ""
+
+
+def prompt_of(document: dict[str, Any], api: str) -> tuple[Turn, ...]:
+    """The prompt of a body of ``api`` (see :func:`api_of`), in the order the model reads it.
+
+    The one place that knows each API's prompt shape. Raises
+    :class:`RequestError` (400) when a field it reads is missing or of the
+    wrong type; an unknown ``api`` has no prompt.
+    """
+    if api == "chat":
+        return _chat_turns(_required(document, "messages"), "messages")
+    if api == "completions":
+        return _input_turns(_required(document, "prompt"), "prompt")
+    if api == "embeddings":
+        return _input_turns(_required(document, "input"), "input")
+    if api == "responses":
+        instructions = document.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise RequestError.bad_request(
+                "'instructions' must be a string or null", "invalid_instructions"
+            )
+        system = (Turn("system", (instructions,)),) if instructions else ()
+        return system + _responses_turns(_required(document, "input"))
+    if api == "messages":
+        return _system_turns(document.get("system")) + _chat_turns(
+            _required(document, "messages"), "messages"
+        )
+    return ()
+
+
+def estimate_prompt_tokens(turns: tuple[Turn, ...]) -> int:
+    """Text by the four-characters rule (each part rounded up), plus
+    ``TOKENS_PER_MESSAGE`` per message; token ids exactly."""
+    return sum(
+        (TOKENS_PER_MESSAGE if turn.role is not None else 0)
+        + sum(estimate_text_tokens(text) for text in turn.texts)
+        + len(turn.token_ids)
+        for turn in turns
+    )
+
+
+def render_prompt(turns: tuple[Turn, ...]) -> str:
+    """The prompt as one deterministic text, for prefix hashing.
+
+    A message is ``<|role|>`` and a newline, then each text part and a newline;
+    bare input is each text part and a newline; token ids are ``<|ids|>``, the
+    ids separated by spaces, and a newline. Each piece ends where the next
+    starts, so a conversation's text begins with the text of every earlier
+    state of it.
+    """
+    out: list[str] = []
+    for turn in turns:
+        if turn.role is not None:
+            out.append(f"<|{turn.role}|>\n")
+        out.extend(f"{text}\n" for text in turn.texts)
+        if turn.token_ids:
+            out.append("<|ids|>" + " ".join(map(str, turn.token_ids)) + "\n")
+    return "".join(out)
 
 
 def estimate_text_tokens(text: str) -> int:
@@ -74,10 +173,14 @@ def parse_body(
     kept for the whole request (the span, the decision log, caches keyed on
     it), and no real model name is kilobytes long.
 
-    ``path`` picks the API: ``.../chat/completions`` requires ``messages``,
-    ``.../completions`` requires ``prompt``; other paths (embeddings, a
-    server's own endpoints) only need ``model``, and their prompt is
-    estimated from ``prompt`` or ``messages`` when present.
+    ``path`` picks the API by its suffix (:func:`api_of`), which says what is
+    read and checked: the prompt (:func:`prompt_of`), the completion budget
+    (``max_output_tokens`` for responses, ``max_completion_tokens`` else
+    ``max_tokens`` for the others) and ``stream``. Any other path is routed by
+    its ``model`` alone: its prompt is estimated from ``messages`` or
+    ``prompt`` when they have the chat or completions shape (else 0), its
+    ``max_tokens`` and ``stream`` are read when well typed, and nothing but a
+    missing or bad model is a 400 (that body's shape is its server's business).
     """
     if not raw:
         raise RequestError.bad_request(
@@ -104,23 +207,21 @@ def parse_body(
             f"the request body's 'model' is longer than {max_model_bytes} bytes", "model_too_long"
         )
 
-    if path.endswith(CHAT_SUFFIX):
-        prompt_tokens = _messages_tokens(_required(document, "messages"))
-    elif path.endswith(COMPLETIONS_SUFFIX):
-        prompt_tokens = _prompt_tokens(_required(document, "prompt"))
-    elif "messages" in document:
-        prompt_tokens = _messages_tokens(document["messages"])
-    elif "prompt" in document:
-        prompt_tokens = _prompt_tokens(document["prompt"])
+    api = api_of(path)
+    if api:
+        prompt_tokens = estimate_prompt_tokens(prompt_of(document, api))
+        budget = ("max_output_tokens",) if api == "responses" else _BUDGET_FIELDS
+        max_tokens = _max_tokens(document, budget)
+        stream = _optional_bool(document, "stream")
     else:
-        prompt_tokens = 0
+        prompt_tokens, max_tokens, stream = _unknown_api(document)
 
     request = Request(
         model=model,
         headers=headers,
         prompt_tokens=prompt_tokens,
-        max_tokens=_max_tokens(document),
-        stream=_optional_bool(document, "stream"),
+        max_tokens=max_tokens,
+        stream=stream,
         path=path,
         id=headers.get(REQUEST_ID_HEADER, ""),
     )
@@ -134,70 +235,153 @@ def rewrite_model(body: InferenceBody, model: str) -> bytes:
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+_BUDGET_FIELDS: Final = ("max_completion_tokens", "max_tokens")
+
+
+def _unknown_api(document: dict[str, Any]) -> tuple[int, int, bool]:
+    """An unknown path's prompt estimate, budget and stream flag, read leniently."""
+    prompt_tokens = 0
+    for name, api in (("messages", "chat"), ("prompt", "completions")):
+        if name in document:
+            with contextlib.suppress(RequestError):
+                prompt_tokens = estimate_prompt_tokens(prompt_of(document, api))
+            break
+    try:
+        max_tokens = _max_tokens(document, _BUDGET_FIELDS)
+    except RequestError:
+        max_tokens = 0
+    stream = document.get("stream")
+    return prompt_tokens, max_tokens, stream if isinstance(stream, bool) else False
+
+
 def _required(document: dict[str, Any], name: str) -> Any:
     if name not in document:
         raise RequestError.bad_request(f"the request body has no '{name}'", f"missing_{name}")
     return document[name]
 
 
-def _prompt_tokens(prompt: Any) -> int:
-    """A completions ``prompt``: a string, strings, token ids, or lists of token ids."""
+def _input_turns(prompt: Any, name: str) -> tuple[Turn, ...]:
+    """A completions ``prompt`` or embeddings ``input``: a string, strings, token ids,
+    or lists of token ids."""
     if isinstance(prompt, str):
-        return estimate_text_tokens(prompt)
+        return (Turn(None, (prompt,)),)
     if isinstance(prompt, list):
         if all(isinstance(item, str) for item in prompt):
-            return sum(estimate_text_tokens(item) for item in prompt)
+            return tuple(Turn(None, (item,)) for item in prompt)
         if all(_is_int(item) for item in prompt):
-            return len(prompt)
+            return (Turn(None, (), tuple(prompt)),)
         if all(isinstance(item, list) and all(_is_int(t) for t in item) for item in prompt):
-            return sum(len(item) for item in prompt)
+            return tuple(Turn(None, (), tuple(item)) for item in prompt)
     raise RequestError.bad_request(
-        "'prompt' must be a string, a list of strings, a list of token ids"
+        f"'{name}' must be a string, a list of strings, a list of token ids"
         " or a list of token-id lists",
-        "invalid_prompt",
+        f"invalid_{name}",
     )
 
 
-def _messages_tokens(messages: Any) -> int:
+def _chat_turns(messages: Any, name: str) -> tuple[Turn, ...]:
+    """Chat ``messages`` or Anthropic ``messages``: objects whose ``content`` is a
+    string, null (tool calls) or a list of parts (their ``text`` read; an
+    Anthropic ``tool_result`` part's own ``content`` too)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError.bad_request(
-            "'messages' must be a non-empty list of message objects", "invalid_messages"
+            f"'{name}' must be a non-empty list of message objects", f"invalid_{name}"
         )
-    total = 0
+    turns = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError.bad_request(
-                f"'messages[{index}]' must be an object", "invalid_messages"
+                f"'{name}[{index}]' must be an object", f"invalid_{name}"
             )
-        total += TOKENS_PER_MESSAGE + _content_tokens(message.get("content"), index)
-    return total
+        texts = _content_texts(message.get("content"))
+        if texts is None:
+            raise RequestError.bad_request(
+                f"'{name}[{index}].content' must be a string, null or a list of content parts",
+                f"invalid_{name}",
+            )
+        turns.append(Turn(_role(message), texts))
+    return tuple(turns)
 
 
-def _content_tokens(content: Any, index: int) -> int:
-    """A message's content: a string, null (tool calls), or a list of parts."""
+def _content_texts(content: Any) -> tuple[str, ...] | None:
+    """The text parts of a message's content; None when it has the wrong shape."""
     if content is None:
-        return 0
+        return ()
     if isinstance(content, str):
-        return estimate_text_tokens(content)
-    if isinstance(content, list):
-        total = 0
-        for part in content:
-            if not isinstance(part, dict):
-                break
-            text = part.get("text")
-            if isinstance(text, str):
-                total += estimate_text_tokens(text)
+        return (content,)
+    if not isinstance(content, list):
+        return None
+    texts: list[str] = []
+    for part in content:
+        if not isinstance(part, dict):
+            return None
+        text = part.get("text")
+        if isinstance(text, str):
+            texts.append(text)
+        elif part.get("type") == "tool_result":
+            inner = _content_texts(part.get("content"))
+            texts.extend(inner or ())
+    return tuple(texts)
+
+
+def _responses_turns(items: Any) -> tuple[Turn, ...]:
+    """A responses ``input``: a string (one user message) or a list of items.
+
+    A message item (``content``: a string or a list of parts, ``input_text`` and
+    ``output_text`` read) is a turn of its ``role``; another item (a function
+    call, its output, a reasoning item) is a turn named by its ``type``, its
+    ``arguments`` or ``output`` text read when a string.
+    """
+    if isinstance(items, str):
+        return (Turn("user", (items,)),)
+    if not isinstance(items, list):
+        raise RequestError.bad_request(
+            "'input' must be a string or a list of input items", "invalid_input"
+        )
+    turns = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise RequestError.bad_request(f"'input[{index}]' must be an object", "invalid_input")
+        if "content" in item:
+            texts = _content_texts(item["content"])
+            if texts is None:
+                raise RequestError.bad_request(
+                    f"'input[{index}].content' must be a string or a list of content parts",
+                    "invalid_input",
+                )
+            turns.append(Turn(_role(item), texts))
         else:
-            return total
-    raise RequestError.bad_request(
-        f"'messages[{index}].content' must be a string, null or a list of content parts",
-        "invalid_messages",
-    )
+            kind = item.get("type")
+            text = next(
+                (v for v in (item.get("arguments"), item.get("output")) if isinstance(v, str)),
+                None,
+            )
+            turns.append(
+                Turn(kind if isinstance(kind, str) else "", (text,) if text is not None else ())
+            )
+    return tuple(turns)
 
 
-def _max_tokens(document: dict[str, Any]) -> int:
-    """The completion budget: ``max_completion_tokens`` (chat) or ``max_tokens``; 0 if unset."""
-    for name in ("max_completion_tokens", "max_tokens"):
+def _system_turns(system: Any) -> tuple[Turn, ...]:
+    """Anthropic's ``system``: absent, a string, or a list of text blocks."""
+    if system is None:
+        return ()
+    texts = _content_texts(system)
+    if texts is None:
+        raise RequestError.bad_request(
+            "'system' must be a string or a list of text blocks", "invalid_system"
+        )
+    return (Turn("system", texts),)
+
+
+def _role(message: dict[str, Any]) -> str:
+    role = message.get("role")
+    return role if isinstance(role, str) else ""
+
+
+def _max_tokens(document: dict[str, Any], names: tuple[str, ...]) -> int:
+    """The completion budget: the first of ``names`` that is set; 0 if none is."""
+    for name in names:
         value = document.get(name)
         if value is None:
             continue

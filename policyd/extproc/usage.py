@@ -7,6 +7,19 @@ response body chunk by chunk as Envoy streams it and keeps as little as it
 can: a stream is scanned event by event and only events that mention
 ``"usage"`` are parsed; a JSON body is kept (up to a cap) and only its
 ``usage`` member is decoded at the end. Bodies of other types are ignored.
+
+Other APIs name the counts differently, and all are read:
+
+- OpenAI embeddings: ``usage.prompt_tokens`` alone (no completion: 0);
+- OpenAI responses: ``usage.input_tokens``/``output_tokens``, at the top of a
+  JSON answer, or in a stream under ``response`` (the ``response.completed``
+  event; earlier events carry ``"usage": null``);
+- Anthropic messages: ``usage.input_tokens``/``output_tokens`` (the prompt is
+  ``input_tokens`` plus ``cache_creation_input_tokens`` and
+  ``cache_read_input_tokens``, which Anthropic counts apart); in a stream,
+  ``message_start`` carries ``message.usage`` with the input and
+  ``message_delta`` a cumulative ``usage.output_tokens``, so a report without
+  input counts keeps the prompt of the one before it.
 """
 
 from __future__ import annotations
@@ -87,7 +100,7 @@ class UsageReader:
             document = json.loads(payload)
         except (ValueError, RecursionError):
             return
-        usage = _usage_of(document)
+        usage = _usage_of(document, self.usage)
         if usage is not None:
             self.usage = usage
 
@@ -116,17 +129,51 @@ def _usage_member(body: bytearray) -> Usage | None:
     return _usage_in(value)
 
 
-def _usage_of(document: Any) -> Usage | None:
-    """The usage an event's document reports, if it reports one."""
-    return _usage_in(document.get("usage")) if isinstance(document, dict) else None
+def _usage_of(document: Any, previous: Usage | None) -> Usage | None:
+    """The usage an event's document reports, if it reports one: its own ``usage``,
+    or that of the ``response`` (OpenAI responses) or ``message`` (Anthropic) it
+    carries."""
+    if not isinstance(document, dict):
+        return None
+    usage = document.get("usage")
+    if usage is None:
+        for name in ("response", "message"):
+            inner = document.get(name)
+            if isinstance(inner, dict) and inner.get("usage") is not None:
+                usage = inner["usage"]
+                break
+    return _usage_in(usage, previous)
 
 
-def _usage_in(usage: Any) -> Usage | None:
-    """A ``usage`` member's token counts, when it is well formed."""
+_ANTHROPIC_CACHED: Final = ("cache_creation_input_tokens", "cache_read_input_tokens")
+
+
+def _usage_in(usage: Any, previous: Usage | None = None) -> Usage | None:
+    """A ``usage`` member's token counts, when it is well formed.
+
+    ``prompt_tokens``/``completion_tokens`` (OpenAI completions, chat,
+    embeddings) or ``input_tokens``/``output_tokens`` (OpenAI responses,
+    Anthropic). A report with output counts but no input counts (Anthropic's
+    ``message_delta``) keeps ``previous``'s prompt.
+    """
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    if not isinstance(prompt, int) or not isinstance(completion, int):
+    if "prompt_tokens" in usage:
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens", 0)
+    elif "input_tokens" in usage:
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens", 0)
+        for name in _ANTHROPIC_CACHED:
+            cached = usage.get(name)
+            if isinstance(prompt, int) and isinstance(cached, int):
+                prompt += cached
+    elif "output_tokens" in usage and previous is not None:
+        prompt, completion = previous.prompt_tokens, usage.get("output_tokens")
+    else:
         return None
-    return Usage(prompt, completion)
+    if not isinstance(prompt, int) or not _is_count(prompt) or not _is_count(completion):
+        return None
+    return Usage(prompt, int(completion))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

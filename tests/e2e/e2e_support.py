@@ -1,7 +1,8 @@
 """Test doubles for the end-to-end path, named for what they stand in for.
 
 - :class:`TestUpstream`: a *test upstream*, a small real HTTP server on
-  loopback answering OpenAI-shaped JSON and SSE, which records every request
+  loopback answering OpenAI-shaped JSON and SSE (OpenAI responses and
+  embeddings and Anthropic messages in their own shapes), which records every request
   it receives (headers and body, as Envoy forwarded them) and says who served
   it. The wire-path tests (``e2e_rig.start_gateway``) use it as the model
   server for that record, which the simulated vLLM pods (``policyd.sim``,
@@ -66,6 +67,78 @@ def sse_events(model: str) -> list[bytes]:
     return events
 
 
+# What a test upstream answers on the other APIs' paths, in each API's own usage shape.
+RESPONSES_USAGE = {"input_tokens": 13, "output_tokens": 6, "total_tokens": 19}
+EMBEDDINGS_USAGE = {"prompt_tokens": 4, "total_tokens": 4}
+MESSAGES_INPUT_TOKENS, MESSAGES_OUTPUT_TOKENS = 17, 8
+
+
+def api_answer(path: str, model: str, stream: bool) -> tuple[str, list[bytes]] | None:
+    """The content type and body chunks a test upstream answers an OpenAI responses,
+    embeddings or Anthropic messages request with; None for other paths."""
+    if path.endswith("/responses"):
+        done = {
+            "id": "resp_1",
+            "object": "response",
+            "model": model,
+            "output": [],
+            "usage": RESPONSES_USAGE,
+        }
+        if not stream:
+            return "application/json", [json.dumps(done).encode()]
+        events = [
+            ("response.created", {"type": "response.created", "response": {**done, "usage": None}}),
+            ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "ok"}),
+            ("response.completed", {"type": "response.completed", "response": done}),
+        ]
+    elif path.endswith("/embeddings"):
+        answer = {
+            "object": "list",
+            "data": [{"object": "embedding", "embedding": [0.0]}],
+            "model": model,
+            "usage": EMBEDDINGS_USAGE,
+        }
+        return "application/json", [json.dumps(answer).encode()]
+    elif path.endswith("/messages"):
+        usage = {"input_tokens": MESSAGES_INPUT_TOKENS, "output_tokens": MESSAGES_OUTPUT_TOKENS}
+        message = {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [{"type": "text", "text": "ok"}],
+            "usage": usage,
+        }
+        if not stream:
+            return "application/json", [json.dumps(message).encode()]
+        start = {**message, "content": [], "usage": {**usage, "output_tokens": 1}}
+        events = [
+            ("message_start", {"type": "message_start", "message": start}),
+            (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": "ok"},
+                },
+            ),
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "end_turn"},
+                    "usage": {"output_tokens": MESSAGES_OUTPUT_TOKENS},
+                },
+            ),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+    else:
+        return None
+    return "text/event-stream", [
+        f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events
+    ]
+
+
 class TestUpstream:
     """A test upstream HTTP server on loopback (stands in for a model server)."""
 
@@ -103,6 +176,17 @@ class TestUpstream:
         self.received.append(Received(request.path, dict(request.headers), body))
         document = json.loads(body) if body else {}
         served = {"x-test-upstream": self.name}
+        other_api = api_answer(
+            request.path, document.get("model", ""), bool(document.get("stream"))
+        )
+        if other_api is not None:
+            content_type, chunks = other_api
+            response = web.StreamResponse(headers={**served, "content-type": content_type})
+            await response.prepare(request)
+            for chunk in chunks:
+                await response.write(chunk)
+            await response.write_eof()
+            return response
         if document.get("stream"):
             response = web.StreamResponse(headers={**served, "content-type": "text/event-stream"})
             await response.prepare(request)

@@ -28,6 +28,17 @@ PLURALS = {
     "Deployment": "deployments",
     "CustomResourceDefinition": "customresourcedefinitions",
     "Telemetry": "telemetries",
+    # and the objects of the Helm chart (istio/helm/policyd)
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "NetworkPolicy": "networkpolicies",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "EnvoyFilter": "envoyfilters",
+    "Gateway": "gateways",
+    "VirtualService": "virtualservices",
+    "ServiceMonitor": "servicemonitors",
 }
 
 
@@ -57,6 +68,27 @@ class Cluster:
             headers={
                 "Authorization": f"Bearer {self.token}",
                 "Content-Type": "application/apply-patch+yaml",
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, context=_insecure(), timeout=30) as response:
+                return response.status, ""
+        except urllib.error.HTTPError as error:
+            return error.code, str(json.loads(error.read()).get("message", ""))
+
+    def create(self, document: dict[str, Any], namespace: str) -> tuple[int, str]:
+        """A create (POST) in ``namespace`` as a dry run with unknown fields an error
+        (``?dryRun=All&fieldValidation=Strict``): the status and message."""
+        version = document["apiVersion"]
+        path = "/api/v1" if version == "v1" else f"/apis/{version}"
+        path += f"/namespaces/{namespace}/{PLURALS[document['kind']]}"
+        request = urllib.request.Request(
+            f"{self.server}{path}?dryRun=All&fieldValidation=Strict",
+            data=json.dumps(document).encode(),
+            method="POST",
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": "application/json",
             },
         )
         try:

@@ -1,0 +1,372 @@
+"""The Helm chart istio/helm/policyd, with the real ``helm`` and a real API server.
+
+- ``helm lint --strict`` and ``helm template`` are clean for several values sets
+  (defaults, TLS on, HPA on, ServiceMonitor on, all of them), and
+  ``values.schema.json`` refuses a mode other than ``envoyfilter``;
+- drift: by default the chart renders what the kustomize manifests of istio/
+  hold (the Deployment's arguments, ports, probes; the RBAC rules; the
+  NetworkPolicy; the EnvoyFilter's patches; the VirtualService and Gateway; the
+  policy), so the two paths cannot part silently;
+- every rendered object of every values set passes a server-side dry run with
+  strict field validation (``POST ?dryRun=All&fieldValidation=Strict``) on the
+  real kube-apiserver of ``kube_cluster.py``, with Istio's CRDs (from
+  ``istioctl manifest generate``) and, for the ServiceMonitor, a minimal CRD
+  written here (``MINIMAL_SERVICEMONITOR_CRD``: the prometheus-operator CRD is
+  not obtainable offline; it declares only the fields the chart sets, with
+  their upstream names and types, so a misspelt one is still refused).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kube_cluster import Cluster, start_cluster, stop_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+ISTIO = ROOT / "istio"
+CHART = ISTIO / "helm" / "policyd"
+NAMESPACE = "inference"  # istio/kustomization.yaml's
+
+VALUE_SETS: dict[str, list[str]] = {
+    "defaults": [],
+    "tls": ["--set", "tls.enabled=true"],
+    "hpa": ["--set", "autoscaling.enabled=true"],
+    "servicemonitor": ["--set", "serviceMonitor.enabled=true"],
+    "everything": [
+        "--set",
+        "tls.enabled=true",
+        "--set",
+        "autoscaling.enabled=true",
+        "--set",
+        "serviceMonitor.enabled=true",
+    ],
+}
+
+MINIMAL_SERVICEMONITOR_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "names": {
+            "kind": "ServiceMonitor",
+            "listKind": "ServiceMonitorList",
+            "plural": "servicemonitors",
+            "singular": "servicemonitor",
+        },
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["selector"],
+                                "properties": {
+                                    "selector": {
+                                        "type": "object",
+                                        "properties": {
+                                            "matchLabels": {
+                                                "type": "object",
+                                                "additionalProperties": {"type": "string"},
+                                            }
+                                        },
+                                    },
+                                    "endpoints": {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "properties": {
+                                                "port": {"type": "string"},
+                                                "path": {"type": "string"},
+                                                "interval": {"type": "string"},
+                                            },
+                                        },
+                                    },
+                                },
+                            }
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def documents(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def helm(tool: Callable[[str], str], *arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tool("helm"), *arguments], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def render(tool: Callable[[str], str], values: list[str]) -> list[dict[str, Any]]:
+    rendered = helm(tool, "template", "policyd", str(CHART), "-n", NAMESPACE, *values)
+    assert rendered.returncode == 0, rendered.stderr
+    return documents(rendered.stdout)
+
+
+def by_kind(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def kustomize_objects() -> dict[tuple[str, str], dict[str, Any]]:
+    """istio/*.yaml as ``kustomize build istio/`` makes them: the namespace the
+    replacements put into the EnvoyFilter, and the image of ``images:``."""
+    kustomization = yaml.safe_load((ISTIO / "kustomization.yaml").read_text())
+    objects = []
+    for name in kustomization["resources"]:
+        text = (ISTIO / name).read_text().replace(".NAMESPACE.", f".{NAMESPACE}.")
+        objects.extend(documents(text))
+    (image,) = kustomization["images"]
+    for o in objects:
+        if o["kind"] == "Deployment":
+            for container in o["spec"]["template"]["spec"]["containers"]:
+                if container["image"] == image["name"]:
+                    container["image"] = f"{image['newName']}:{image['newTag']}"
+    return by_kind(objects)
+
+
+@pytest.fixture(scope="module")
+def defaults(tool: Callable[[str], str]) -> dict[tuple[str, str], dict[str, Any]]:
+    return by_kind(render(tool, []))
+
+
+# --- helm lint, helm template ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_lint_strict_is_clean(tool: Callable[[str], str], name: str) -> None:
+    linted = helm(tool, "lint", "--strict", str(CHART), *VALUE_SETS[name])
+    output = linted.stdout + linted.stderr
+    assert linted.returncode == 0, output
+    assert "0 chart(s) failed" in output
+    assert "[WARNING]" not in output and "[ERROR]" not in output, output
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_template_renders(tool: Callable[[str], str], name: str) -> None:
+    rendered = helm(tool, "template", "policyd", str(CHART), "-n", NAMESPACE, *VALUE_SETS[name])
+    assert rendered.returncode == 0, rendered.stderr
+    assert rendered.stderr == "", rendered.stderr
+    kinds = {d["kind"] for d in documents(rendered.stdout)}
+    assert {"Deployment", "EnvoyFilter", "VirtualService", "NetworkPolicy"} <= kinds
+
+
+def test_the_schema_accepts_only_the_envoyfilter_mode(tool: Callable[[str], str]) -> None:
+    for mode in ("inferencepool", "InferencePool", ""):
+        refused = helm(tool, "template", "policyd", str(CHART), "--set-string", f"mode={mode}")
+        assert refused.returncode != 0
+        assert "/mode" in refused.stderr and "envoyfilter" in refused.stderr, refused.stderr
+    unknown = helm(tool, "template", "policyd", str(CHART), "--set", "tls.enable=true")
+    assert unknown.returncode != 0 and "enable" in unknown.stderr  # a misspelt value
+
+
+def test_the_value_sets_change_what_they_say(tool: Callable[[str], str]) -> None:
+    tls = by_kind(render(tool, VALUE_SETS["tls"]))
+    container = tls["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][-3:] == [
+        "--tls-cert=/etc/policyd/tls/tls.crt",
+        "--tls-key=/etc/policyd/tls/tls.key",
+        "--tls-client-ca=/etc/policyd/tls/ca.crt",
+    ]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "monitoring"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "monitoring"}
+    assert "grpc" not in container["readinessProbe"] and "grpc" not in container["livenessProbe"]
+    volumes = tls["Deployment", "policyd"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": "policyd-tls"}} in volumes
+    cluster = tls["EnvoyFilter", "policyd"]["spec"]["configPatches"][2]["patch"]["value"]
+    socket = cluster["transport_socket"]["typed_config"]
+    assert socket["common_tls_context"]["alpn_protocols"] == ["h2"]
+    assert socket["sni"] == f"policyd.{NAMESPACE}.svc"
+
+    hpa = by_kind(render(tool, VALUE_SETS["hpa"]))
+    assert "replicas" not in hpa["Deployment", "policyd"]["spec"]
+    target = hpa["HorizontalPodAutoscaler", "policyd"]["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "policyd"}
+
+    monitored = by_kind(render(tool, VALUE_SETS["servicemonitor"]))
+    metrics = monitored["Service", "policyd-metrics"]
+    monitor = monitored["ServiceMonitor", "policyd"]
+    assert metrics["spec"]["ports"][0]["name"] == monitor["spec"]["endpoints"][0]["port"]
+    labels = metrics["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_tracing_samples_one_request_in_ten_by_default(
+    defaults: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    container = defaults["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.1"
+
+
+# --- drift from the kustomize manifests ------------------------------------------------
+
+
+def test_the_chart_renders_every_object_of_the_kustomization(
+    defaults: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    assert set(kustomize_objects()) <= set(defaults)
+    extra = set(defaults) - set(kustomize_objects())
+    assert extra == {("PodDisruptionBudget", "policyd")}
+
+
+def test_the_deployment_does_not_drift(defaults: dict[tuple[str, str], dict[str, Any]]) -> None:
+    kustomized = kustomize_objects()["Deployment", "policyd"]
+    chart = defaults["Deployment", "policyd"]
+    assert chart["spec"]["replicas"] == kustomized["spec"]["replicas"]
+    pod, kpod = chart["spec"]["template"]["spec"], kustomized["spec"]["template"]["spec"]
+    for key in kpod:
+        if key != "containers":
+            assert pod[key] == kpod[key], key
+    (container,), (kcontainer,) = pod["containers"], kpod["containers"]
+    for key in kcontainer:
+        if key != "env":
+            assert container[key] == kcontainer[key], key
+    # the chart adds only the sampler (docs/observability.md's recommendation)
+    added = [e for e in container["env"] if e not in kcontainer["env"]]
+    assert [e["name"] for e in added] == ["OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"]
+    annotations = chart["spec"]["template"]["metadata"]["annotations"]
+    assert kustomized["spec"]["template"]["metadata"]["annotations"].items() <= annotations.items()
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("Role", "policyd-pod-reader"),
+        ("Service", "policyd"),
+        ("EnvoyFilter", "policyd"),
+        ("VirtualService", "inference"),
+        ("Gateway", "inference-gateway"),
+        ("ConfigMap", "policyd-policy"),
+    ],
+)
+def test_the_object_does_not_drift(
+    defaults: dict[tuple[str, str], dict[str, Any]], kind: str, name: str
+) -> None:
+    kustomized = copy.deepcopy(kustomize_objects()[kind, name])
+    chart = copy.deepcopy(defaults[kind, name])
+    if kind == "Service":  # the chart's selector adds app.kubernetes.io/instance
+        selector, kselector = chart["spec"].pop("selector"), kustomized["spec"].pop("selector")
+        assert kselector.items() <= selector.items()
+    for field in ("spec", "rules", "data"):
+        assert chart.get(field) == kustomized.get(field), field
+
+
+def test_the_rolebinding_and_networkpolicy_do_not_drift(
+    defaults: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    kustomized, chart = kustomize_objects(), defaults
+    binding, kbinding = (o["RoleBinding", "policyd-pod-reader"] for o in (chart, kustomized))
+    assert binding["roleRef"] == kbinding["roleRef"]
+    # kustomize's `namespace:` fills in the subject's namespace
+    assert binding["subjects"] == [{**s, "namespace": NAMESPACE} for s in kbinding["subjects"]]
+    policy, kpolicy = (o["NetworkPolicy", "policyd"]["spec"] for o in (chart, kustomized))
+    assert policy["ingress"] == kpolicy["ingress"]
+    assert policy["policyTypes"] == kpolicy["policyTypes"]
+    # the chart's selector adds app.kubernetes.io/instance (one release's pods)
+    selector = policy["podSelector"]["matchLabels"]
+    assert kpolicy["podSelector"]["matchLabels"].items() <= selector.items()
+    deployment = chart["Deployment", "policyd"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert deployment["spec"]["selector"]["matchLabels"] == selector
+    assert chart["Service", "policyd"]["spec"]["selector"] == selector
+
+
+def test_the_drift_check_would_catch_a_changed_argument(tool: Callable[[str], str]) -> None:
+    changed = by_kind(render(tool, ["--set", "serve.workers=2"]))
+    args = changed["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    kustomized = kustomize_objects()["Deployment", "policyd"]
+    assert args != kustomized["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+# --- strict server-side dry run ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tool: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    binaries = tool("etcd"), tool("kube-apiserver"), tool("openssl")
+    istioctl = tool("istioctl")
+    running = start_cluster(*binaries, tmp_path_factory.mktemp("cluster"))
+    try:
+        generated = subprocess.run(
+            [istioctl, "manifest", "generate"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        crds = [d for d in documents(generated.stdout) if d["kind"] == "CustomResourceDefinition"]
+        assert crds
+        for crd in [*crds, MINIMAL_SERVICEMONITOR_CRD]:
+            status, message = running.apply(crd, dry_run=False)
+            assert status in (200, 201), message
+        namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+        status, message = running.apply(namespace, dry_run=False)
+        assert status in (200, 201), message
+        yield running
+    finally:
+        stop_cluster(running)
+
+
+def dry_run(cluster: Cluster, document: dict[str, Any]) -> tuple[int, str]:
+    """The dry run, waiting out the moment after a CRD's creation when its resources
+    are not served yet (404)."""
+    for _ in range(100):
+        status, message = cluster.create(document, NAMESPACE)
+        if status != 404:
+            return status, message
+        time.sleep(0.2)
+    return status, message
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_the_api_server_accepts_every_rendered_object(
+    cluster: Cluster, tool: Callable[[str], str], name: str
+) -> None:
+    results = []
+    for document in render(tool, VALUE_SETS[name]):
+        status, message = dry_run(cluster, document)
+        results.append((f"{document['kind']}/{document['metadata']['name']}", status, message))
+    assert results
+    assert all(status == 201 for _, status, _ in results), results
+
+
+def test_the_strict_dry_run_would_catch_a_misspelt_field(
+    cluster: Cluster, tool: Callable[[str], str]
+) -> None:
+    """The dry runs above are not vacuous, for a built-in kind and for each CRD."""
+    objects = by_kind(render(tool, VALUE_SETS["everything"]))
+    deployment = copy.deepcopy(objects["Deployment", "policyd"])
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["readinessProbe"]["httpGet"]["paths"] = container["readinessProbe"]["httpGet"].pop(
+        "path"
+    )
+    envoyfilter = copy.deepcopy(objects["EnvoyFilter", "policyd"])
+    envoyfilter["spec"]["workloadSelectors"] = envoyfilter["spec"].pop("workloadSelector")
+    monitor = copy.deepcopy(objects["ServiceMonitor", "policyd"])
+    monitor["spec"]["endpoints"][0]["intervall"] = monitor["spec"]["endpoints"][0].pop("interval")
+    for document in (deployment, envoyfilter, monitor):
+        status, message = dry_run(cluster, document)
+        assert status >= 400, (document["kind"], status, message)
+        assert "unknown field" in message or "not declared in schema" in message, message

@@ -264,7 +264,8 @@ REQUEST_FIELDS: Final[tuple[Field, ...]] = (
         "max_tokens",
         "int",
         "request",
-        "completion budget asked for (`max_completion_tokens`, `max_tokens` or `max_output_tokens`; 0 when absent)",
+        "completion budget asked for (`max_completion_tokens`, `max_tokens`"
+        " or `max_output_tokens`; 0 when absent)",
         0,
     ),
     Field("stream", "bool", "request", "streamed response asked for", False),

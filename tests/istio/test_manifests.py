@@ -189,6 +189,9 @@ def test_kustomize_writes_the_namespace_into_both_service_names(tmp_path: Path) 
 def test_the_policy_config_map_is_the_shipped_policy_and_loads(tmp_path: Path) -> None:
     data = resource("ConfigMap")["data"]
     assert data == {"default.yaml": (REPO / "rules" / "default.yaml").read_text()}
+    # The Helm chart ships the same policy as its default (helm packages only its own folder).
+    chart_policy = ISTIO / "helm" / "policyd" / "files" / "policy" / "default.yaml"
+    assert chart_policy.read_text() == data["default.yaml"]
     (tmp_path / "default.yaml").write_text(data["default.yaml"])
     assert PolicyStore.open(tmp_path).current.policies[0].name == "default"
 

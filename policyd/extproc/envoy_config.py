@@ -117,6 +117,10 @@ class EnvoyConfigOptions:
     # policyd before its circuit breaker answers 503.
     policyd_max_streams: int = 50_000
     policyd_tls: PolicydTls | None = None
+    # Several policyd replicas as ``host:port`` endpoints of the one cluster (all
+    # IPs: STATIC, else STRICT_DNS), each health-checked on its own; Envoy spreads
+    # streams over the healthy ones. Empty: policyd_address and policyd_port.
+    policyd_addresses: tuple[str, ...] = ()
     # The model servers as ``ip:port`` (a STATIC cluster) or one ``name:port``
     # (STRICT_DNS, e.g. a headless Service). Empty: ORIGINAL_DST on the
     # destination header, one address per request and no retries.
@@ -389,6 +393,16 @@ def _grpc_cluster(name: str, host: str, port: int, connect_timeout: str) -> dict
 
 def _policyd_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
     cluster = _grpc_cluster("policyd", options.policyd_address, options.policyd_port, "1s")
+    if options.policyd_addresses:
+        hosts = [address.rpartition(":") for address in options.policyd_addresses]
+        cluster["type"] = "STATIC" if all(_is_ip(host) for host, _, _ in hosts) else "STRICT_DNS"
+        cluster["load_assignment"]["endpoints"] = [
+            {
+                "lb_endpoints": [
+                    {"endpoint": {"address": _socket(host, int(port))}} for host, _, port in hosts
+                ]
+            }
+        ]
     protocol = cluster["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ]
@@ -502,6 +516,12 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--policyd-address", default=defaults.policyd_address)
     parser.add_argument("--policyd-port", type=int, default=defaults.policyd_port)
+    parser.add_argument(
+        "--policyd-addresses",
+        default="",
+        help="several policyd replicas, host:port,host:port,... in the one cluster "
+        "(replaces --policyd-address/--policyd-port; default: none)",
+    )
     parser.add_argument("--admin-port", type=int, default=defaults.admin_port)
     parser.add_argument(
         "--buffer-limit-mib",
@@ -575,6 +595,12 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
             raise ValueError(f"--model-servers takes host:port addresses, not {address!r}")
     if len(model_servers) > 1 and not all(_is_ip(a.rpartition(":")[0]) for a in model_servers):
         raise ValueError("--model-servers takes ip:port addresses or one name:port")
+    policyd_addresses = tuple(
+        a.strip() for a in arguments.policyd_addresses.split(",") if a.strip()
+    )
+    for address in policyd_addresses:
+        if not address.rpartition(":")[2].isdigit() or not address.rpartition(":")[0]:
+            raise ValueError(f"--policyd-addresses takes host:port addresses, not {address!r}")
     if arguments.retries < 0:
         raise ValueError("--retries must be >= 0")
     return EnvoyConfigOptions(
@@ -589,6 +615,7 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         policyd_streams_per_connection=arguments.policyd_streams_per_connection,
         policyd_max_streams=arguments.policyd_max_streams,
         policyd_tls=tls,
+        policyd_addresses=policyd_addresses,
         model_servers=model_servers,
         retries=arguments.retries,
         otlp_endpoint=arguments.otlp_endpoint,

@@ -309,3 +309,40 @@ def test_model_server_lists_that_envoy_could_not_use_are_refused(
 ) -> None:
     assert main(["envoy-config", *arguments]) == 2
     assert capsys.readouterr().err.startswith("policyd envoy-config: ")
+
+
+# -- several policyd replicas in the one cluster ------------------------------------------
+
+
+def test_several_policyd_replicas_are_endpoints_of_the_one_cluster_each_health_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    single = cluster(bootstrap(EnvoyConfigOptions()), "policyd")
+    assert single["type"] == "STATIC"
+    (endpoints,) = single["load_assignment"]["endpoints"]
+    assert endpoints["lb_endpoints"] == [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9002}}}}
+    ]
+    assert main(["envoy-config", "--policyd-addresses", "127.0.0.1:19011, 127.0.0.1:19012"]) == 0
+    text = capsys.readouterr().out
+    policyd = cluster(yaml.safe_load(text), "policyd")
+    assert policyd["type"] == "STATIC"
+    (endpoints,) = policyd["load_assignment"]["endpoints"]
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints["lb_endpoints"]
+    ]
+    assert ports == [19011, 19012]
+    assert policyd["health_checks"] == single["health_checks"]  # each host checked on its own
+    (tmp_path / "envoy.yaml").write_text(text)
+    result = envoy_validates(tmp_path / "envoy.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = bootstrap(EnvoyConfigOptions(policyd_addresses=("a.svc:9002", "b.svc:9002")))
+    assert cluster(names, "policyd")["type"] == "STRICT_DNS"
+
+
+@pytest.mark.parametrize("addresses", ["127.0.0.1", "127.0.0.1:9002,:9003", "10.0.0.1:x"])
+def test_policyd_address_lists_without_ports_are_refused(
+    addresses: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["envoy-config", "--policyd-addresses", addresses]) == 2
+    assert capsys.readouterr().err.startswith("policyd envoy-config: ")

@@ -129,3 +129,20 @@ VLLM: Final = PRESETS["vllm"]
 SGLANG: Final = PRESETS["sglang"]
 TRTLLM_SERVE: Final = PRESETS["trtllm-serve"]
 TRITON_TRTLLM: Final = PRESETS["triton-trtllm"]
+
+PRESET_LABEL: Final = "llm-d.ai/engine-type"
+"""The pod label that names a pod's model server, and so its preset (mixed pools).
+
+llm-d's convention for the same purpose (its endpoint picker reads a pod's
+metrics by the engine this label names); its values are the preset names,
+and llm-d's ``triton-tensorrt-llm`` is read as ``triton-trtllm``.
+"""
+
+PRESET_ALIASES: Final[Mapping[str, str]] = {"triton-tensorrt-llm": "triton-trtllm"}
+
+
+def preset_named(value: str) -> str | None:
+    """The preset a label value names (its name or an alias), or ``None`` if none."""
+    name = value.strip()
+    name = PRESET_ALIASES.get(name, name)
+    return name if name in PRESETS else None

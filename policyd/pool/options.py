@@ -147,4 +147,5 @@ def scrape_config_from_arguments(args: argparse.Namespace) -> ScrapeConfig:
         metrics_port=args.metrics_port,
         filter_families=not args.no_metrics_filter,
         in_process=args.scrape_in_process,
+        preset=args.metrics_preset,
     )

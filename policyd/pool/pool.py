@@ -30,7 +30,7 @@ from types import TracebackType
 from policyd.pool.datastore import Datastore, PoolSnapshot, ScrapeStats
 from policyd.pool.discovery import Discovery, DiscoveryError, PodIdentity
 from policyd.pool.scrape_process import ProcessScraper
-from policyd.pool.scraper import ScrapeConfig, Scraper, ScrapeResult, ScrapeRounds
+from policyd.pool.scraper import ScrapeConfig, Scraper, ScrapeResult, ScrapeRounds, pod_presets
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class Pool:
         self._updates: AsyncIterator[tuple[PodIdentity, ...]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[ScrapeListener] = []
+        self._presets: dict[str, str] = {}  # ``pod_presets``, made when the pod set changes
         self.rounds = 0
         self.overruns = 0  # rounds that ended after the next one was due
         self.panic_rounds = 0  # rounds after which the snapshot was in panic (Datastore)
@@ -90,7 +91,7 @@ class Pool:
         self._scraper = (
             Scraper(self.config) if self.config.in_process else ProcessScraper(self.config)
         )
-        self._datastore.set_pods(first)
+        self._set_pods(first)
         self._tasks = [
             asyncio.create_task(self._follow_discovery(self._updates), name="pool-discovery"),
             asyncio.create_task(self._scrape_forever(self._scraper), name="pool-scrape"),
@@ -142,13 +143,19 @@ class Pool:
     async def _follow_discovery(self, updates: AsyncIterator[tuple[PodIdentity, ...]]) -> None:
         try:
             async for identities in updates:
-                self._datastore.set_pods(identities)
+                self._set_pods(identities)
                 if self._scraper is not None:
                     self._scraper.retain(identity.address for identity in identities)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("pod discovery stopped; keeping the last pod set")
+
+    def _set_pods(self, identities: tuple[PodIdentity, ...]) -> None:
+        self._datastore.set_pods(identities)
+        self._presets = pod_presets(
+            self.config, ((identity.address, identity.labels) for identity in identities)
+        )
 
     async def _scrape_forever(self, scraper: ScrapeRounds) -> None:
         loop = asyncio.get_running_loop()
@@ -158,7 +165,7 @@ class Pool:
             addresses = self._datastore.addresses()
             if addresses:
                 try:
-                    self._land(await scraper.scrape(addresses))
+                    self._land(await scraper.scrape(addresses, self._presets))
                 except asyncio.CancelledError:
                     raise
                 except Exception:

@@ -5,9 +5,10 @@ hand. ``FD`` is its end of a Unix socket pair: the first message sets up a
 ``ScrapeLoop``, then each ``ScrapeRequest`` is answered with its round's
 results and each ``RetainRequest`` closes the connections of pods that left,
 in the order they came. A request without addresses scrapes those of the
-request before. A request that waited while a round ran is skipped when a
-newer one waits behind it (the serving process has already given up on it),
-but the addresses it carried still count. Log records go back over the
+request before, and one without presets (the pods' preset labels) keeps the
+last ones. A request that waited while a round ran is skipped when a newer
+one waits behind it (the serving process has already given up on it), but
+the addresses and presets it carried still count. Log records go back over the
 socket. When the socket closes (the serving process stopped it or died) the
 child exits.
 
@@ -117,6 +118,8 @@ def serve(sock: socket.socket) -> int:
                 elif isinstance(message, ScrapeRequest):
                     if message.addresses is not None:
                         addresses = message.addresses
+                    if message.presets is not None:
+                        scraper.set_presets(message.presets)
                     if i == newest:
                         results = scraper.scrape(addresses)
                         channel.send(RoundAnswer(message.round, to_wire(results)))

@@ -14,7 +14,9 @@ pod back, in the order of the round's addresses: length-prefixed pickles
 over a Unix socket pair, read by an asyncio protocol, so the serving loop
 never waits on the child. The addresses go over only when they differ from
 the last round's, and the results do not repeat them: the two ends would
-otherwise pickle and unpickle a hundred addresses each way every round.
+otherwise pickle and unpickle a hundred addresses each way every round. The
+pods' preset labels (mixed pools, ``pod_presets``) likewise go over only when
+they change.
 Everything else of the pool (datastore, snapshots, in-flight counters,
 staleness, statistics) stays in the serving process.
 
@@ -51,7 +53,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -81,10 +83,12 @@ class Setup(NamedTuple):
 
 
 class ScrapeRequest(NamedTuple):
-    """Scrape ``addresses``, or with ``None`` the addresses of the request before."""
+    """Scrape ``addresses``, or with ``None`` the addresses of the request before;
+    ``presets`` (``pod_presets``) likewise."""
 
     round: int
     addresses: list[str] | None
+    presets: dict[str, str] | None = None
 
 
 class RetainRequest(NamedTuple):
@@ -305,6 +309,8 @@ class ProcessScraper:
         self._round = 0
         self._waiting: tuple[int, asyncio.Future[list[WireResult]]] | None = None
         self._sent: list[str] | None = None  # the addresses the current child last got
+        self._sent_presets: dict[str, str] | None = None  # and the presets
+        self._presets: Mapping[str, str] = {}  # the last given
         self._missed = 0  # rounds in a row without any answer from the current child
         self.restarts = 0  # children started after the first
         self._supervisor = self._loop.create_task(self._supervise(), name="pool-scrape-process")
@@ -314,8 +320,14 @@ class ProcessScraper:
         """The running child's process id, if one is running."""
         return None if self._child is None else self._child.pid
 
-    async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
-        """Every address's result from the child, or a failure for each by the deadline."""
+    async def scrape(
+        self, addresses: Sequence[str], presets: Mapping[str, str] | None = None
+    ) -> list[ScrapeResult]:
+        """Every address's result from the child, or a failure for each by the deadline.
+
+        ``presets`` (``pod_presets``; ``None``: the last ones) go to the child
+        only when they differ from what it has.
+        """
         if not addresses:
             return []
         started = self._loop.time()
@@ -330,7 +342,13 @@ class ProcessScraper:
                 self._round += 1
                 answer = self._loop.create_future()
                 self._waiting = (self._round, answer)
-                child.link.send(ScrapeRequest(self._round, self._addresses_to_send(addresses)))
+                child.link.send(
+                    ScrapeRequest(
+                        self._round,
+                        self._addresses_to_send(addresses),
+                        self._presets_to_send(presets),
+                    )
+                )
                 return from_wire(addresses, await answer)
         except TimeoutError:
             if answer is not None and _has_result(answer):
@@ -358,6 +376,19 @@ class ProcessScraper:
             return None
         self._sent = list(addresses)
         return self._sent
+
+    def _presets_to_send(self, presets: Mapping[str, str] | None) -> dict[str, str] | None:
+        """``presets`` (``None``: the last given), or ``None`` when the child has them."""
+        if presets is None:
+            presets = self._presets
+        else:
+            self._presets = presets
+        if self._sent_presets is None:
+            self._sent_presets = {}  # a new child starts with none
+        if presets == self._sent_presets:
+            return None
+        self._sent_presets = dict(presets)
+        return self._sent_presets
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Pass the pod set on (a child started later has no connections to close)."""
@@ -429,6 +460,7 @@ class ProcessScraper:
         """The child is gone: no round can be sent to it or answered by it."""
         self._child = None
         self._sent = None  # the next child starts with no addresses
+        self._sent_presets = None  # nor presets
         self._ready.clear()
         waiting = self._waiting
         if waiting is not None and not waiting[1].done():

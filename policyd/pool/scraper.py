@@ -13,14 +13,14 @@ import asyncio
 import logging
 import threading
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from policyd.pool.discovery import split_address
 from policyd.pool.exposition import ExpositionError, MetricsParser, PodMetrics
-from policyd.pool.metric_names import VLLM, MetricNames
+from policyd.pool.metric_names import PRESET_LABEL, PRESETS, VLLM, MetricNames, preset_named
 from policyd.pool.metrics_client import MetricsClient, MetricsEndpoint
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,10 @@ class ScrapeConfig:
     of in a scraper child process (``policyd.pool.scrape_process``): the
     serving process then pays the scraping's CPU, and the thread holds the
     GIL while it frames and parses (the default keeps both away).
+
+    ``preset`` names the preset ``metrics`` was made from (with the
+    operator's overrides): a pod whose ``PRESET_LABEL`` names another preset
+    is read with that preset's declared names and path instead (mixed pools).
     """
 
     interval: float = 0.1
@@ -62,6 +66,7 @@ class ScrapeConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     filter_families: bool = True
     in_process: bool = False
+    preset: str = "vllm"
 
     def __post_init__(self) -> None:
         if not self.interval > 0:
@@ -79,6 +84,8 @@ class ScrapeConfig:
             raise ValueError(f"metrics port {self.metrics_port} is not a port number")
         if self.max_body_bytes <= 0:
             raise ValueError("max body bytes must be positive")
+        if self.preset not in PRESETS:
+            raise ValueError(f"no metrics preset {self.preset!r} (known: {', '.join(PRESETS)})")
 
     @property
     def request_timeout(self) -> float:
@@ -91,14 +98,38 @@ class ScrapeConfig:
     @property
     def request_target(self) -> str:
         """The path (and query) each scrape requests."""
-        path = self.metrics.path
+        return self.target_of(self.metrics)
+
+    def target_of(self, metrics: MetricNames) -> str:
+        """The path (and query) a scrape of a pod read with ``metrics`` requests."""
+        path = metrics.path
         if not self.filter_families:
             return path
         query = "&".join(
-            "name%5B%5D=" + urllib.parse.quote(name, safe="")
-            for name in self.metrics.family_names()
+            "name%5B%5D=" + urllib.parse.quote(name, safe="") for name in metrics.family_names()
         )
         return f"{path}{'&' if '?' in path else '?'}{query}"
+
+
+def pod_presets(
+    config: ScrapeConfig, labelled: Iterable[tuple[str, Mapping[str, str]]]
+) -> dict[str, str]:
+    """The label value of each pod (address, labels) read with other names than the
+    process's: those whose ``PRESET_LABEL`` names another preset, or none known."""
+    presets: dict[str, str] = {}
+    for address, labels in labelled:
+        value = labels.get(PRESET_LABEL)
+        if value is not None and preset_named(value) != config.preset:
+            presets[address] = value
+    return presets
+
+
+class _Reading(NamedTuple):
+    """How a pod's page is read: its parser, its request target, its whole page's path."""
+
+    parser: MetricsParser
+    target: str
+    whole_page: str
 
 
 class ScrapeResult(NamedTuple):
@@ -120,8 +151,14 @@ class ScrapeResult(NamedTuple):
 class ScrapeRounds(Protocol):
     """What the pool needs of a scraper: ``Scraper`` in a thread, ``ProcessScraper`` in a child."""
 
-    async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
-        """One result per address, in order, within about one interval."""
+    async def scrape(
+        self, addresses: Sequence[str], presets: Mapping[str, str] | None = None
+    ) -> list[ScrapeResult]:
+        """One result per address, in order, within about one interval.
+
+        ``presets`` (``pod_presets``): the preset label values of the pods not
+        read with the process's names; ``None`` keeps the last ones.
+        """
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Forget (and disconnect from) every pod not in ``addresses``."""
@@ -141,20 +178,76 @@ class ScrapeLoop:
 
     def __init__(self, config: ScrapeConfig) -> None:
         self._config = config
-        self._parser = MetricsParser(config.metrics)
-        self._target = config.request_target
-        self._whole_page = config.metrics.path
+        self._default = _Reading(
+            MetricsParser(config.metrics), config.request_target, config.metrics.path
+        )
+        self._readings: dict[str, _Reading] = {}  # by preset name, made when first used
+        self._presets: Mapping[str, str] = {}  # ``pod_presets``
+        self._reading_of: dict[str, _Reading] = {}  # the pods read with another preset
+        self._unknown: dict[str, str] = {}  # pods whose label names no preset: the reason
         self._client = MetricsClient(config.max_body_bytes)
         self._endpoints: dict[str, MetricsEndpoint] = {}
         self._lock = threading.Lock()  # guards the two fields below
         self._running = False
         self._keep: set[str] | None = None  # a retain that came while a round ran
 
-    def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
-        """Scrape every address once, concurrently, within the request timeout."""
+    def set_presets(self, presets: Mapping[str, str]) -> None:
+        """The preset label values of the pods read with other names (``pod_presets``).
+
+        A pod whose preset changed is connected to again; a pod whose label
+        names no preset is not scraped, its result says why.
+        """
+        if presets == self._presets:
+            return
+        self._presets = dict(presets)
+        self._unknown = {}
+        reading_of: dict[str, _Reading] = {}
+        for address, value in self._presets.items():
+            name = preset_named(value)
+            if name is None:
+                known = ", ".join(sorted(PRESETS))
+                self._unknown[address] = (
+                    f"label {PRESET_LABEL}={value!r} names no metrics preset (known: {known})"
+                )
+            else:
+                reading_of[address] = self._reading(name)
+        for address, endpoint in list(self._endpoints.items()):
+            if reading_of.get(address) is not self._reading_of.get(address):
+                del self._endpoints[address]
+                endpoint.abandon("the pod's metrics preset changed")
+                endpoint.close()
+        self._reading_of = reading_of
+
+    def _reading(self, name: str) -> _Reading:
+        reading = self._readings.get(name)
+        if reading is None:
+            metrics = PRESETS[name]
+            reading = _Reading(
+                MetricsParser(metrics), self._config.target_of(metrics), metrics.path
+            )
+            self._readings[name] = reading
+        return reading
+
+    def scrape(
+        self, addresses: Sequence[str], presets: Mapping[str, str] | None = None
+    ) -> list[ScrapeResult]:
+        """Scrape every address once, concurrently, within the request timeout.
+
+        ``presets`` as for ``set_presets``; ``None`` keeps the last ones.
+        """
         if not addresses:
             return []
+        if presets is not None:
+            self.set_presets(presets)
         results: dict[str, ScrapeResult] = {}
+        unknown = self._unknown
+        if unknown:
+            for address in addresses:
+                if address in unknown:
+                    results[address] = ScrapeResult(address, None, unknown[address], 0.0)
+            fetched = [address for address in addresses if address not in unknown]
+        else:
+            fetched = list(addresses)
 
         def done(endpoint: MetricsEndpoint) -> bool:
             result = self._result(endpoint)
@@ -166,7 +259,7 @@ class ScrapeLoop:
         with self._lock:
             self._running = True
         try:
-            endpoints = [self._endpoint(address) for address in addresses]
+            endpoints = [self._endpoint(address) for address in fetched]
             self._client.fetch(endpoints, self._config.request_timeout, done, self._retain_now)
         finally:
             with self._lock:
@@ -211,7 +304,8 @@ class ScrapeLoop:
         if endpoint is None:
             host, port = split_address(address)
             port = self._config.metrics_port or port
-            endpoint = self._client.endpoint(address, host, port, self._target)
+            target = self._reading_of.get(address, self._default).target
+            endpoint = self._client.endpoint(address, host, port, target)
             self._endpoints[address] = endpoint
         return endpoint
 
@@ -222,17 +316,20 @@ class ScrapeLoop:
         body = endpoint.body
         if body is None:
             return ScrapeResult(address, None, endpoint.error or "no answer", endpoint.latency)
+        reading = (
+            self._reading_of.get(address, self._default) if self._reading_of else self._default
+        )
         try:
-            metrics = self._parser.parse(body.data, body.start, body.end)
+            metrics = reading.parser.parse(body.data, body.start, body.end)
         except ExpositionError as error:
-            if error.missing and endpoint.target != self._whole_page:
+            if error.missing and endpoint.target != reading.whole_page:
                 # Some servers answer a family filter with less than asked for
                 # (prometheus_client before 0.25 in multiprocess mode sends
                 # nothing): ask this pod for its whole page from now on.
                 log.info(
                     "pod %s: %s when asked for families; asking for the whole page", address, error
                 )
-                endpoint.target = self._whole_page
+                endpoint.target = reading.whole_page
                 return None
             return ScrapeResult(address, None, f"bad metrics: {error}", endpoint.latency)
         return ScrapeResult(address, metrics, None, endpoint.latency)
@@ -252,12 +349,16 @@ class Scraper:
             1, thread_name_prefix="policyd-scrape"
         )
 
-    async def scrape(self, addresses: Sequence[str]) -> list[ScrapeResult]:
+    async def scrape(
+        self, addresses: Sequence[str], presets: Mapping[str, str] | None = None
+    ) -> list[ScrapeResult]:
         """Scrape every address once, concurrently, within the request timeout."""
         if not addresses or self._thread is None:
             return []
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._rounds.scrape, list(addresses))
+        return await loop.run_in_executor(
+            self._thread, self._rounds.scrape, list(addresses), presets
+        )
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Close the connections of pods that are gone (a round still scraping one

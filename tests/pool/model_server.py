@@ -52,10 +52,11 @@ def vllm_text(
 
 
 class MetricsServer:
-    """One stand-in pod: answers ``GET /metrics`` with ``text`` until told otherwise."""
+    """One stand-in pod: answers ``GET path`` with ``text`` until told otherwise."""
 
-    def __init__(self, text: str = VLLM_SAMPLE) -> None:
+    def __init__(self, text: str = VLLM_SAMPLE, path: str = "/metrics") -> None:
         self.text = text
+        self.path = path
         self.status = 200
         self.requests = 0
         self.last_answer_at: float | None = None  # event-loop time of the last answer
@@ -66,7 +67,7 @@ class MetricsServer:
 
     async def start(self, port: int = 0) -> str:
         app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get(self.path, self._metrics)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)

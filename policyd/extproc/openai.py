@@ -20,7 +20,7 @@ than the whole routing decision. Text counts as one token per four characters
 few tokens each for the role and delimiters, and prompts given as token ids
 are counted exactly. Each API's prompt shape is known in one place,
 :func:`prompt_of`, which gives the prompt in order as :class:`Turn` s; the
-estimate and the canonical text (:func:`render_prompt`) are made from them.
+estimate is made from them.
 """
 
 from __future__ import annotations
@@ -124,25 +124,6 @@ def estimate_prompt_tokens(turns: tuple[Turn, ...]) -> int:
         + len(turn.token_ids)
         for turn in turns
     )
-
-
-def render_prompt(turns: tuple[Turn, ...]) -> str:
-    """The prompt as one deterministic text, for prefix hashing.
-
-    A message is ``<|role|>`` and a newline, then each text part and a newline;
-    bare input is each text part and a newline; token ids are ``<|ids|>``, the
-    ids separated by spaces, and a newline. Each piece ends where the next
-    starts, so a conversation's text begins with the text of every earlier
-    state of it.
-    """
-    out: list[str] = []
-    for turn in turns:
-        if turn.role is not None:
-            out.append(f"<|{turn.role}|>\n")
-        out.extend(f"{text}\n" for text in turn.texts)
-        if turn.token_ids:
-            out.append("<|ids|>" + " ".join(map(str, turn.token_ids)) + "\n")
-    return "".join(out)
 
 
 def estimate_text_tokens(text: str) -> int:

@@ -19,7 +19,6 @@ from policyd.extproc.openai import (
     api_of,
     parse_body,
     prompt_of,
-    render_prompt,
     rewrite_model,
 )
 from policyd.extproc.usage import Usage, UsageReader
@@ -79,9 +78,13 @@ def test_a_responses_body_reads_instructions_input_items_and_max_output_tokens()
         "stream": True,
     }
     assert fields(document, RESPONSES) == ("gpt", 6 * M + 2 + 1 + 2 + 2 + 3 + 1, 50, True)
-    assert render_prompt(prompt_of(document, "responses")) == (
-        "<|system|>\niiiiiiii\n<|user|>\nuuuu\n<|assistant|>\naaaaa\n"
-        '<|function_call|>\n{"x":1}\n<|function_call_output|>\nooooooooo\n<|user|>\nq\n'
+    assert prompt_of(document, "responses") == (
+        Turn("system", ("iiiiiiii",)),
+        Turn("user", ("uuuu",)),
+        Turn("assistant", ("aaaaa",)),
+        Turn("function_call", ('{"x":1}',)),
+        Turn("function_call_output", ("ooooooooo",)),
+        Turn("user", ("q",)),
     )
 
 
@@ -98,10 +101,14 @@ def test_every_embeddings_input_shape_is_counted(value: Any, tokens: int) -> Non
     assert fields({"model": "emb", "input": value}, EMBEDDINGS) == ("emb", tokens, 0, False)
 
 
-def test_embeddings_inputs_render_one_line_each_and_token_ids_as_ids() -> None:
-    assert render_prompt(prompt_of({"input": ["a", "b"]}, "embeddings")) == "a\nb\n"
-    assert render_prompt(prompt_of({"input": [[1, 2], [3]]}, "embeddings")) == (
-        "<|ids|>1 2\n<|ids|>3\n"
+def test_embeddings_inputs_are_bare_text_or_token_ids_in_order() -> None:
+    assert prompt_of({"input": ["a", "b"]}, "embeddings") == (
+        Turn(None, ("a",)),
+        Turn(None, ("b",)),
+    )
+    assert prompt_of({"input": [[1, 2], [3]]}, "embeddings") == (
+        Turn(None, token_ids=(1, 2)),
+        Turn(None, token_ids=(3,)),
     )
 
 
@@ -131,22 +138,23 @@ def test_an_anthropic_messages_body_reads_system_blocks_and_max_tokens() -> None
         "stream": True,
     }
     assert fields(document, MESSAGES) == ("claude", 4 * M + 2 + 1 + 1 + 1, 1024, True)
-    assert render_prompt(prompt_of(document, "messages")) == (
-        "<|system|>\nssssssss\n<|user|>\nuuuu\n<|assistant|>\n<|user|>\nrrrr\nq\n"
+    assert prompt_of(document, "messages") == (
+        Turn("system", ("ssssssss",)),
+        Turn("user", ("uuuu",)),
+        Turn("assistant"),
+        Turn("user", ("rrrr", "q")),
     )
     plain = {"model": "claude", "system": "abcd", "messages": [{"role": "user", "content": "x"}]}
     assert fields(plain, MESSAGES) == ("claude", 2 * M + 1 + 1, 0, False)
 
 
-def test_the_same_conversation_renders_the_same_text_in_chat_and_messages() -> None:
+def test_the_same_conversation_reads_the_same_in_chat_and_messages() -> None:
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    chat = render_prompt(prompt_of({"messages": turns}, "chat"))
-    anthropic = render_prompt(prompt_of({"messages": turns}, "messages"))
-    longer = render_prompt(
-        prompt_of({"messages": [*turns, {"role": "user", "content": "?"}]}, "chat")
-    )
-    assert chat == anthropic == "<|user|>\nhi\n<|assistant|>\nyo\n"
-    assert longer.startswith(chat)  # a later state of a conversation extends its text
+    chat = prompt_of({"messages": turns}, "chat")
+    anthropic = prompt_of({"messages": turns}, "messages")
+    longer = prompt_of({"messages": [*turns, {"role": "user", "content": "?"}]}, "chat")
+    assert chat == anthropic == (Turn("user", ("hi",)), Turn("assistant", ("yo",)))
+    assert longer[: len(chat)] == chat  # a later state of a conversation extends it
 
 
 def test_an_unknown_path_is_routed_by_its_model_with_a_lenient_estimate() -> None:

@@ -73,9 +73,15 @@ async def complete(gateway: PolicydGateway, test_id: str) -> tuple[int, dict[str
 
 
 async def replace_policy(gateway: PolicydGateway, text: str) -> None:
-    """Write the policy file and wait until policyd has polled it (loaded or rejected)."""
+    """Swap in a whole new policy file and wait until policyd has polled it.
+
+    The new text goes to a sibling file first and is renamed over the old one,
+    as a deploy tool does, so policyd never reads it half-written.
+    """
     seen = len(gateway.reloads)
-    gateway.policy_path.write_text(text)
+    staged = gateway.policy_path.with_suffix(".staged")
+    staged.write_text(text)
+    staged.replace(gateway.policy_path)
     await until(lambda: len(gateway.reloads) > seen, "policyd to poll the changed policy")
 
 

@@ -14,11 +14,12 @@ batches for a ROUTER replay socket (``vllm/distributed/kv_events.py``,
   ``[ts, [event, ...], data_parallel_rank]`` with ``ts`` Unix seconds (float)
   and the rank 0; each event an array whose first element is its tag:
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
+  lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
   ``["AllBlocksCleared"]``. Hashes are unsigned 64-bit integers (vLLM's default
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), ``medium`` is ``"GPU"``,
-  ``lora_id`` the adapter's 1-based index on the pod (``None`` for the base
-  model).
+  ``lora_id`` the adapter's 1-based index on the pod and ``lora_name`` its name
+  (both ``None`` for the base model; ``lora_name`` is the eighth field since
+  vLLM PR #27577, which deprecates ``lora_id`` for it).
 - Replay: a client sends ``[b"", seq]`` (8 bytes big-endian) from a DEALER (or
   REQ) socket; the ROUTER answers every buffered batch from ``seq`` on as
   ``[b"", seq, payload]``, then ``[b"", -1 (8 bytes, signed), b""]``.
@@ -60,6 +61,7 @@ def encode_event(event: KvEvent, block_size: int, lora_ids: Mapping[str, int]) -
             block_size,
             lora_id,
             MEDIUM_GPU,
+            event.adapter,
         ]
     if isinstance(event, BlocksRemoved):
         return ["BlockRemoved", list(event.block_hashes), MEDIUM_GPU]

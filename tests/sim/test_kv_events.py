@@ -121,7 +121,7 @@ async def test_prefill_publishes_block_stored_with_chained_hashes_and_token_ids(
             assert isinstance(ts, float) and rank == 0
             hashes = block_hashes(first, 16, BASE)
             assert len(hashes) == 2
-            assert events == [["BlockStored", hashes, None, first[:32], 16, None, "GPU"]]
+            assert events == [["BlockStored", hashes, None, first[:32], 16, None, "GPU", None]]
 
             # Same first block, new second one: only the new block, chained to the cached one.
             second = tokenize(shared + " " + words("b", 20))
@@ -130,15 +130,17 @@ async def test_prefill_publishes_block_stored_with_chained_hashes_and_token_ids(
             assert seq == 1
             new = block_hashes(second, 16, BASE)
             assert new[0] == hashes[0] and new[1] != hashes[1]
-            assert events == [["BlockStored", new[1:], hashes[0], second[16:32], 16, None, "GPU"]]
+            assert events == [
+                ["BlockStored", new[1:], hashes[0], second[16:32], 16, None, "GPU", None]
+            ]
 
-            # An adapter seeds its own chain and names its 1-based LoRA id.
+            # An adapter seeds its own chain and names its 1-based LoRA id and its name.
             await complete(client, pod, "adapter-1", shared + " " + words("a", 20))
             _, seq, _, (_, events, _) = await sub.receive()
             assert seq == 2
             lora = block_hashes(first, 16, "adapter-1")
             assert set(lora).isdisjoint(hashes)
-            assert events == [["BlockStored", lora, None, first[:32], 16, 2, "GPU"]]
+            assert events == [["BlockStored", lora, None, first[:32], 16, 2, "GPU", "adapter-1"]]
         finally:
             sub.close()
 

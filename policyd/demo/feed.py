@@ -34,6 +34,9 @@ class DecisionRecord:
     status: int | None = None
     first_body_seconds: float | None = None
     completion_tokens: int | None = None
+    prefix_match: float | None = None  # the chosen pod's, for a policy that reads it
+    prompt_tokens: int | None = None  # as the pod counted them
+    cached_tokens: int | None = None  # of those, served from its prefix cache
     duration_seconds: float | None = None
     completed: bool | None = None  # None while the response is still on its way
 
@@ -100,8 +103,11 @@ class DemoSpan:
         first_body_seconds: float | None,
         prompt_tokens: int | None,
         completion_tokens: int | None,
+        cached_tokens: int | None = None,
     ) -> None:
         record = self.record
+        record.prompt_tokens = prompt_tokens
+        record.cached_tokens = cached_tokens
         record.completed = completed
         record.duration_seconds = duration_seconds
         record.first_body_seconds = first_body_seconds
@@ -121,6 +127,8 @@ class Totals:
     by_model_pod: Counter[tuple[str, str]] = field(default_factory=Counter)
     stream_ttft_seconds: list[float] = field(default_factory=list)  # streamed requests
     completion_tokens: int = 0
+    prompt_tokens: int = 0  # of responses that said how many were cached
+    cached_tokens: int = 0
     rejected: Counter[str] = field(default_factory=Counter)  # answered before any decision
 
 
@@ -147,6 +155,7 @@ class DecisionFeed:
             outcome=decision.outcome,
             pod=decision.pod,
             why=explain(decision),
+            prefix_match=decision.prefix_match,
         )
         self.records.append(record)
         totals = self.totals
@@ -169,3 +178,6 @@ class DecisionFeed:
         if record.stream and record.first_body_seconds is not None and record.completed:
             totals.stream_ttft_seconds.append(record.first_body_seconds)
         totals.completion_tokens += record.completion_tokens or 0
+        if record.prompt_tokens is not None and record.cached_tokens is not None:
+            totals.prompt_tokens += record.prompt_tokens
+            totals.cached_tokens += record.cached_tokens

@@ -77,6 +77,7 @@ class RequestSpan(Protocol):
         first_body_seconds: float | None,
         prompt_tokens: int | None,
         completion_tokens: int | None,
+        cached_tokens: int | None = None,
     ) -> None:
         """The exchange is over (called exactly once).
 
@@ -138,6 +139,7 @@ class NullSpan:
         first_body_seconds: float | None,
         prompt_tokens: int | None,
         completion_tokens: int | None,
+        cached_tokens: int | None = None,
     ) -> None:
         return None
 

@@ -20,6 +20,12 @@ Other APIs name the counts differently, and all are read:
   ``message_start`` carries ``message.usage`` with the input and
   ``message_delta`` a cumulative ``usage.output_tokens``, so a report without
   input counts keeps the prompt of the one before it.
+
+Cached prompt tokens, where the server reports them: OpenAI's
+``prompt_tokens_details.cached_tokens`` (vLLM with
+``--enable-prompt-tokens-details``), the responses API's
+``input_tokens_details.cached_tokens``, Anthropic's
+``cache_read_input_tokens``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ _DECODER: Final = json.JSONDecoder()  # raw_decode: the ``usage`` member alone
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens the server served from its prefix cache, where it says
+    # (None: it does not): how a user sees whether prefix routing paid.
+    cached_tokens: int | None = None
 
 
 class UsageReader:
@@ -158,21 +167,32 @@ def _usage_in(usage: Any, previous: Usage | None = None) -> Usage | None:
     """
     if not isinstance(usage, dict):
         return None
+    cached: Any = None
     if "prompt_tokens" in usage:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens", 0)
+        cached = _cached_in(usage.get("prompt_tokens_details"))
     elif "input_tokens" in usage:
         prompt, completion = usage.get("input_tokens"), usage.get("output_tokens", 0)
+        cached = _cached_in(usage.get("input_tokens_details"))
         for name in _ANTHROPIC_CACHED:
-            cached = usage.get(name)
-            if isinstance(prompt, int) and isinstance(cached, int):
-                prompt += cached
+            count = usage.get(name)
+            if isinstance(prompt, int) and isinstance(count, int):
+                prompt += count
+        if cached is None and _is_count(usage.get("cache_read_input_tokens")):
+            cached = usage["cache_read_input_tokens"]
     elif "output_tokens" in usage and previous is not None:
         prompt, completion = previous.prompt_tokens, usage.get("output_tokens")
+        cached = previous.cached_tokens
     else:
         return None
     if not isinstance(prompt, int) or not _is_count(prompt) or not _is_count(completion):
         return None
-    return Usage(prompt, int(completion))
+    return Usage(prompt, int(completion), cached if _is_count(cached) else None)
+
+
+def _cached_in(details: Any) -> Any:
+    """``cached_tokens`` of a ``*_tokens_details`` member (None when absent)."""
+    return details.get("cached_tokens") if isinstance(details, dict) else None
 
 
 def _is_count(value: Any) -> bool:

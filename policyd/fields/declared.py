@@ -30,9 +30,11 @@ Kind = str
 # - "serving": the serving path (``in_flight``) or, for a field computed per
 #   request, the code that computes it;
 # - "scrape": the scrape's bookkeeping (``metrics_age``);
+# - "prefix": per request and pod, from the prompt and the prefix-cache index
+#   (``policyd.prefix``); the router sets it only for a policy that reads it;
 # - "request": the request's headers and body, read by ``policyd.extproc.openai``;
 # - "policy": decided by the router for each request (``Request.decided``).
-Origin = Literal["identity", "metric", "serving", "scrape", "request", "policy"]
+Origin = Literal["identity", "metric", "serving", "scrape", "prefix", "request", "policy"]
 
 # How the series of a metric make one value; each is one rule of
 # ``policyd.pool.exposition``:
@@ -231,7 +233,29 @@ POD_FIELDS: Final[tuple[Field, ...]] = (
         "time since the pod's metrics were scraped",
         0.0,
     ),
+    Field(
+        "prefix_match",
+        "double",
+        "prefix",
+        "fraction 0..1 of this request's prompt tokens that are (precise mode) or are"
+        " likely to be (approximate mode) in the pod's prefix cache; 0 without a prefix"
+        " index (see docs/prefix-cache.md)",
+        0.0,
+        # Logged per decision instead (the chosen pod's and the best offered).
+        logged=False,
+    ),
+    Field(
+        "prefix_tokens",
+        "int",
+        "prefix",
+        "those cached prompt tokens, in whole KV blocks",
+        0,
+        logged=False,
+    ),
 )
+
+# The fields the router computes per request and pod from the prompt.
+PREFIX_POD_FIELDS: Final = tuple(field for field in POD_FIELDS if field.origin == "prefix")
 
 # The fields a scrape produces, in the order of ``policyd.pool.exposition.PodMetrics``.
 SCRAPED_POD_FIELDS: Final = tuple(field for field in POD_FIELDS if field.metric is not None)

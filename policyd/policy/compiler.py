@@ -43,6 +43,7 @@ from policyd.cel import (
     pod_type,
     request_type,
 )
+from policyd.fields import PREFIX_POD_FIELDS
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
 from policyd.policy.document import PolicySpec
 from policyd.policy.evaluation import Evaluator, Needs, PodExpression
@@ -58,9 +59,14 @@ _NO_FIELD: Final = re.compile(r"undefined field '([^']*)' not found in struct 'p
 # What a filter tree may read and still give the same walk for every request with
 # the same key over one snapshot: not the pods' in-flight counts (they move with
 # every request), nor what differs per request anyway (headers, the request id).
-_NOT_CACHEABLE: Final = frozenset(
-    {"pod.*", "pod.in_flight", "request.*", "request.headers", "request.id"}
-)
+# Reads that make a policy need each request's prefix-cache match.
+_PREFIX_READS: Final = frozenset({"pod.*", *(f"pod.{field.name}" for field in PREFIX_POD_FIELDS)})
+_NOT_CACHEABLE: Final = _PREFIX_READS | {
+    "pod.in_flight",
+    "request.*",
+    "request.headers",
+    "request.id",
+}
 
 WalkKey = Callable[[Any], Any]
 
@@ -117,6 +123,9 @@ class CompiledPolicy:
     # The request fields the filter tree reads, as one key (None: the walk
     # depends on more than the snapshot and those fields, so it is not reused).
     walk_key: WalkKey | None = None
+    # Some expression reads the prefix fields: the router computes each
+    # request's prefix-cache match for this policy, and for no other.
+    reads_prefix: bool = False
 
     @property
     def summary(self) -> str:
@@ -176,6 +185,7 @@ class _Compiler:
         # Fields of pod / request that the expressions compiled since it was last
         # emptied read: the filter tree's, once it is compiled (for ``walk_key``).
         self.reads: set[str] = set()
+        self.every_read: set[str] = set()  # never emptied: scorers, variables and tree
         self.pod_env = self.request_env = Environment({})
 
     def error(self, node: YNode, message: str) -> None:
@@ -229,6 +239,7 @@ class _Compiler:
             shadow_refs=tuple((ref.file, ref.node.at) for ref in spec.shadows),
             shadows_at=spec.shadows_node.at if spec.shadows_node is not None else None,
             walk_key=_walk_key(self.reads),
+            reads_prefix=bool(self.every_read & _PREFIX_READS),
         )
         return policy, self.diagnostics
 
@@ -258,6 +269,7 @@ class _Compiler:
         names = program.reads
         self.referenced |= names
         self.reads |= self._reads(names)
+        self.every_read |= self.reads
         if want and program.return_type not in want:
             expected = " or ".join(w.lower() for w in want)
             self.error(

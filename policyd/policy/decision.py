@@ -109,6 +109,10 @@ class Decision:
     # The picked pod object itself (None unless routed), so the server can count
     # the request against it without searching the candidates.
     chosen: Any = None
+    # For a policy that reads the prefix fields: the chosen pod's prefix-cache
+    # match and the best any candidate offered (None: not computed).
+    prefix_match: float | None = None
+    best_prefix_match: float | None = None
 
     @property
     def candidate_count(self) -> int:
@@ -165,6 +169,7 @@ class ShadowInputs:
     candidates: Sequence[Any]
     picked: Any  # the live decision's pod (None unless routed)
     picked_in_flight: int
+    prompt: Any = None  # the live decision's PrefixMatcher, for shadows that read it
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,13 @@ Steps: choose the policy (none: 404), resolve criticality and target model,
 keep the policy's pool, walk the filter tree (shed or nothing left: 429; no
 candidates at all: 503), score the survivors if the picker uses scores, pick.
 
+A policy that reads the prefix fields (``pod.prefix_match``,
+``pod.prefix_tokens``) sees each candidate with this request's values laid
+over it: the caller passes a ``PrefixMatcher`` for the request's prompt, and
+the router asks it once per decision, only for such a policy, so a policy
+that reads neither pays nothing for them. The decision carries the chosen
+pod's match and the best one on offer, to show whether locality won.
+
 When the policy has shadow policies, the decision carries ``ShadowInputs``
 (plain data: the shadows, the request, the candidates, the pick), and
 ``decide_shadows(decision)`` decides the same request over the same
@@ -36,8 +43,9 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
+from policyd.fields import PREFIX_POD_FIELDS
 from policyd.policy.compiler import CompiledPolicy
 from policyd.policy.decision import (
     Decision,
@@ -59,6 +67,17 @@ from policyd.policy.store import PolicyStore
 TOP_SCORES: Final = 5  # how many (pod, score) pairs a decision carries
 MAX_WALKS: Final = 1024  # walks kept per snapshot; past it the cache starts again
 _log = logging.getLogger(__name__)
+if tuple(f.name for f in PREFIX_POD_FIELDS) != ("prefix_match", "prefix_tokens"):
+    raise AssertionError("_Prefixed lays prefix_match and prefix_tokens over a pod, in that order")
+
+
+class PrefixMatcher(Protocol):
+    """One request's prompt against the prefix-cache index (``policyd.prefix``)."""
+
+    def match(self, model: str, pods: Sequence[Any]) -> Sequence[tuple[float, int]]:
+        """Per pod, in order: the fraction of the prompt's tokens cached there
+        when served as ``model`` (the target model or adapter), and those tokens."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +114,14 @@ class Router:
     def store(self) -> PolicyStore:
         return self._store
 
-    def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
+    def decide(
+        self,
+        request: Request,
+        candidates: Sequence[Any],
+        prompt: PrefixMatcher | None = None,
+    ) -> Decision:
+        """Decide ``request`` over ``candidates``; ``prompt`` gives its prefix-cache
+        matches to a policy that reads them (without it they read 0)."""
         policy_set = self._store.current  # one read: this decision sees one set
         policy = policy_set.select(request.model, request.headers)
         if policy is None:
@@ -106,11 +132,11 @@ class Router:
                 target_model=request.model,
                 reason=f"no policy serves model '{request.model}'",
             )
-        decision, picked = self._decide_safely(policy, request, candidates, self._rng)
+        decision, picked = self._decide_safely(policy, request, candidates, self._rng, prompt)
         if policy.shadows:
             seen_in_flight = picked.in_flight if picked is not None else 0
             decision.shadow_inputs = ShadowInputs(
-                policy.shadows, request, candidates, picked, seen_in_flight
+                policy.shadows, request, candidates, picked, seen_in_flight, prompt
             )
         return decision
 
@@ -132,7 +158,9 @@ class Router:
             candidates = [as_seen if pod is picked else pod for pod in candidates]
         results = []
         for shadow in inputs.policies:
-            would = self._decide_safely(shadow, inputs.request, candidates, self._shadow_rng)[0]
+            would = self._decide_safely(
+                shadow, inputs.request, candidates, self._shadow_rng, inputs.prompt
+            )[0]
             results.append(ShadowResult(would, agreement(decision.outcome, decision.pod, would)))
         return ShadowReport(tuple(results), time.perf_counter() - started)
 
@@ -142,10 +170,11 @@ class Router:
         request: Request,
         candidates: Sequence[Any],
         rng: random.Random,
+        prompt: PrefixMatcher | None,
     ) -> tuple[Decision, Any]:
         """The decision and the picked pod (None unless routed)."""
         try:
-            return self._decide(policy, request, candidates, rng)
+            return self._decide(policy, request, candidates, rng, prompt)
         except Exception as error:  # a bug must cost one request a 500, not the stream
             _log.exception("routing decision failed under policy %s", policy.name)
             failed = Decision(
@@ -163,8 +192,14 @@ class Router:
         request: Request,
         candidates: Sequence[Any],
         rng: random.Random,
+        prompt: PrefixMatcher | None,
     ) -> tuple[Decision, Any]:
         resolved = self._resolve(policy, request, rng)
+        best_prefix: float | None = None
+        if policy.reads_prefix and prompt is not None and candidates:
+            matches = prompt.match(resolved.target_model, candidates)
+            candidates = [_Prefixed(pod, *m) for pod, m in zip(candidates, matches, strict=True)]
+            best_prefix = max(fraction for fraction, _ in matches)
         walk, ev = self._walk(policy, resolved, candidates)
         if walk.outcome is not None:
             return self._answer(
@@ -187,6 +222,10 @@ class Router:
                 totals = [0.0] * count
         chosen = policy.picker.pick(totals, count, policy.fallbacks, rng)
         pod = survivors[chosen[0]]
+        prefix_match: float | None = None
+        if isinstance(pod, _Prefixed):
+            prefix_match = pod.prefix_match
+            pod = pod.pod
         top: tuple[tuple[str, float], ...] = ()
         if totals is not None and policy.scorers:
             best = heapq.nlargest(TOP_SCORES, range(count), key=totals.__getitem__)
@@ -206,6 +245,8 @@ class Router:
             scores=top,
             candidates=walk.pods,
             chosen=pod,
+            prefix_match=prefix_match,
+            best_prefix_match=best_prefix,
         )
         return decision, pod
 
@@ -272,6 +313,20 @@ class Router:
             candidates=candidates,
         )
         return decision, None
+
+
+class _Prefixed:
+    """A pod with one request's prefix-cache match laid over it."""
+
+    __slots__ = ("pod", "prefix_match", "prefix_tokens")
+
+    def __init__(self, pod: Any, prefix_match: float, prefix_tokens: int) -> None:
+        self.pod = pod
+        self.prefix_match = prefix_match
+        self.prefix_tokens = prefix_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pod, name)
 
 
 class _AsSeen:

@@ -2,8 +2,11 @@
 
 ``Pod``'s attributes are the CEL schema's ``pod`` fields, made from their
 declarations (``policyd.fields.POD_FIELDS``): adding a field there adds it
-here, with its default. ``in_flight`` is the one field not stored: it reads
-the pod's ``InFlight`` counter, which outlives snapshots.
+here, with its default. ``in_flight`` is not stored: it reads the pod's
+``InFlight`` counter, which outlives snapshots. Nor are the prefix fields
+(``prefix_match``, ``prefix_tokens``): they belong to one request, so a
+snapshot's pod answers their defaults, and the router lays each request's
+values over the pods for a policy that reads them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from policyd.cel.values import Duration
-from policyd.fields import POD_FIELDS, SCRAPED_POD_FIELDS, Field, dataclass_fields
+from policyd.fields import (
+    POD_FIELDS,
+    PREFIX_POD_FIELDS,
+    SCRAPED_POD_FIELDS,
+    Field,
+    dataclass_fields,
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,6 +75,7 @@ def _build_pod_class() -> type:
         slots=True,
         namespace={
             "in_flight": property(_in_flight),
+            **{field.name: field_default(field) for field in PREFIX_POD_FIELDS},
             "__doc__": "One pod in a published snapshot: identity, last scraped metrics, load.",
         },
     )

@@ -144,11 +144,14 @@ def encode(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """vLLM's usage object as ``--enable-prompt-tokens-details`` shapes it: the prompt
+    tokens served from the prefix cache under ``prompt_tokens_details``."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -160,7 +163,9 @@ class Reply:
     reply_id: str
     created: int
 
-    def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict[str, Any]:
+    def full(
+        self, text: str, finish_reason: str, completion_tokens: int, cached_tokens: int
+    ) -> dict[str, Any]:
         """The non-streaming response object."""
         choice: dict[str, Any]
         if self.call.chat:
@@ -171,7 +176,7 @@ class Reply:
         return {
             **self._head(chunk=False),
             "choices": [choice],
-            "usage": usage(len(self.call.prompt), completion_tokens),
+            "usage": usage(len(self.call.prompt), completion_tokens, cached_tokens),
         }
 
     def role_chunk(self) -> dict[str, Any]:
@@ -183,12 +188,12 @@ class Reply:
             return self._chunk({"content": text}, finish_reason)
         return self._chunk(text, finish_reason)
 
-    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
         """The last chunk when ``include_usage`` is set: no choices, the totals."""
         return {
             **self._head(chunk=True),
             "choices": [],
-            "usage": usage(len(self.call.prompt), completion_tokens),
+            "usage": usage(len(self.call.prompt), completion_tokens, cached_tokens),
         }
 
     def _chunk(self, content: str | dict[str, str], finish_reason: str | None) -> dict[str, Any]:

@@ -275,7 +275,9 @@ class SimServer:
             while not state.finished:
                 await progress.wait()
             text = generated_text(text_seed, 0, state.generated)
-            return _json(reply.full(text, state.finish_reason, state.generated), 200)
+            return _json(
+                reply.full(text, state.finish_reason, state.generated, state.cached_tokens), 200
+            )
         finally:
             if not state.finished:
                 driver.abort(state)
@@ -373,7 +375,11 @@ async def _stream(
             events.append(_event(chunk))
         sent = state.generated
         await response.write(b"".join(events))
-    tail = [_event(reply.usage_chunk(state.generated))] if reply.call.include_usage else []
+    tail = (
+        [_event(reply.usage_chunk(state.generated, state.cached_tokens))]
+        if reply.call.include_usage
+        else []
+    )
     await response.write(b"".join([*tail, b"data: [DONE]\n\n"]))
     await response.write_eof()
     return response

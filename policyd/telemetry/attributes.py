@@ -50,6 +50,10 @@ SCORE: Final = "policyd.score"
 SCORED_PODS: Final = "policyd.scores.pods"  # the best candidates, best first ...
 SCORED_VALUES: Final = "policyd.scores.values"  # ... and their total scores
 DECISION_DURATION: Final = "policyd.decision.duration"
+# The prefix-cache match (0..1) of the chosen pod and the best any candidate
+# offered, for a policy that reads them: locality lost to load shows as a gap.
+PREFIX_MATCH: Final = "policyd.prefix.match"
+BEST_PREFIX_MATCH: Final = "policyd.prefix.best_match"
 SHADOWS: Final = "policyd.shadows"  # how many shadow policies were evaluated
 SHADOWS_AGREED: Final = "policyd.shadows.agreed"  # how many agreed with the live pick
 
@@ -57,6 +61,8 @@ SHADOWS_AGREED: Final = "policyd.shadows.agreed"  # how many agreed with the liv
 RESPONSE_COMPLETED: Final = "policyd.response.completed"
 TIME_TO_HEADERS: Final = "policyd.response.time_to_headers"
 TIME_TO_FIRST_TOKEN: Final = "policyd.response.time_to_first_token"
+# Prompt tokens the model server served from its prefix cache, as it reports them.
+CACHED_TOKENS: Final = "policyd.response.cached_tokens"
 RESPONSE_DURATION: Final = "policyd.response.duration"
 
 # -- the walk through the filter tree ------------------------------------------------------

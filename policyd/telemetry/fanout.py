@@ -33,6 +33,7 @@ class SpanLike(Protocol):
         first_body_seconds: float | None,
         prompt_tokens: int | None,
         completion_tokens: int | None,
+        cached_tokens: int | None = None,
     ) -> None: ...
 
 
@@ -115,6 +116,7 @@ class FanoutSpan:
         first_body_seconds: float | None,
         prompt_tokens: int | None,
         completion_tokens: int | None,
+        cached_tokens: int | None = None,
     ) -> None:
         _each(
             self.spans,
@@ -124,5 +126,6 @@ class FanoutSpan:
                 first_body_seconds=first_body_seconds,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
+                cached_tokens=cached_tokens,
             ),
         )

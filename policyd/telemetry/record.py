@@ -198,8 +198,12 @@ class RequestRecord:
                 attributes[a.FALLBACKS] = decision.fallbacks[: a.MAX_LISTED_PODS]
             if decision.score is not None:
                 attributes[a.SCORE] = decision.score
+            if decision.prefix_match is not None:
+                attributes[a.PREFIX_MATCH] = decision.prefix_match
         else:
             attributes[a.ERROR_TYPE] = decision.outcome.value
+        if decision.best_prefix_match is not None:
+            attributes[a.BEST_PREFIX_MATCH] = decision.best_prefix_match
         if decision.scores:
             top = decision.scores[: a.MAX_LISTED_PODS]
             attributes[a.SCORED_PODS] = tuple([name for name, _ in top])
@@ -280,6 +284,8 @@ class RequestRecord:
             "endpoint": decision.endpoint,
             "fallbacks": list(decision.fallbacks),
             "score": decision.score,
+            "prefix_match": decision.prefix_match,
+            "best_prefix_match": decision.best_prefix_match,
             "decision_seconds": self._seconds,
             "shadows": [
                 {
@@ -315,6 +321,7 @@ class RequestRecord:
         first_body_seconds: float | None,
         prompt_tokens: int | None,
         completion_tokens: int | None,
+        cached_tokens: int | None = None,
     ) -> None:
         decision = self._decision
         routed = decision.outcome is Outcome.ROUTED
@@ -343,6 +350,8 @@ class RequestRecord:
                 attributes[a.GEN_AI_INPUT_TOKENS] = prompt_tokens
             if completion_tokens is not None:
                 attributes[a.GEN_AI_OUTPUT_TOKENS] = completion_tokens
+            if cached_tokens is not None:
+                attributes[a.CACHED_TOKENS] = cached_tokens
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
@@ -366,6 +375,7 @@ class RequestRecord:
                 "duration_seconds": duration_seconds,
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
+                "cached_tokens": cached_tokens,
             }
             decision_log.write(entry)
 

@@ -276,13 +276,13 @@ def test_usage_of_a_responses_answer_json_and_streamed() -> None:
             "input_tokens_details": {"cached_tokens": 2},
         },
     }
-    assert usage_of("application/json", body(answer)) == Usage(9, 4)
+    assert usage_of("application/json", body(answer)) == Usage(9, 4, cached_tokens=2)
     stream = sse(
         ("response.created", {"type": "response.created", "response": {"id": "r", "usage": None}}),
         ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "hi"}),
         ("response.completed", {"type": "response.completed", "response": answer}),
     )
-    assert usage_of("text/event-stream", stream) == Usage(9, 4)
+    assert usage_of("text/event-stream", stream) == Usage(9, 4, cached_tokens=2)
 
 
 def test_usage_of_an_embeddings_answer_has_no_completion() -> None:
@@ -303,7 +303,7 @@ def test_usage_of_an_anthropic_answer_counts_cached_input_and_streamed_deltas() 
         "content": [{"type": "text", "text": "x"}],
         "usage": usage,
     }
-    assert usage_of("application/json", body(answer)) == Usage(35, 7)
+    assert usage_of("application/json", body(answer)) == Usage(35, 7, cached_tokens=20)
     stream = sse(
         (
             "message_start",

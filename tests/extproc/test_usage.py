@@ -84,5 +84,5 @@ def test_only_the_answers_own_usage_member_counts() -> None:
         },
     }
     pretty = json.dumps(answer, indent=2).encode()
-    assert read("application/json", [pretty]) == Usage(7, 3)
+    assert read("application/json", [pretty]) == Usage(7, 3, cached_tokens=2)
     assert read("application/json", [b'{"choices": [], "usage": null}']) is None

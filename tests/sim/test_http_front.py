@@ -109,7 +109,21 @@ async def test_a_completion_returns_text_finish_reason_and_usage(
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + 5,
         "completion_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
+
+
+async def test_a_repeated_prompt_reports_its_cached_blocks_in_usage(
+    server: SimServer, client: aiohttp.ClientSession
+) -> None:
+    prompt = " ".join(f"word{i}" for i in range(40))  # 41 tokens: two full 16-token blocks
+    body = {"model": BASE, "prompt": prompt, "max_tokens": 2}
+    cached = []
+    for _ in range(2):
+        status, answer = await post(client, server, "/v1/completions", body)
+        assert status == 200
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 32]
 
 
 async def test_a_chat_completion_returns_an_assistant_message(
@@ -162,6 +176,7 @@ async def test_a_streamed_completion_is_server_sent_events_with_usage_and_done(
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + 4,
         "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     # compact JSON, as vLLM writes it
     assert events[0].startswith(b'data: {"id":"cmpl-')

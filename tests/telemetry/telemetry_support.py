@@ -100,6 +100,7 @@ def one_request(
         first_body_seconds=0.1,
         prompt_tokens=12,
         completion_tokens=30,
+        cached_tokens=8,
     )
 
 

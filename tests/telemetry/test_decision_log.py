@@ -94,6 +94,7 @@ def test_a_line_holds_the_inputs_the_walk_the_pick_and_the_response(
         "duration_seconds": 0.9,
         "prompt_tokens": 12,
         "completion_tokens": 30,
+        "cached_tokens": 8,
     }
     assert entry["time"].endswith("+00:00")
 

@@ -21,7 +21,7 @@ from policyd.pool.scraper import ScrapeConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pods = parser.add_argument_group("pods (give --pods or --k8s-selector)")
+    pods = parser.add_argument_group("pods (give --pods, --k8s-selector or --inference-pool)")
     pods.add_argument("--pods", metavar="FILE", help="YAML file listing the pods, watched")
     pods.add_argument(
         "--pods-poll-interval",
@@ -35,13 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SELECTOR",
         help="follow the Kubernetes pods matching this label selector, e.g. app=vllm",
     )
+    pods.add_argument(
+        "--inference-pool",
+        metavar="NAME",
+        help="follow the pods and target ports of this InferencePool"
+        " (inference.networking.k8s.io/v1) in --k8s-namespace, and its changes",
+    )
     pods.add_argument("--k8s-namespace", metavar="NAME", help="default: policyd's own namespace")
     pods.add_argument(
         "--k8s-target-port",
         type=int,
-        default=8000,
         metavar="PORT",
-        help="the pods' serving port (default 8000)",
+        help="the pods' serving port with --k8s-selector (default 8000)",
     )
     pods.add_argument(
         "--kubeconfig", metavar="FILE", help="default: in-cluster, then ~/.kube/config"
@@ -107,10 +112,17 @@ def pool_from_arguments(args: argparse.Namespace) -> Pool:
 
 
 def discovery_from_arguments(args: argparse.Namespace) -> Discovery:
-    if (args.pods is None) == (args.k8s_selector is None):
-        raise ValueError("give exactly one of --pods FILE and --k8s-selector SELECTOR")
+    given = [args.pods, args.k8s_selector, args.inference_pool]
+    if sum(source is not None for source in given) != 1:
+        raise ValueError(
+            "give exactly one of --pods FILE, --k8s-selector SELECTOR and --inference-pool NAME"
+        )
     if args.pods is not None:
         return StaticFileDiscovery(Path(args.pods), poll_interval=args.pods_poll_interval)
+    if args.inference_pool is not None and args.k8s_target_port is not None:
+        raise ValueError(
+            "--k8s-target-port goes with --k8s-selector: the InferencePool names its ports"
+        )
     from policyd.pool.kubernetes_discovery import (  # noqa: PLC0415 - only when used
         KubernetesDiscovery,
         KubernetesOptions,
@@ -118,8 +130,9 @@ def discovery_from_arguments(args: argparse.Namespace) -> Discovery:
 
     return KubernetesDiscovery(
         KubernetesOptions(
-            selector=args.k8s_selector,
-            target_port=args.k8s_target_port,
+            selector=args.k8s_selector or "",
+            target_port=args.k8s_target_port or 8000,
+            inference_pool=args.inference_pool,
             namespace=args.k8s_namespace,
             kubeconfig=args.kubeconfig,
             context=args.k8s_context,

@@ -38,7 +38,7 @@ def serve(*arguments: str) -> int:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ([], "give exactly one of --pods FILE and --k8s-selector SELECTOR"),
+        ([], "give exactly one of --pods FILE, --k8s-selector SELECTOR and --inference-pool NAME"),
         (["--workers", "0"], "--workers must be at least 1"),
         (["--port", "70000"], "--port must be from 0 to 65535"),
         (["--grace-seconds", "-1"], "--grace-seconds must not be negative"),

@@ -1,8 +1,11 @@
-"""A FAKE Kubernetes API server: the pod list and watch endpoints, on loopback.
+"""A FAKE Kubernetes API server: pods and InferencePools, listed and watched, on loopback.
 
 No cluster can run here, so the Kubernetes discovery is tested against this
-stand-in. It is a real HTTP server (aiohttp on 127.0.0.1) that speaks what the
-API server says on the wire for ``GET /api/v1/namespaces/{ns}/pods``:
+stand-in (``tests/real`` runs the same discovery against the real
+kube-apiserver). It is a real HTTP server (aiohttp on 127.0.0.1) that speaks
+what the API server says on the wire for ``GET /api/v1/namespaces/{ns}/pods``
+and ``GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools``
+(and ``.../inferencepools/{name}``, a get):
 
 - lists: ``PodList`` JSON with ``metadata.resourceVersion``, paged by
   ``limit`` / ``continue`` (pages served from the first page's snapshot; an
@@ -15,11 +18,17 @@ API server says on the wire for ``GET /api/v1/namespaces/{ns}/pods``:
   bookmarks when asked for; a version older than the compacted history gets
   an ``ERROR`` event with a ``Status`` of code 410 (or, when
   ``expired_watch_as_status`` is set, an HTTP 410 ``Status`` response);
-- bearer-token authentication (``401``) and a forbidden mode (``403``), with
-  ``Status`` bodies.
+- the field selector ``metadata.name=NAME`` (what a client sends to list or
+  watch one object, the form RBAC's ``resourceNames`` authorizes); a get of a
+  missing object is a ``404 NotFound`` ``Status`` naming it in ``details``,
+  a resource not served (``serve_inference_pools = False``: no CRD) a 404
+  ``Status`` without details;
+- bearer-token authentication (``401``) and forbidden modes (``403``, for
+  everything or per resource), with ``Status`` bodies.
 
-It does not implement anything the discovery does not send (field
-selectors, other resources, writes): such requests get 400 or 404.
+It does not implement anything the discovery does not send (other field
+selectors, other resources such as EndpointSlices, writes): such requests get
+400 or 404.
 """
 
 from __future__ import annotations
@@ -35,10 +44,18 @@ from typing import Any
 
 from aiohttp import web
 
+PODS = "pods"
+POOLS = "inferencepools"
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_API = f"/apis/{POOL_GROUP}/v1"
+# resource -> (kind, apiVersion)
+KINDS = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", f"{POOL_GROUP}/v1")}
+
 
 @dataclass
 class Change:
     revision: int
+    resource: str
     namespace: str
     before: dict[str, Any] | None
     after: dict[str, Any] | None
@@ -49,6 +66,8 @@ class Request:
     path: str
     query: dict[str, str]
     headers: dict[str, str]
+    resource: str = PODS
+    name: str | None = None  # a get of one object
 
     @property
     def is_watch(self) -> bool:
@@ -61,13 +80,16 @@ _DROP = "drop"
 
 @dataclass(eq=False)
 class _Watcher:
+    resource: str
     namespace: str
     selector: LabelSelector
+    name: str | None  # from the field selector metadata.name=NAME
     queue: asyncio.Queue[Change | str] = field(default_factory=asyncio.Queue)
 
 
 class FakeKubeApiServer:
-    """The fake. Mutate pods with ``add_pod`` / ``update_pod`` / ``delete_pod``."""
+    """The fake. Mutate pods with ``add_pod`` / ``update_pod`` / ``delete_pod``,
+    InferencePools with ``put_pool`` / ``delete_pool``."""
 
     def __init__(
         self,
@@ -79,6 +101,8 @@ class FakeKubeApiServer:
     ) -> None:
         self.token = token
         self.forbidden = False
+        self.forbidden_resources: set[str] = set()
+        self.serve_inference_pools = True  # False: the CRD is not installed
         self.expire_every_watch = False  # a broken server: every watch is "too old"
         self.bookmark_interval = bookmark_interval
         self.expired_watch_as_status = expired_watch_as_status
@@ -86,7 +110,7 @@ class FakeKubeApiServer:
         self.requests: list[Request] = []
         self._revision = 1
         self._compacted = 0  # watches from versions below this get 410
-        self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # resource, ns, name
         self._history: list[Change] = []
         self._continues: dict[str, list[dict[str, Any]]] = {}
         self._watchers: set[_Watcher] = set()
@@ -98,7 +122,9 @@ class FakeKubeApiServer:
 
     async def start(self, port: int = 0) -> str:
         app = web.Application()
-        app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._pods_endpoint)
+        app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._collection)
+        app.router.add_get(POOL_API + "/namespaces/{namespace}/inferencepools", self._collection)
+        app.router.add_get(POOL_API + "/namespaces/{namespace}/inferencepools/{name}", self._get)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -126,11 +152,14 @@ class FakeKubeApiServer:
     def open_watches(self) -> int:
         return len(self._watchers)
 
-    def lists(self) -> list[Request]:
-        return [r for r in self.requests if not r.is_watch]
+    def lists(self, resource: str = PODS) -> list[Request]:
+        return [r for r in self.requests if r.resource == resource and not r.is_watch]
 
-    def watches(self) -> list[Request]:
-        return [r for r in self.requests if r.is_watch]
+    def watches(self, resource: str = PODS) -> list[Request]:
+        return [r for r in self.requests if r.resource == resource and r.is_watch]
+
+    def open_watches_of(self, resource: str) -> int:
+        return sum(1 for watcher in self._watchers if watcher.resource == resource)
 
     # State changes.
 
@@ -158,7 +187,7 @@ class FakeKubeApiServer:
             "spec": {"containers": [{"name": "vllm", "ports": [{"containerPort": 8000}]}]},
             "status": _status(phase, ready, ip),
         }
-        self._commit(namespace, name, pod)
+        self._commit(PODS, namespace, name, pod)
         return pod
 
     def update_pod(
@@ -172,7 +201,7 @@ class FakeKubeApiServer:
         ip: str | None = "",
         terminating: bool = False,
     ) -> None:
-        pod = json.loads(json.dumps(self._pods[(namespace, name)]))
+        pod = _copy(self._objects[(PODS, namespace, name)])
         status = pod["status"]
         if labels is not None:
             pod["metadata"]["labels"] = dict(labels)
@@ -186,10 +215,45 @@ class FakeKubeApiServer:
         )
         if terminating:
             pod["metadata"]["deletionTimestamp"] = "2025-01-01T00:01:00Z"
-        self._commit(namespace, name, pod)
+        self._commit(PODS, namespace, name, pod)
 
     def delete_pod(self, name: str, *, namespace: str = "default") -> None:
-        self._commit(namespace, name, None)
+        self._commit(PODS, namespace, name, None)
+
+    def put_pool(
+        self,
+        name: str,
+        *,
+        namespace: str = "default",
+        match_labels: Mapping[str, str] | None = None,
+        ports: tuple[int, ...] = (8000,),
+        spec: dict[str, Any] | None = None,
+    ) -> None:
+        """Create or replace an InferencePool: ``match_labels`` and ``ports``, or a whole
+        ``spec`` as given (for objects the real API server's schema would refuse)."""
+        if spec is None:
+            spec = {
+                "selector": {"matchLabels": dict(match_labels or {})},
+                "targetPorts": [{"number": port} for port in ports],
+                "endpointPickerRef": {"name": "policyd", "port": {"number": 9002}},
+            }
+        before = self._objects.get((POOLS, namespace, name))
+        pool = {
+            "apiVersion": f"{POOL_GROUP}/v1",
+            "kind": "InferencePool",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": before["metadata"]["uid"] if before else str(uuid.uuid4()),
+                "generation": before["metadata"]["generation"] + 1 if before else 1,
+                "creationTimestamp": "2025-01-01T00:00:00Z",
+            },
+            "spec": spec,
+        }
+        self._commit(POOLS, namespace, name, pool)
+
+    def delete_pool(self, name: str, *, namespace: str = "default") -> None:
+        self._commit(POOLS, namespace, name, None)
 
     def compact(self) -> None:
         """Forget history: watches resuming from any older version get 410."""
@@ -208,51 +272,98 @@ class FakeKubeApiServer:
         for watcher in self._watchers:
             watcher.queue.put_nowait(_DROP)
 
-    def _commit(self, namespace: str, name: str, pod: dict[str, Any] | None) -> None:
+    def _commit(self, resource: str, namespace: str, name: str, obj: dict[str, Any] | None) -> None:
         self._revision += 1
-        before = self._pods.get((namespace, name))
-        if pod is None:
+        key = (resource, namespace, name)
+        before = self._objects.get(key)
+        if obj is None:
             if before is None:
                 raise KeyError(name)
-            del self._pods[(namespace, name)]
+            del self._objects[key]
             after = None
         else:
-            pod["metadata"]["resourceVersion"] = str(self._revision)
-            self._pods[(namespace, name)] = pod
-            after = pod
-        change = Change(self._revision, namespace, before, after)
+            obj["metadata"]["resourceVersion"] = str(self._revision)
+            self._objects[key] = obj
+            after = obj
+        change = Change(self._revision, resource, namespace, before, after)
         self._history.append(change)
         for watcher in self._watchers:
             watcher.queue.put_nowait(change)
 
-    # The endpoint.
+    # The endpoints.
 
-    async def _pods_endpoint(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append(Request(request.path, dict(request.query), dict(request.headers)))
+    def _refused(self, request: web.Request, resource: str) -> web.Response | None:
+        """The answer to a request the server refuses, if it does."""
         namespace = request.match_info["namespace"]
         if (
             self.token is not None
             and request.headers.get("Authorization") != f"Bearer {self.token}"
         ):
             return _status_response(401, "Unauthorized", "Unauthorized")
-        if self.forbidden:
+        if resource == POOLS and not self.serve_inference_pools:
+            return _status_response(
+                404, "NotFound", "the server could not find the requested resource"
+            )
+        if self.forbidden or resource in self.forbidden_resources:
+            group = "" if resource == PODS else POOL_GROUP
+            verb = "get" if "name" in request.match_info else "list"
             return _status_response(
                 403,
                 "Forbidden",
-                f'pods is forbidden: User "policyd" cannot list resource "pods" in API group "" '
-                f'in the namespace "{namespace}"',
+                f'{resource} is forbidden: User "policyd" cannot {verb} resource "{resource}" '
+                f'in API group "{group}" in the namespace "{namespace}"',
             )
+        return None
+
+    async def _get(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.requests.append(
+            Request(request.path, dict(request.query), dict(request.headers), POOLS, name)
+        )
+        refused = self._refused(request, POOLS)
+        if refused is not None:
+            return refused
+        obj = self._objects.get((POOLS, request.match_info["namespace"], name))
+        if obj is None:
+            return _status_response(
+                404,
+                "NotFound",
+                f'{POOLS}.{POOL_GROUP} "{name}" not found',
+                details={"name": name, "group": POOL_GROUP, "kind": POOLS},
+            )
+        return web.json_response(_copy(obj))
+
+    async def _collection(self, request: web.Request) -> web.StreamResponse:
+        resource = PODS if request.path.startswith("/api/v1/") else POOLS
+        self.requests.append(
+            Request(request.path, dict(request.query), dict(request.headers), resource)
+        )
+        namespace = request.match_info["namespace"]
+        refused = self._refused(request, resource)
+        if refused is not None:
+            return refused
+        name = None
         if "fieldSelector" in request.query:
-            return _status_response(400, "BadRequest", "the fake does not do field selectors")
+            field_name, _, value = request.query["fieldSelector"].replace("==", "=").partition("=")
+            if field_name != "metadata.name" or not value:
+                return _status_response(400, "BadRequest", "the fake does only metadata.name=")
+            name = value
         try:
             selector = LabelSelector.parse(request.query.get("labelSelector", ""))
         except ValueError as error:
             return _status_response(400, "BadRequest", f"unable to parse requirement: {error}")
         if request.query.get("watch") in ("true", "1"):
-            return await self._watch(request, namespace, selector)
-        return self._list(request, namespace, selector)
+            return await self._watch(request, _Watcher(resource, namespace, selector, name))
+        return self._list(request, resource, namespace, selector, name)
 
-    def _list(self, request: web.Request, namespace: str, selector: LabelSelector) -> web.Response:
+    def _list(
+        self,
+        request: web.Request,
+        resource: str,
+        namespace: str,
+        selector: LabelSelector,
+        name: str | None,
+    ) -> web.Response:
         token = request.query.get("continue")
         if token:
             if token not in self._continues:
@@ -263,9 +374,12 @@ class FakeKubeApiServer:
             revision = json.loads(base64.b64decode(token))["rv"]
         else:
             items = [
-                _copy(pod)
-                for (ns, _), pod in sorted(self._pods.items())
-                if ns == namespace and selector.matches(pod)
+                _copy(obj)
+                for (kind, ns, key), obj in sorted(self._objects.items())
+                if kind == resource
+                and ns == namespace
+                and name in (None, key)
+                and selector.matches(obj)
             ]
             revision = self._revision
         metadata: dict[str, Any] = {"resourceVersion": str(revision)}
@@ -279,12 +393,11 @@ class FakeKubeApiServer:
             self._continues[token] = rest
             metadata["continue"] = token
             metadata["remainingItemCount"] = len(rest)
-        body = {"kind": "PodList", "apiVersion": "v1", "metadata": metadata, "items": items}
+        kind, version = KINDS[resource]
+        body = {"kind": f"{kind}List", "apiVersion": version, "metadata": metadata, "items": items}
         return web.json_response(body)
 
-    async def _watch(
-        self, request: web.Request, namespace: str, selector: LabelSelector
-    ) -> web.StreamResponse:
+    async def _watch(self, request: web.Request, watcher: _Watcher) -> web.StreamResponse:
         version = request.query.get("resourceVersion", "")
         since = int(version) if version.isdigit() else 0
         bookmarks = request.query.get("allowWatchBookmarks") in ("true", "1")
@@ -292,14 +405,13 @@ class FakeKubeApiServer:
         expired = self.expire_every_watch or (since and since < self._compacted)
         if expired and self.expired_watch_as_status:
             return _status_response(410, "Expired", f"too old resource version: {since}")
-        watcher = _Watcher(namespace, selector)
         if not expired:
             if since:
                 backlog = [c for c in self._history if c.revision > since]
             else:  # no version: the current state first, as synthetic ADDED events
                 backlog = [
-                    Change(self._revision, ns, None, pod)
-                    for (ns, _), pod in sorted(self._pods.items())
+                    Change(self._revision, kind, ns, None, obj)
+                    for (kind, ns, _), obj in sorted(self._objects.items())
                 ]
             for change in backlog:
                 watcher.queue.put_nowait(change)
@@ -337,7 +449,7 @@ class FakeKubeApiServer:
                 if deadline is not None and loop.time() >= deadline:
                     await response.write_eof()
                     return
-                await self._send(response, _bookmark(self._revision))
+                await self._send(response, _bookmark(watcher.resource, self._revision))
                 continue
             if item == _DROP:
                 assert request.transport is not None
@@ -364,7 +476,10 @@ class FakeKubeApiServer:
 
 def _event_for(change: Change, watcher: _Watcher) -> dict[str, Any] | None:
     """The event a watcher with a label selector sees for one change, if any."""
-    if change.namespace != watcher.namespace:
+    if change.resource != watcher.resource or change.namespace != watcher.namespace:
+        return None
+    named = change.after if change.after is not None else change.before
+    if watcher.name is not None and (named or {})["metadata"]["name"] != watcher.name:
         return None
     was = change.before is not None and watcher.selector.matches(change.before)
     now = change.after is not None and watcher.selector.matches(change.after)
@@ -379,7 +494,8 @@ def _event_for(change: Change, watcher: _Watcher) -> dict[str, Any] | None:
     else:
         return None
     assert obj is not None
-    return {"type": kind, "object": {"kind": "Pod", "apiVersion": "v1", **_copy(obj)}}
+    object_kind, version = KINDS[change.resource]
+    return {"type": kind, "object": {"kind": object_kind, "apiVersion": version, **_copy(obj)}}
 
 
 def _expired_event(version: int) -> dict[str, Any]:
@@ -397,12 +513,13 @@ def _expired_event(version: int) -> dict[str, Any]:
     }
 
 
-def _bookmark(revision: int) -> dict[str, Any]:
+def _bookmark(resource: str, revision: int) -> dict[str, Any]:
+    kind, version = KINDS[resource]
     return {
         "type": "BOOKMARK",
         "object": {
-            "kind": "Pod",
-            "apiVersion": "v1",
+            "kind": kind,
+            "apiVersion": version,
             "metadata": {"resourceVersion": str(revision)},
         },
     }
@@ -423,8 +540,10 @@ def _status(phase: str, ready: bool, ip: str | None) -> dict[str, Any]:
     return status
 
 
-def _status_response(code: int, reason: str, message: str) -> web.Response:
-    body = {
+def _status_response(
+    code: int, reason: str, message: str, *, details: dict[str, str] | None = None
+) -> web.Response:
+    body: dict[str, Any] = {
         "kind": "Status",
         "apiVersion": "v1",
         "metadata": {},
@@ -433,6 +552,8 @@ def _status_response(code: int, reason: str, message: str) -> web.Response:
         "reason": reason,
         "code": code,
     }
+    if details is not None:
+        body["details"] = details
     return web.json_response(body, status=code)
 
 
@@ -460,7 +581,7 @@ class LabelSelector:
 
     @classmethod
     def parse(cls, text: str) -> LabelSelector:
-        requirements = []
+        requirements: list[tuple[str, str, frozenset[str]]] = []
         for part in _split_requirements(text):
             match = _REQUIREMENT.fullmatch(part)
             if match is None:

@@ -49,9 +49,30 @@ def test_kubernetes_flags() -> None:
     assert (options.kubeconfig, options.context) == ("/k", "c")
 
 
-@pytest.mark.parametrize("argv", [(), ("--pods", "p.yaml", "--k8s-selector", "app=vllm")])
+def test_inference_pool_flags() -> None:
+    args = parse("--inference-pool", "llama", "--k8s-namespace", "ml", "--kubeconfig", "/k")
+    pool = pool_from_arguments(args)
+    assert isinstance(pool._discovery, KubernetesDiscovery)
+    options = pool._discovery.options
+    assert (options.inference_pool, options.selector, options.namespace) == ("llama", "", "ml")
+    assert options.kubeconfig == "/k"
+    default = pool_from_arguments(parse("--k8s-selector", "a=b"))._discovery
+    assert isinstance(default, KubernetesDiscovery) and default.options.target_port == 8000
+    with pytest.raises(ValueError, match="--k8s-target-port goes with --k8s-selector"):
+        pool_from_arguments(parse("--inference-pool", "llama", "--k8s-target-port", "9000"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        (),
+        ("--pods", "p.yaml", "--k8s-selector", "app=vllm"),
+        ("--inference-pool", "llama", "--k8s-selector", "app=vllm"),
+        ("--inference-pool", "llama", "--pods", "p.yaml"),
+    ],
+)
 def test_exactly_one_pod_source_is_required(argv: tuple[str, ...]) -> None:
-    with pytest.raises(ValueError, match="exactly one of --pods"):
+    with pytest.raises(ValueError, match="exactly one of --pods FILE, --k8s-selector SELECTOR and"):
         pool_from_arguments(parse(*argv))
 
 

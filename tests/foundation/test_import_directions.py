@@ -31,7 +31,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "policyd.policy.request",
         "policyd.pool.pod",
     ),
-    "extproc": ("policyd.policy", "policyd.pool", "policyd.telemetry"),
+    "prefix": ("policyd.fields", "policyd.sim.tokenizer"),
+    "extproc": ("policyd.policy", "policyd.pool", "policyd.prefix", "policyd.telemetry"),
     "demo": (
         ROOT,
         "policyd.cel",
@@ -39,6 +40,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "policyd.fields",
         "policyd.policy",
         "policyd.pool",
+        "policyd.prefix",
         "policyd.sim",
         "policyd.telemetry",
     ),

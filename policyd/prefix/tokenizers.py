@@ -1,0 +1,151 @@
+"""The token ids of a request's prompt, as a pod would cut it into KV blocks.
+
+Prefix matching needs the ids the pod computes: in precise mode exactly (the
+index holds the pods' own token ids), in approximate mode only consistently
+(equal prompt prefixes must give equal leading ids). Three tokenizers:
+
+- ``sim``: the simulated pods' own tokenizer (``policyd.sim.tokenizer``), so the
+  ids are exactly theirs;
+- ``hf:PATH``: a Hugging Face ``tokenizers`` JSON file (``tokenizer.json`` of the
+  model), for real models;
+- ``estimate``: no vocabulary at all, one pseudo-id per four UTF-8 bytes, for
+  approximate mode when nothing else is configured.
+
+A prompt is a sequence of turns (``TurnLike``, which the serving path's
+``Turn`` satisfies). Bare input (``role`` None: a completions prompt, an
+embeddings input) is encoded as it is; a list of prompts is a batch of separate
+sequences on the pod, and its first prompt stands for the request. Chat turns
+are rendered to one text first. Token-id prompts are the ids as given.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from policyd.sim.tokenizer import render_chat, tokenize
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HfTokenizer
+
+_ESTIMATE_BYTES: Final = 4  # bytes per estimated token, the serving path's four-characters rule
+
+
+class TurnLike(Protocol):
+    """One piece of a prompt, in order (``policyd.extproc.openai.Turn`` is one)."""
+
+    @property
+    def role(self) -> str | None: ...  # None: bare input; "": a message naming no role
+
+    @property
+    def texts(self) -> tuple[str, ...]: ...
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+
+
+class Tokenizer(Protocol):
+    """Turns a prompt into the token ids whose full blocks a pod caches."""
+
+    @property
+    def name(self) -> str: ...  # "sim", "estimate", "hf:<path>"
+
+    def encode(self, turns: Sequence[TurnLike]) -> list[int]: ...
+
+
+def _encode_turns(turns: Sequence[TurnLike], text_ids: Callable[[str], list[int]]) -> list[int]:
+    """The one walk over a prompt's shapes that every tokenizer shares."""
+    if not turns:
+        return []
+    first = turns[0]
+    if first.role is None:
+        if first.token_ids:
+            return list(first.token_ids)
+        return text_ids(" ".join(first.texts))
+    return text_ids(render_turns(turns))
+
+
+def render_turns(turns: Sequence[TurnLike]) -> str:
+    """Chat turns as the simulator's chat template renders them: ``role: content`` lines.
+
+    A message's text parts are joined with spaces, as the simulator joins them;
+    a message without a role renders with an empty one.
+    """
+    return render_chat({"role": turn.role or "", "content": " ".join(turn.texts)} for turn in turns)
+
+
+class SimTokenizer:
+    """Exactly the simulated pods' token ids (``policyd.sim.tokenizer``, ``policyd.sim.api``)."""
+
+    name: Final = "sim"
+
+    def encode(self, turns: Sequence[TurnLike]) -> list[int]:
+        return _encode_turns(turns, tokenize)
+
+
+class EstimateTokenizer:
+    """No vocabulary: one pseudo-id per four UTF-8 bytes (the tail padded with zeros).
+
+    Equal text prefixes give equal leading ids, which is all approximate mode
+    needs; the count is the serving path's four-characters estimate. Chat turns
+    are rendered as the simulator renders them, so shared leading messages are
+    a shared text prefix.
+    """
+
+    name: Final = "estimate"
+
+    def encode(self, turns: Sequence[TurnLike]) -> list[int]:
+        return _encode_turns(turns, _estimate_ids)
+
+
+def _estimate_ids(text: str) -> list[int]:
+    data = text.encode("utf-8", "surrogatepass")
+    data += b"\0" * (-len(data) % _ESTIMATE_BYTES)
+    return list(struct.unpack(f"<{len(data) // _ESTIMATE_BYTES}I", data))
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face ``tokenizers`` JSON file (the model's ``tokenizer.json``).
+
+    Bare input is encoded with the tokenizer's special tokens (a BOS where the
+    model adds one), as vLLM encodes a completions prompt. Chat turns are
+    rendered canonically (``role: content`` lines, as ``render_turns``) and
+    encoded the same way: the model's chat template is not applied, so on chat
+    the ids differ from what the pod computes. Approximate mode does not mind
+    (it compares policyd's ids with policyd's); precise mode matches chat
+    prompts only when the pods apply a template that renders the same text.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415 (an optional extra)
+        except ImportError as error:
+            raise RuntimeError(
+                "a Hugging Face tokenizer needs the `tokenizers` package:"
+                " pip install 'policyd[tokenizers]'"
+            ) from error
+        try:
+            self._tokenizer: HfTokenizer = HfTokenizer.from_file(str(path))
+        except Exception as error:  # the library raises a bare Exception for a bad file
+            raise ValueError(f"cannot load the tokenizer file {path}: {error}") from error
+        self.name = f"hf:{path}"
+
+    def encode(self, turns: Sequence[TurnLike]) -> list[int]:
+        return _encode_turns(turns, self._ids)
+
+    def _ids(self, text: str) -> list[int]:
+        ids: Any = self._tokenizer.encode(text).ids
+        return list(ids)
+
+
+def tokenizer_from_spec(spec: str) -> Tokenizer:
+    """The tokenizer ``--prefix-tokenizer`` names: ``sim``, ``estimate`` or ``hf:PATH``."""
+    if spec == SimTokenizer.name:
+        return SimTokenizer()
+    if spec == EstimateTokenizer.name:
+        return EstimateTokenizer()
+    if spec.startswith("hf:") and len(spec) > 3:
+        return HuggingFaceTokenizer(spec[3:])
+    raise ValueError(f"unknown prefix tokenizer {spec!r}: expected sim, estimate or hf:PATH")

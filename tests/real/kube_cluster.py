@@ -39,6 +39,10 @@ PLURALS = {
     "Gateway": "gateways",
     "VirtualService": "virtualservices",
     "ServiceMonitor": "servicemonitors",
+    # and the Gateway API and its Inference Extension (istio/inferencepool)
+    "HTTPRoute": "httproutes",
+    "InferencePool": "inferencepools",
+    "Pod": "pods",
 }
 
 
@@ -97,6 +101,44 @@ class Cluster:
         except urllib.error.HTTPError as error:
             return error.code, str(json.loads(error.read()).get("message", ""))
 
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        content_type: str = "application/json",
+    ) -> tuple[int, dict[str, Any]]:
+        """One API request as the admin: the status and the JSON answer."""
+        request = urllib.request.Request(
+            f"{self.server}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type},
+        )
+        try:
+            with urllib.request.urlopen(request, context=_insecure(), timeout=30) as response:
+                return response.status, _answer(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, _answer(error.read())
+
+    def service_account_token(self, namespace: str, name: str) -> str:
+        """A token of the ServiceAccount ``name`` (a TokenRequest), for RBAC checks."""
+        status, answer = self.call(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
+        )
+        assert status == 201, answer
+        return str(answer["status"]["token"])
+
+    def kubeconfig_for(self, token: str, path: Path) -> Path:
+        """A kubeconfig for this server with ``token`` (insecure TLS, as the admin's)."""
+        config = json.loads(self.kubeconfig.read_text())
+        config["users"][0]["user"]["token"] = token
+        path.write_text(json.dumps(config))
+        return path
+
     def ready(self) -> bool:
         request = urllib.request.Request(
             f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.token}"}
@@ -106,6 +148,15 @@ class Cluster:
                 return bool(response.read() == b"ok")
         except OSError:
             return False
+
+
+def _answer(body: bytes) -> dict[str, Any]:
+    """A JSON answer, or ``{"text": ...}`` for the plain-text ones (404 page not found)."""
+    try:
+        answer = json.loads(body or b"{}")
+    except ValueError:
+        return {"text": body.decode(errors="replace")}
+    return answer if isinstance(answer, dict) else {"value": answer}
 
 
 def _insecure() -> ssl.SSLContext:
@@ -184,8 +235,8 @@ def start_cluster(etcd: str, apiserver: str, openssl: str, directory: Path) -> C
             break
         time.sleep(0.5)
     stop_cluster(cluster)
-    log = (directory / "apiserver.log").read_text(errors="replace").splitlines()[-20:]
-    raise AssertionError("kube-apiserver did not become ready:\n" + "\n".join(log))
+    tail = (directory / "apiserver.log").read_text(errors="replace").splitlines()[-20:]
+    raise AssertionError("kube-apiserver did not become ready:\n" + "\n".join(tail))
 
 
 def stop_cluster(cluster: Cluster) -> None:

@@ -1,0 +1,109 @@
+"""istio/inferencepool/ holds together, and parts from istio/ only where it must.
+
+The real tools check these files in ``tests/real/test_inferencepool_manifests.py``
+(kustomize, istioctl, a strict dry run on a real API server with the real
+CRDs) and ``tests/real/test_inference_pool.py`` (the Role is enough for the
+discovery); here, without them: the names that must agree agree, and the
+objects shared with the EnvoyFilter path are the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from policyd.cli import build_parser
+from policyd.extproc.serve_command import check_arguments
+
+ISTIO = Path(__file__).resolve().parents[2] / "istio"
+POOL_PATH = ISTIO / "inferencepool"
+
+
+def objects(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    found = {}
+    for name in kustomization["resources"]:
+        for document in yaml.safe_load_all((folder / name).read_text()):
+            if document:
+                found[document["kind"], document["metadata"]["name"]] = document
+    return found
+
+
+POOL = objects(POOL_PATH)
+ENVOYFILTER = objects(ISTIO)
+
+
+def one(kind: str) -> dict[str, Any]:
+    (found,) = [o for (k, _), o in POOL.items() if k == kind]
+    return found
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (found,) = deployment["spec"]["template"]["spec"]["containers"]
+    return found
+
+
+def test_the_deployment_follows_the_pool_the_role_lets_it_read(tmp_path: Path) -> None:
+    deployment, pool, role = one("Deployment"), one("InferencePool"), one("Role")
+    parsed = build_parser("serve").parse_args(container(deployment)["args"])
+    assert parsed.inference_pool == pool["metadata"]["name"]
+    assert parsed.k8s_selector is None and parsed.pods is None
+    (tmp_path / "default.yaml").write_text(one("ConfigMap")["data"]["default.yaml"])
+    parsed.policy = tmp_path
+    check_arguments(parsed)  # what `policyd serve` checks before it starts
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
+    pools = rules[("inference.networking.k8s.io",), ("inferencepools",)]
+    assert pools["resourceNames"] == [pool["metadata"]["name"]]
+    assert sorted(pools["verbs"]) == ["get", "watch"]
+    assert sorted(rules[("",), ("pods",)]["verbs"]) == ["list", "watch"]
+    assert len(rules) == 2  # nothing else
+    binding = one("RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+
+
+def test_the_pool_picks_through_policyds_service_and_the_route_reaches_the_pool() -> None:
+    pool, service, route = one("InferencePool"), one("Service"), one("HTTPRoute")
+    picker = pool["spec"]["endpointPickerRef"]
+    assert picker["name"] == service["metadata"]["name"]
+    (port,) = service["spec"]["ports"]
+    assert picker["port"]["number"] == port["port"]
+    assert "clusterIP" not in service["spec"]  # the gateways' ext_proc cluster needs one
+    ports = {p["name"]: p["containerPort"] for p in container(one("Deployment"))["ports"]}
+    assert port["targetPort"] in ports
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": pool["metadata"]["name"],
+        }
+    ]
+    assert route["spec"]["parentRefs"][0]["name"] == one("Gateway")["metadata"]["name"]
+    gateway_pods = one("NetworkPolicy")["spec"]["ingress"][0]["from"][0]["podSelector"]
+    assert gateway_pods["matchLabels"] == {
+        "gateway.networking.k8s.io/gateway-name": one("Gateway")["metadata"]["name"]
+    }
+
+
+def test_what_both_paths_share_is_the_same() -> None:
+    for key in (("ServiceAccount", "policyd"), ("ConfigMap", "policyd-policy")):
+        assert POOL[key] == ENVOYFILTER[key], key
+    deployment = one("Deployment")
+    other = ENVOYFILTER["Deployment", "policyd"]
+    assert deployment["spec"]["template"]["metadata"] == other["spec"]["template"]["metadata"]
+    pod, other_pod = deployment["spec"]["template"]["spec"], other["spec"]["template"]["spec"]
+    assert {k: v for k, v in pod.items() if k != "containers"} == {
+        k: v for k, v in other_pod.items() if k != "containers"
+    }
+    mine, theirs = container(deployment), container(other)
+    assert {k: v for k, v in mine.items() if k != "args"} == {
+        k: v for k, v in theirs.items() if k != "args"
+    }
+    pod_source = {"--k8s-selector=app=vllm", "--k8s-target-port=8000"}
+    assert [a for a in theirs["args"] if a not in pod_source] == [
+        a for a in mine["args"] if not a.startswith("--inference-pool=")
+    ]

@@ -216,7 +216,14 @@ def test_precise_replays_are_idempotent_and_shared_keys_are_counted() -> None:
     # The same blocks under other engine hashes (a cache salt differs): removing one copy
     # leaves the blocks held.
     salted = BlockStored(
-        tuple(h + 1 for h in event.block_hashes), None, event.token_ids, 16, None, "GPU", None, BASE
+        tuple(h + 1 for h in event.block_hashes if isinstance(h, int)),
+        None,
+        event.token_ids,
+        16,
+        None,
+        "GPU",
+        None,
+        BASE,
     )
     index.apply("a", [salted, BlockRemoved(event.block_hashes, "GPU")])
     assert index.match(keys(prompt(1)), ["a"]) == [6]

@@ -54,6 +54,22 @@ What it sets up, and why:
   a reset makes fail, grpc/grpc#43360; ``benchmarks/leak_soak.py``). The
   admin runtime layer, which Envoy has by default, stays.
 - the admin interface on loopback only.
+
+``--ext-proc-mode inference-pool`` shapes the ext_proc filter the way Istio
+generates it for an InferencePool's endpoint picker
+(``BuildInferencePoolExtProcFilter`` in istio/istio
+``pilot/pkg/xds/filters/filters.go``), so policyd runs as gateways call it:
+request and response bodies FULL_DUPLEX_STREAMED with both trailer modes
+SEND (Envoy requires SEND with that body mode), headers SEND, a 1000 s message
+timeout (the routing reply waits for the whole request body), a 10 s gRPC
+timeout, ``failure_mode_allow`` off (the pool's default ``failureMode:
+FailClose``: every response chunk passes through the picker, so there is
+nothing to fail open to), no ``allow_mode_override``, and ``envoy.lb`` as
+both receiving and forwarding metadata namespace. policyd adds
+``envoy.lb.subset_hint`` to the forwarded namespaces, where the protocol puts
+a proxy's endpoint subset (``docs/endpoint-picker.md``). The rest of the
+bootstrap (listener, ORIGINAL_DST cluster on the destination header, which is
+what kgateway and Envoy AI Gateway generate for a pool) is the same.
 """
 
 from __future__ import annotations
@@ -67,6 +83,7 @@ from typing import Any, Final
 
 import yaml
 
+from policyd.extproc.epp import SUBSET_NAMESPACE
 from policyd.extproc.health import READINESS
 from policyd.extproc.replies import DESTINATION_HEADER, LB_METADATA_NAMESPACE
 
@@ -81,6 +98,11 @@ RUNTIME_FLAGS: Final = {GRACEFUL_CLOSE_FLAG: False}
 # reset before the request went out. Never ``reset`` after the request was
 # sent: a request that crashes its pod must not be sent to two more.
 RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request"
+# The ext_proc filter's shapes: policyd's own (BUFFERED request body, STREAMED
+# response body) and Istio's for an InferencePool (see the module docstring).
+EXT_PROC_MODES: Final = ("buffered", "inference-pool")
+# Envoy's wait for each policyd reply, by mode when not given: Istio's is 1000 s.
+DEFAULT_MESSAGE_TIMEOUT_MS: Final = {"buffered": 1000, "inference-pool": 1_000_000}
 _NO_ROUTE_BODY: Final = (
     '{"error":{"message":"policyd did not route this request",'
     '"type":"service_unavailable","code":"no_destination"}}'
@@ -105,7 +127,8 @@ class EnvoyConfigOptions:
     policyd_port: int = 9002
     admin_port: int = 9901
     buffer_limit_bytes: int = 4 * MIB
-    message_timeout_ms: int = 1000
+    # None: the mode's default (DEFAULT_MESSAGE_TIMEOUT_MS).
+    message_timeout_ms: int | None = None
     stream_idle_timeout_s: int = 300
     upstream_connect_timeout_s: float = 5.0
     max_connections: int = 50_000
@@ -131,6 +154,20 @@ class EnvoyConfigOptions:
     # host:port of an OTLP/gRPC collector: Envoy then traces every request and
     # passes its traceparent to policyd and the model server.
     otlp_endpoint: str = ""
+    # One of EXT_PROC_MODES.
+    ext_proc_mode: str = "buffered"
+
+    def __post_init__(self) -> None:
+        if self.ext_proc_mode not in EXT_PROC_MODES:
+            raise ValueError(f"ext_proc_mode must be one of {', '.join(EXT_PROC_MODES)}")
+
+    @property
+    def message_timeout(self) -> str:
+        """Envoy's wait for each policyd reply, as a protobuf Duration string."""
+        milliseconds = self.message_timeout_ms
+        if milliseconds is None:
+            milliseconds = DEFAULT_MESSAGE_TIMEOUT_MS[self.ext_proc_mode]
+        return f"{milliseconds / 1000:g}s"
 
 
 def bootstrap(options: EnvoyConfigOptions) -> dict[str, Any]:
@@ -354,13 +391,15 @@ def _strip_destination() -> dict[str, Any]:
 
 
 def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
+    if options.ext_proc_mode == "inference-pool":
+        return _inference_pool_ext_proc(options)
     return {
         "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "policyd"}},
         "failure_mode_allow": True,
         "status_on_error": {"code": 503},
         "allow_mode_override": False,
-        "message_timeout": f"{options.message_timeout_ms / 1000:g}s",
+        "message_timeout": options.message_timeout,
         "processing_mode": {
             "request_header_mode": "SEND",
             "request_body_mode": "BUFFERED",
@@ -370,6 +409,28 @@ def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
             "response_trailer_mode": "SKIP",
         },
         "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+    }
+
+
+def _inference_pool_ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
+    """The filter as Istio generates it for an InferencePool (see the module docstring)."""
+    return {
+        "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": "policyd"}, "timeout": "10s"},
+        "failure_mode_allow": False,
+        "processing_mode": {
+            "request_header_mode": "SEND",
+            "request_body_mode": "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SEND",
+            "response_header_mode": "SEND",
+            "response_body_mode": "FULL_DUPLEX_STREAMED",
+            "response_trailer_mode": "SEND",
+        },
+        "message_timeout": options.message_timeout,
+        "metadata_options": {
+            "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
+            "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE, SUBSET_NAMESPACE]},
+        },
     }
 
 
@@ -532,8 +593,18 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--message-timeout-ms",
         type=int,
-        default=defaults.message_timeout_ms,
-        help="how long Envoy waits for each policyd reply (default %(default)s)",
+        default=None,
+        help="how long Envoy waits for each policyd reply "
+        "(default 1000, 1000000 with --ext-proc-mode inference-pool)",
+    )
+    parser.add_argument(
+        "--ext-proc-mode",
+        choices=EXT_PROC_MODES,
+        default=defaults.ext_proc_mode,
+        help="the ext_proc filter's shape: buffered (policyd's own: BUFFERED request body, "
+        "fails open) or inference-pool (as Istio generates it for an InferencePool's "
+        "endpoint picker: FULL_DUPLEX_STREAMED bodies, trailers sent, fails closed; "
+        "default %(default)s)",
     )
     parser.add_argument("--stream-idle-timeout-s", type=int, default=defaults.stream_idle_timeout_s)
     parser.add_argument(
@@ -619,6 +690,7 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         model_servers=model_servers,
         retries=arguments.retries,
         otlp_endpoint=arguments.otlp_endpoint,
+        ext_proc_mode=arguments.ext_proc_mode,
     )
 
 

@@ -7,6 +7,18 @@ trailers if configured. An ``Exchange`` holds one request's state across
 those messages and answers each one (``policyd.extproc.process_stream`` moves the
 messages between gRPC and it).
 
+In FULL_DUPLEX_STREAMED body mode (how gateways call an InferencePool's
+endpoint picker, ``docs/endpoint-picker.md``) replies are not one per
+message: Envoy sends the body chunks without waiting and forwards only what
+comes back. The exchange then answers nothing until the request body is in
+(its end, or the trailers that follow it), decides, and answers everything
+at once, in the order Envoy requires (headers, body, trailers): the
+request-headers reply carrying the routing, the body as streamed mutations
+(echoed, or rewritten with the target model), the trailers' reply. Each
+response chunk is handed back as it comes, read for usage on the way. The
+proxy's endpoint subset, when it sends one, narrows the candidates before the
+router sees them (``epp``).
+
 Isolation is the rule: whatever one request does (bad JSON, a router that
 raises, a telemetry bug) ends as an answer for that request alone, and
 ``handle`` never raises. The in-flight count of the chosen pod goes up when a
@@ -45,7 +57,7 @@ from typing import Any, Final, Protocol
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from policyd.extproc import bodyless, replies
+from policyd.extproc import bodyless, epp, replies
 from policyd.extproc.errors import RequestError
 from policyd.extproc.interfaces import (
     NULL_SPAN,
@@ -71,6 +83,13 @@ log = logging.getLogger("policyd.extproc")
 
 TRACE_KEYS: Final = ("traceparent", "tracestate")
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
+_DUPLEX: Final = _BodyMode.FULL_DUPLEX_STREAMED
+
+# What ``Exchange.handle`` gives for one message: one reply; several, in order
+# (FULL_DUPLEX_STREAMED; none while a body is being gathered); or None, the
+# response's last message, answered by ending the stream (process_stream.py).
+Replies = bytes | tuple[bytes, ...] | list[bytes] | None
+NO_REPLY: Final[tuple[bytes, ...]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +246,8 @@ class ServingContext(Protocol):
     def body_budget(self) -> BodyBudget: ...
     @property
     def response_watch(self) -> ResponseWatch: ...
+    @property
+    def subsets(self) -> epp.Subsets: ...
 
 
 class _TraceCarrier(Mapping[str, str]):
@@ -314,6 +335,7 @@ class Exchange:
     __slots__ = (
         "_body",
         "_body_mode",
+        "_candidates",  # those the decision was made over: where a served endpoint is found
         "_decided_at",
         "_decision",
         "_ended_at",
@@ -324,10 +346,12 @@ class Exchange:
         "_metadata",
         "_method",
         "_path",
+        "_response_mode",
         "_router",
         "_server",
         "_span",
         "_status",
+        "_subset",  # the proxy's endpoint subset (None: the whole pool)
         "_to_headers",
         "_usage",
         "state",
@@ -344,6 +368,9 @@ class Exchange:
         self._method = ""
         self._body = bytearray()
         self._body_mode: int | None = None  # unknown until protocol_config says
+        self._response_mode: int | None = None
+        self._subset: tuple[str, ...] | None = None
+        self._candidates: Sequence[Pod] = ()
         self._held = 0
         # The decision (set from DECIDED on) and the router that made it (None for
         # a body-less request), for its shadows; its span; the pod's in-flight count.
@@ -361,8 +388,8 @@ class Exchange:
 
     # -- dispatch -------------------------------------------------------------------
 
-    def handle(self, message: pb.ProcessingRequest) -> bytes | None:
-        """The reply to one message, or None for the response's last message; never raises.
+    def handle(self, message: pb.ProcessingRequest) -> Replies:
+        """The replies to one message (``Replies``); never raises.
 
         None ends the exchange without a reply: the stream's status OK answers
         that message (see ``process_stream.py``).
@@ -372,17 +399,23 @@ class Exchange:
             if self._body_mode is None and message.HasField("protocol_config"):
                 self._configure(message.protocol_config)  # sent with the first message only
             if phase == "request_headers":
+                if message.HasField("metadata_context"):
+                    self._subset = epp.subset_hint(message)
                 return self._on_request_headers(message.request_headers)
             if phase == "request_body":
                 return self._on_request_body(message.request_body)
             if phase == "request_trailers":
                 return self._on_request_trailers()
             if phase == "response_headers":
+                if message.HasField("metadata_context"):
+                    self._served_by(epp.served_endpoint(message))
                 return self._on_response_headers(message.response_headers)
             if phase == "response_body":
                 return self._on_response_body(message.response_body)
             if phase == "response_trailers":
                 self._end(State.ENDED)
+                if self._response_mode == _DUPLEX:  # Envoy holds them until they are answered
+                    return replies.RESPONSE_TRAILERS_CONTINUE
                 return None
             raise RequestError.internal(f"unexpected ext_proc message {phase!r}")
         except RequestError as error:
@@ -393,8 +426,15 @@ class Exchange:
             log.exception("request %s: internal error in phase %s", self._request_id, phase)
             self._report("internal", phase or "unknown")
             if phase is not None and phase.startswith("response"):
-                return _CONTINUE[phase]  # the response is on its way: never break it
+                return self._pass_on(phase, message)  # the response is on its way: never break it
             return self._reject(RequestError.internal())
+
+    def _pass_on(self, phase: str, message: pb.ProcessingRequest) -> Replies:
+        """The response message handed on unchanged, after policyd failed on it."""
+        if phase == "response_body" and self._response_mode == _DUPLEX:
+            body = message.response_body
+            return replies.streamed_response_body(body.body, body.end_of_stream)
+        return _CONTINUE[phase]
 
     def reply_sent(self) -> None:
         """The last reply ``handle`` gave went out (gRPC took it)."""
@@ -423,6 +463,7 @@ class Exchange:
 
     def _configure(self, config: pb.ProtocolConfiguration) -> None:
         self._body_mode = config.request_body_mode
+        self._response_mode = config.response_body_mode
 
     # -- request path ---------------------------------------------------------------
 
@@ -430,7 +471,7 @@ class Exchange:
     def _request_id(self) -> str:
         return self._headers.get("x-request-id", "-")
 
-    def _on_request_headers(self, message: pb.HttpHeaders) -> bytes:
+    def _on_request_headers(self, message: pb.HttpHeaders) -> Replies:
         # Pseudo-headers (:path, :method, ...) are not part of what policies see,
         # nor is a client's destination header.
         headers = self._headers
@@ -471,6 +512,8 @@ class Exchange:
         length = headers.get("content-length")
         if length is not None and length.isdigit():  # the body is on its way: gRPC will hold it
             self._hold(int(length) if len(length) < 19 else 1 << 63)
+        if self._body_mode == _DUPLEX:
+            return NO_REPLY  # the routing is this message's reply, once the body is in
         return replies.REQUEST_HEADERS_CONTINUE
 
     def _hold(self, size: int) -> None:
@@ -498,7 +541,7 @@ class Exchange:
             self._server.body_budget.give(self._held)
             self._held = 0
 
-    def _on_request_body(self, message: pb.HttpBody) -> bytes:
+    def _on_request_body(self, message: pb.HttpBody) -> Replies:
         if self.state is not State.READING:
             return replies.REQUEST_BODY_CONTINUE  # already routed; nothing left to decide
         chunk = message.body
@@ -518,10 +561,18 @@ class Exchange:
             raise RequestError(
                 413, "the request body exceeds the proxy's buffer limit", "body_too_large"
             )
+        if self._body_mode == _DUPLEX:
+            return NO_REPLY  # gathered: all is answered once the body is in
         return replies.REQUEST_BODY_CONTINUE  # STREAMED: wait for the rest
 
-    def _on_request_trailers(self) -> bytes:
+    def _on_request_trailers(self) -> Replies:
         if self.state is State.READING:
+            if self._body_mode == _DUPLEX:
+                # The trailers say the body is whole: route it, then answer them.
+                try:
+                    return self._route(bytes(self._body), trailers=True)
+                finally:
+                    self._let_go()
             # A STREAMED body ended by trailers: a trailers reply cannot set the
             # destination, so the request cannot be routed.
             raise RequestError.bad_request(
@@ -530,7 +581,16 @@ class Exchange:
             )
         return replies.REQUEST_TRAILERS_CONTINUE
 
-    def _route(self, document: bytes) -> bytes:
+    def _candidates_now(self) -> Sequence[Pod]:
+        """The pool's candidates, narrowed to the proxy's subset when it sent one."""
+        candidates: Sequence[Pod] = self._server.snapshots().candidates
+        if self._subset is not None:
+            return self._server.subsets.narrow(candidates, self._subset)
+        return candidates
+
+    def _route(self, document: bytes, *, trailers: bool = False) -> Replies:
+        """Decide where the request goes; the routing reply (replies, FULL_DUPLEX_STREAMED,
+        ``trailers``: the body was ended by trailers, answered last)."""
         body = parse_body(
             document, self._path, self._server.settings.max_model_bytes, headers=self._headers
         )
@@ -540,9 +600,11 @@ class Exchange:
         started = time.perf_counter()
         candidates: Sequence[Pod] = ()
         try:
-            candidates = self._server.snapshots().candidates
+            candidates = self._candidates_now()
             router = self._router = self._server.routers()
             decision = self._checked(router.decide(request, candidates))
+        except RequestError:
+            raise  # the proxy's subset has none of the pool's pods: a 503 of its own
         except Exception as error:
             log.exception("request %s: the router raised", request.id or "-")
             reason = f"the routing policy failed on this request ({type(error).__name__})"
@@ -555,13 +617,24 @@ class Exchange:
         )
         target = decision.target_model or request.model
         new_body = rewrite_model(body, target) if target != request.model else None
-        return self._server.route_replies.route(destination, self._upstream_headers(span), new_body)
+        upstream_headers = self._upstream_headers(span)
+        if self._body_mode != _DUPLEX:
+            return self._server.route_replies.route(destination, upstream_headers, new_body)
+        routing = self._server.route_replies.route_before_body(
+            destination, upstream_headers, None if new_body is None else len(new_body)
+        )
+        sent_body = replies.streamed_request_body(
+            document if new_body is None else new_body, end_of_stream=not trailers
+        )
+        if trailers:
+            return (routing, *sent_body, replies.REQUEST_TRAILERS_CONTINUE)
+        return (routing, *sent_body)
 
     def _route_without_body(self) -> bytes:
         """Send a body-less GET or HEAD to the least busy ready pod (``bodyless``)."""
         request = request_without_body(self._headers, self._path)
+        candidates = self._candidates_now()
         started = time.perf_counter()
-        candidates = self._server.snapshots().candidates
         decision = bodyless.least_busy_pod(candidates, self._server.rng)
         span = self._decided(request, decision, started)
         self._claim(decision, candidates)
@@ -570,7 +643,23 @@ class Exchange:
     def _claim(self, decision: Decision, candidates: Sequence[Pod]) -> None:
         load = self._load = _claim(decision, candidates)
         if load is not None:
+            self._candidates = candidates
             self._server.response_watch.watch(self)
+
+    def _served_by(self, endpoint: str) -> None:
+        """The proxy says ``endpoint`` served the request (``epp``): when that is not
+        the pod counted (a fallback served it), count it there instead."""
+        load = self._load
+        decision = self._decision
+        if not endpoint or load is None or decision is None or endpoint == decision.endpoint:
+            return
+        for pod in self._candidates:
+            if pod.address == endpoint:
+                if pod.load is not load:
+                    load.count -= 1
+                    pod.load.count += 1
+                    self._load = pod.load
+                return
 
     @property
     def routed_at(self) -> float:
@@ -636,7 +725,7 @@ class Exchange:
 
     # -- response path --------------------------------------------------------------
 
-    def _on_response_headers(self, message: pb.HttpHeaders) -> bytes | None:
+    def _on_response_headers(self, message: pb.HttpHeaders) -> Replies:
         status = 0
         content_type = ""
         for header in message.headers.headers:
@@ -661,12 +750,18 @@ class Exchange:
             return None
         return replies.RESPONSE_HEADERS_CONTINUE
 
-    def _on_response_body(self, message: pb.HttpBody) -> bytes | None:
+    def _on_response_body(self, message: pb.HttpBody) -> Replies:
         chunk = message.body  # each read of a bytes field makes a new copy
         if self._first_body_at is None and chunk:
             self._first_body_at = time.perf_counter()
         if self._usage is not None:
             self._usage.feed(chunk)
+        if self._response_mode == _DUPLEX:
+            # Envoy forwards only what comes back, the last chunk too: it is
+            # answered, and the stream ends once that reply is out.
+            if message.end_of_stream:
+                self._end(State.ENDED)
+            return replies.streamed_response_body(chunk, message.end_of_stream)
         if message.end_of_stream:
             self._end(State.ENDED)
             return None
@@ -745,6 +840,7 @@ class Exchange:
                 first_body_seconds=first_body,
                 prompt_tokens=usage.prompt_tokens if usage else None,
                 completion_tokens=usage.completion_tokens if usage else None,
+                cached_tokens=usage.cached_tokens if usage else None,
             )
         except Exception:
             log.exception("request %s: telemetry failed to end a span", self._request_id)

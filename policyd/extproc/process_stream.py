@@ -19,6 +19,13 @@ error policyd answers (an ImmediateResponse) must be sent, and its status
 races Envoy's reset. A reset that still reaches policyd after the end is a
 normal end: the exchange counts it (``stream_error("reset", "after_end")``),
 never logged above debug.
+
+In FULL_DUPLEX_STREAMED response mode Envoy forwards only the body the
+server sends back, so the last chunk (or the trailers) must be answered:
+policyd sends that reply and ends the stream at once, reading nothing more,
+which leaves the reset only a status to race, as for an error answer. A
+message may also get several replies (the routing, then the request body) or
+none yet (a request body chunk while the body is gathered).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any, Final
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from policyd.extproc import replies
+from policyd.extproc import epp, replies
 from policyd.extproc.exchange import (
     BodyBudget,
     Exchange,
@@ -72,6 +79,7 @@ class ExternalProcessor:
         self.rng = random.Random()  # ties among pods for body-less requests
         self.body_budget = BodyBudget(settings.max_buffered_body_bytes)
         self.response_watch = ResponseWatch(settings.in_flight_expiry_seconds)
+        self.subsets = epp.Subsets()
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -100,7 +108,13 @@ class ExternalProcessor:
                 del message
                 if reply is None:  # the response's last message: the status OK answers it
                     return
-                yield reply  # resumes once gRPC has taken the reply
+                if isinstance(reply, bytes):
+                    yield reply  # resumes once gRPC has taken the reply
+                elif reply:
+                    for part in reply:  # FULL_DUPLEX_STREAMED: in the order Envoy requires
+                        yield part
+                else:
+                    continue  # a request body chunk gathered: nothing to answer yet
                 exchange.reply_sent()
                 if exchange.state is State.ENDED:  # policyd answered the request itself
                     return  # status OK now: no read left for Envoy's reset to cancel

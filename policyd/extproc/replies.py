@@ -12,6 +12,14 @@
   matching on the new header are re-evaluated. A request without a body is
   routed by its request-*headers* reply (:func:`route_headers`), the same
   mutations and metadata in a ``HeadersResponse``.
+- FULL_DUPLEX_STREAMED body mode (how gateways configure an InferencePool's
+  endpoint picker; ``docs/endpoint-picker.md``): Envoy sends the body chunks
+  without waiting for replies and forwards only what the server sends back.
+  So the routing reply is the request-*headers* reply, sent once the whole
+  body is in (:meth:`RouteReplies.route_before_body`), followed by the body
+  itself as ``streamed_response`` body mutations (:func:`streamed_request_body`,
+  echoed or rewritten); each response chunk is handed back the same way
+  (:func:`streamed_response_body`).
 - Errors are ImmediateResponses with an OpenAI-style JSON body.
 
 Replies are protobuf wire bytes, which the gRPC server sends as they are:
@@ -103,12 +111,14 @@ class RouteReplies:
 
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
-        self._by_destination: dict[str, bytes] = {}
+        # Per phase of the reply: the request body's (BUFFERED) or the request
+        # headers' (FULL_DUPLEX_STREAMED, sent once the body is in).
+        self._by_destination: dict[str, dict[str, bytes]] = {field: {} for field in _PHASE_TAGS}
         # What precedes a request's own bytes in an addition depends only on
         # lengths (a header's name and its value's length; the headers' total
         # length), so it too is encoded once per distinct value.
         self._header_heads: dict[tuple[str, int], bytes] = {}
-        self._reply_heads: dict[int, bytes] = {}
+        self._reply_heads: dict[tuple[str, int], bytes] = {}
 
     def route(
         self,
@@ -116,29 +126,56 @@ class RouteReplies:
         extra_headers: Mapping[str, str] = _NO_HEADERS,
         new_body: bytes | None = None,
     ) -> bytes:
-        """The request-body reply that sends the request to ``destination``.
+        """The request-body reply that sends the request to ``destination`` (BUFFERED).
 
         ``extra_headers`` are added to the upstream request (trace context).
         ``new_body`` replaces the body (model rewrite); ``content-length`` is
         then set to its exact length.
         """
-        base = self._by_destination.get(destination)
+        return self._reply("request_body", destination, extra_headers, new_body, None)
+
+    def route_before_body(
+        self,
+        destination: str,
+        extra_headers: Mapping[str, str] = _NO_HEADERS,
+        body_length: int | None = None,
+    ) -> bytes:
+        """The request-headers reply that sends the request to ``destination``
+        (FULL_DUPLEX_STREAMED: sent once the body is in, before the body goes back
+        as :func:`streamed_body` replies). ``body_length``: the length of a
+        rewritten body, set as ``content-length``."""
+        return self._reply("request_headers", destination, extra_headers, None, body_length)
+
+    def _reply(
+        self,
+        phase: str,
+        destination: str,
+        extra_headers: Mapping[str, str],
+        new_body: bytes | None,
+        body_length: int | None,
+    ) -> bytes:
+        cache = self._by_destination[phase]
+        base = cache.get(destination)
         if base is None:
-            if len(self._by_destination) >= self._limit:
-                self._by_destination.clear()
-            base = self._by_destination[destination] = _route(destination)
-        if not extra_headers and new_body is None:
+            if len(cache) >= self._limit:
+                cache.clear()
+            base = cache[destination] = _route(destination, phase)
+        if new_body is not None:
+            body_length = len(new_body)
+        if not extra_headers and body_length is None:
             return base  # the common reply: nothing of the request's own to add
         headers = b"".join([self._set_header(name, value) for name, value in extra_headers.items()])
+        if body_length is not None:
+            headers += self._set_header("content-length", str(body_length))
         if new_body is None:
-            head = self._reply_heads.get(len(headers))
+            key = (phase, len(headers))
+            head = self._reply_heads.get(key)
             if head is None:
-                head = _kept(self._reply_heads, len(headers), _body_reply_head(len(headers)))
+                head = _kept(self._reply_heads, key, _reply_head(phase, len(headers)))
             return base + head + headers
-        headers += self._set_header("content-length", str(len(new_body)))
         body = _BODY + _length(len(new_body)) + new_body
         mutation = _BODY_MUTATION + _length(len(body)) + body
-        return base + _body_reply_head(len(headers), len(mutation)) + headers + mutation
+        return base + _reply_head(phase, len(headers), len(mutation)) + headers + mutation
 
     def _set_header(self, name: str, value: str) -> bytes:
         """One ``HeaderMutation.set_headers`` entry: ``_header(name, value)``, encoded."""
@@ -173,9 +210,11 @@ def route_headers(destination: str, extra_headers: Mapping[str, str] = _NO_HEADE
     return reply
 
 
-def _route(destination: str) -> bytes:
+def _route(destination: str, phase: str) -> bytes:
+    """The routing reply of ``phase`` (``request_body`` or ``request_headers``)."""
+    answer = pb.BodyResponse if phase == "request_body" else pb.HeadersResponse
     reply: bytes = pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_routing(destination)),
+        **{phase: answer(response=_routing(destination))},
         dynamic_metadata=_lb_metadata(destination),
     ).SerializeToString()
     return reply
@@ -202,11 +241,24 @@ def _tag(message: Any, field: str) -> bytes:
 
 
 _REQUEST_BODY: Final = _tag(pb.ProcessingResponse, "request_body")
-_BODY_RESPONSE: Final = _tag(pb.BodyResponse, "response")
+_RESPONSE_BODY: Final = _tag(pb.ProcessingResponse, "response_body")
+# The routing reply's phase -> its tag in ProcessingResponse (HeadersResponse and
+# BodyResponse both hold the CommonResponse as field ``response``, so the rest of
+# a routing reply is encoded alike).
+_PHASE_TAGS: Final = {
+    "request_body": _REQUEST_BODY,
+    "request_headers": _tag(pb.ProcessingResponse, "request_headers"),
+}
+_BODY_RESPONSE: Final = _tag(pb.BodyResponse, "response")  # = HeadersResponse's
 _HEADER_MUTATION: Final = _tag(pb.CommonResponse, "header_mutation")
 _BODY_MUTATION: Final = _tag(pb.CommonResponse, "body_mutation")
 _SET_HEADERS: Final = _tag(pb.HeaderMutation, "set_headers")
 _BODY: Final = _tag(pb.BodyMutation, "body")
+_STREAMED_RESPONSE: Final = _tag(pb.BodyMutation, "streamed_response")
+_STREAMED_BODY: Final = _tag(pb.StreamedBodyResponse, "body")
+_END_OF_STREAM: Final = bytes(  # end_of_stream: true, a varint field
+    (pb.StreamedBodyResponse.DESCRIPTOR.fields_by_name["end_of_stream"].number << 3, 1)
+)
 _OPTION_HEADER: Final = _tag(base_pb2.HeaderValueOption, "header")
 _KEY: Final = _tag(base_pb2.HeaderValue, "key")
 _RAW_VALUE: Final = _tag(base_pb2.HeaderValue, "raw_value")
@@ -230,13 +282,13 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _body_reply_head(headers_size: int, mutation_size: int = 0) -> bytes:
+def _reply_head(phase: str, headers_size: int, mutation_size: int = 0) -> bytes:
     """What precedes ``set_headers`` entries of ``headers_size`` bytes (then a body
-    mutation field of ``mutation_size``) in ``ProcessingResponse.request_body.response``."""
+    mutation field of ``mutation_size``) in ``ProcessingResponse.<phase>.response``."""
     common = len(_HEADER_MUTATION) + len(_length(headers_size)) + headers_size + mutation_size
     response = len(_BODY_RESPONSE) + len(_length(common)) + common
     return (
-        _REQUEST_BODY
+        _PHASE_TAGS[phase]
         + _length(response)
         + _BODY_RESPONSE
         + _length(common)
@@ -263,6 +315,60 @@ def _set_header_head(name: str, value_size: int) -> bytes:
         + _RAW_VALUE
         + _length(value_size)
     )
+
+
+# A FULL_DUPLEX_STREAMED body goes back in pieces of at most this many bytes:
+# Envoy's ext_proc documentation (processing_mode.proto, FULL_DUPLEX_STREAMED)
+# recommends response chunks of no more than 64 KiB.
+STREAMED_CHUNK_BYTES: Final = 64 * 1024
+
+
+def streamed_request_body(body: bytes, end_of_stream: bool) -> list[bytes]:
+    """The request body handed back to Envoy (FULL_DUPLEX_STREAMED), in pieces."""
+    return _streamed(_REQUEST_BODY, body, end_of_stream)
+
+
+def streamed_response_body(chunk: bytes, end_of_stream: bool) -> list[bytes]:
+    """A response body chunk handed back unchanged (FULL_DUPLEX_STREAMED)."""
+    return _streamed(_RESPONSE_BODY, chunk, end_of_stream)
+
+
+def _streamed(phase: bytes, body: bytes, end_of_stream: bool) -> list[bytes]:
+    """``ProcessingResponse.<phase>.response.body_mutation.streamed_response`` replies
+    carrying ``body``, the last one marked ``end_of_stream`` when asked.
+
+    Encoded by hand: a streaming generation's every chunk passes here, and the
+    chunk is copied once, into the joined reply.
+    """
+    size = STREAMED_CHUNK_BYTES
+    pieces = [body[start : start + size] for start in range(0, len(body), size)] or [b""]
+    last = len(pieces) - 1
+    replies = []
+    for index, piece in enumerate(pieces):
+        end = _END_OF_STREAM if end_of_stream and index == last else b""
+        streamed = len(_STREAMED_BODY) + len(_length(len(piece))) + len(piece) + len(end)
+        mutation = len(_STREAMED_RESPONSE) + len(_length(streamed)) + streamed
+        common = len(_BODY_MUTATION) + len(_length(mutation)) + mutation
+        response = len(_BODY_RESPONSE) + len(_length(common)) + common
+        replies.append(
+            b"".join(
+                (
+                    phase,
+                    _length(response),
+                    _BODY_RESPONSE,
+                    _length(common),
+                    _BODY_MUTATION,
+                    _length(mutation),
+                    _STREAMED_RESPONSE,
+                    _length(streamed),
+                    _STREAMED_BODY,
+                    _length(len(piece)),
+                    piece,
+                    end,
+                )
+            )
+        )
+    return replies
 
 
 def immediate(error: RequestError) -> bytes:

@@ -42,6 +42,7 @@ PLURALS = {
     # and the Gateway API and its Inference Extension (istio/inferencepool)
     "HTTPRoute": "httproutes",
     "InferencePool": "inferencepools",
+    "DestinationRule": "destinationrules",
     "Pod": "pods",
 }
 

@@ -1,16 +1,21 @@
 """The Helm chart istio/helm/policyd, with the real ``helm`` and a real API server.
 
 - ``helm lint --strict`` and ``helm template`` are clean for several values sets
-  (defaults, TLS on, HPA on, ServiceMonitor on, all of them), and
-  ``values.schema.json`` refuses a mode other than ``envoyfilter``;
+  of both modes (defaults, TLS on, HPA on, ServiceMonitor on, all of them; the
+  InferencePool mode alone, with TLS, with several target ports, following a
+  pool made elsewhere), and ``values.schema.json`` refuses a mode other than
+  ``envoyfilter`` and ``inferencepool``;
 - drift: by default the chart renders what the kustomize manifests of istio/
   hold (the Deployment's arguments, ports, probes; the RBAC rules; the
   NetworkPolicy; the EnvoyFilter's patches; the VirtualService and Gateway; the
-  policy), so the two paths cannot part silently;
+  policy), and with ``mode=inferencepool`` those of istio/inferencepool/ (the
+  InferencePool, HTTPRoute, Gateway API Gateway, the Role naming the pool), so
+  the paths cannot part silently;
 - every rendered object of every values set passes a server-side dry run with
   strict field validation (``POST ?dryRun=All&fieldValidation=Strict``) on the
   real kube-apiserver of ``kube_cluster.py``, with Istio's CRDs (from
-  ``istioctl manifest generate``) and, for the ServiceMonitor, a minimal CRD
+  ``istioctl manifest generate``), the real Gateway API and InferencePool CRDs
+  (``crds.py``) and, for the ServiceMonitor, a minimal CRD
   written here (``MINIMAL_SERVICEMONITOR_CRD``: the prometheus-operator CRD is
   not obtainable offline; it declares only the fields the chart sets, with
   their upstream names and types, so a misspelt one is still refused).
@@ -27,12 +32,14 @@ from typing import Any
 
 import pytest
 import yaml
+from crds import gateway_api_crds, inference_extension_crds
 from kube_cluster import Cluster, start_cluster, stop_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 ISTIO = ROOT / "istio"
 CHART = ISTIO / "helm" / "policyd"
 NAMESPACE = "inference"  # istio/kustomization.yaml's
+POOL_MODE = ["--set", "mode=inferencepool"]
 
 VALUE_SETS: dict[str, list[str]] = {
     "defaults": [],
@@ -46,6 +53,18 @@ VALUE_SETS: dict[str, list[str]] = {
         "autoscaling.enabled=true",
         "--set",
         "serviceMonitor.enabled=true",
+    ],
+    "inferencepool": POOL_MODE,
+    "inferencepool-tls": [*POOL_MODE, "--set", "tls.enabled=true"],
+    "inferencepool-ranks": [*POOL_MODE, "--set", "inferencePool.targetPorts={8000,8001,8002}"],
+    "inferencepool-elsewhere": [
+        *POOL_MODE,
+        "--set",
+        "inferencePool.create=false",
+        "--set",
+        "inferencePool.httpRoute.create=false",
+        "--set",
+        "gateway.create=false",
     ],
 }
 
@@ -126,13 +145,13 @@ def by_kind(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, An
     return {(o["kind"], o["metadata"]["name"]): o for o in objects}
 
 
-def kustomize_objects() -> dict[tuple[str, str], dict[str, Any]]:
-    """istio/*.yaml as ``kustomize build istio/`` makes them: the namespace the
-    replacements put into the EnvoyFilter, and the image of ``images:``."""
-    kustomization = yaml.safe_load((ISTIO / "kustomization.yaml").read_text())
+def kustomize_objects(folder: Path = ISTIO) -> dict[tuple[str, str], dict[str, Any]]:
+    """istio/*.yaml (or istio/inferencepool/*.yaml) as ``kustomize build`` makes them:
+    the namespace the replacements put into the EnvoyFilter, and the image of ``images:``."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     objects = []
     for name in kustomization["resources"]:
-        text = (ISTIO / name).read_text().replace(".NAMESPACE.", f".{NAMESPACE}.")
+        text = (folder / name).read_text().replace(".NAMESPACE.", f".{NAMESPACE}.")
         objects.extend(documents(text))
     (image,) = kustomization["images"]
     for o in objects:
@@ -166,16 +185,32 @@ def test_helm_template_renders(tool: Callable[[str], str], name: str) -> None:
     assert rendered.returncode == 0, rendered.stderr
     assert rendered.stderr == "", rendered.stderr
     kinds = {d["kind"] for d in documents(rendered.stdout)}
-    assert {"Deployment", "EnvoyFilter", "VirtualService", "NetworkPolicy"} <= kinds
+    assert {"Deployment", "Service", "Role", "NetworkPolicy"} <= kinds
+    if name.startswith("inferencepool"):
+        assert not kinds & {"EnvoyFilter", "VirtualService"}
+        if name != "inferencepool-elsewhere":
+            assert {"InferencePool", "HTTPRoute", "Gateway"} <= kinds
+    else:
+        assert {"EnvoyFilter", "VirtualService"} <= kinds
+        assert not kinds & {"InferencePool", "HTTPRoute"}
 
 
-def test_the_schema_accepts_only_the_envoyfilter_mode(tool: Callable[[str], str]) -> None:
-    for mode in ("inferencepool", "InferencePool", ""):
+def test_the_schema_accepts_the_two_modes_only(tool: Callable[[str], str]) -> None:
+    for mode in ("InferencePool", "inferencePool", "gatewayapi", ""):
         refused = helm(tool, "template", "policyd", str(CHART), "--set-string", f"mode={mode}")
         assert refused.returncode != 0
-        assert "/mode" in refused.stderr and "envoyfilter" in refused.stderr, refused.stderr
+        assert "/mode" in refused.stderr and "inferencepool" in refused.stderr, refused.stderr
     unknown = helm(tool, "template", "policyd", str(CHART), "--set", "tls.enable=true")
     assert unknown.returncode != 0 and "enable" in unknown.stderr  # a misspelt value
+    for wrong in (
+        "inferencePool.targetPorts={8000,8000}",
+        "inferencePool.failureMode=FailSafe",
+        "inferencePool.name=Not_A_Name",
+        "inferencePool.selectors.app=vllm",
+    ):
+        refused = helm(tool, "template", "policyd", str(CHART), *POOL_MODE, "--set", wrong)
+        assert refused.returncode != 0, wrong
+        assert "inferencePool" in refused.stderr, refused.stderr
 
 
 def test_the_value_sets_change_what_they_say(tool: Callable[[str], str]) -> None:
@@ -207,6 +242,33 @@ def test_the_value_sets_change_what_they_say(tool: Callable[[str], str]) -> None
     assert metrics["spec"]["ports"][0]["name"] == monitor["spec"]["endpoints"][0]["port"]
     labels = metrics["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_inferencepool_mode_changes_what_it_says(tool: Callable[[str], str]) -> None:
+    pool = by_kind(render(tool, VALUE_SETS["inferencepool"]))
+    args = pool["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--inference-pool=vllm" in args
+    assert not [a for a in args if a.startswith(("--k8s-selector", "--k8s-target-port"))]
+    assert "clusterIP" not in pool["Service", "policyd"]["spec"]  # the gateways need one
+    picker = pool["InferencePool", "vllm"]["spec"]["endpointPickerRef"]
+    assert picker == {"name": "policyd", "port": {"number": 9002}, "failureMode": "FailOpen"}
+
+    ranks = by_kind(render(tool, VALUE_SETS["inferencepool-ranks"]))
+    ports = ranks["InferencePool", "vllm"]["spec"]["targetPorts"]
+    assert ports == [{"number": 8000}, {"number": 8001}, {"number": 8002}]
+
+    tls = by_kind(render(tool, VALUE_SETS["inferencepool-tls"]))
+    rule = tls["DestinationRule", "policyd"]["spec"]
+    assert rule["host"] == f"policyd.{NAMESPACE}.svc.cluster.local"
+    assert rule["trafficPolicy"]["tls"]["mode"] == "MUTUAL"
+    assert rule["trafficPolicy"]["tls"]["sni"] == f"policyd.{NAMESPACE}.svc"
+    container = tls["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--tls-client-ca=/etc/policyd/tls/ca.crt" in container["args"]
+
+    elsewhere = by_kind(render(tool, VALUE_SETS["inferencepool-elsewhere"]))
+    role = elsewhere["Role", "policyd-inference-pool-reader"]
+    assert role["rules"][0]["resourceNames"] == ["vllm"]  # the pool it follows, made elsewhere
+    assert not {k for k, _ in elsewhere} & {"InferencePool", "HTTPRoute", "Gateway"}
 
 
 def test_tracing_samples_one_request_in_ten_by_default(
@@ -291,6 +353,34 @@ def test_the_rolebinding_and_networkpolicy_do_not_drift(
     assert chart["Service", "policyd"]["spec"]["selector"] == selector
 
 
+def test_the_inferencepool_mode_renders_istio_inferencepool(tool: Callable[[str], str]) -> None:
+    """Drift from the kustomize manifests of istio/inferencepool/ (the chart adds
+    its labels, the PodDisruptionBudget and the trace sampler, as in the other mode)."""
+    chart = by_kind(render(tool, VALUE_SETS["inferencepool"]))
+    kustomized = kustomize_objects(ISTIO / "inferencepool")
+    assert set(kustomized) <= set(chart)
+    assert set(chart) - set(kustomized) == {("PodDisruptionBudget", "policyd")}
+    for kind, name in (
+        ("InferencePool", "vllm"),
+        ("HTTPRoute", "inference"),
+        ("Gateway", "inference-gateway"),
+        ("Role", "policyd-inference-pool-reader"),
+        ("ConfigMap", "policyd-policy"),
+    ):
+        for field in ("spec", "rules", "data"):
+            assert chart[kind, name].get(field) == kustomized[kind, name].get(field), (kind, field)
+    service, kservice = (
+        chart["Service", "policyd"]["spec"],
+        kustomized["Service", "policyd"]["spec"],
+    )
+    assert service["ports"] == kservice["ports"] and "clusterIP" not in service
+    policy, kpolicy = (o["NetworkPolicy", "policyd"]["spec"] for o in (chart, kustomized))
+    assert policy["ingress"] == kpolicy["ingress"]
+    container = chart["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]
+    kcontainer = kustomized["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == kcontainer["args"]
+
+
 def test_the_drift_check_would_catch_a_changed_argument(tool: Callable[[str], str]) -> None:
     changed = by_kind(render(tool, ["--set", "serve.workers=2"]))
     args = changed["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -318,6 +408,7 @@ def cluster(
         )
         crds = [d for d in documents(generated.stdout) if d["kind"] == "CustomResourceDefinition"]
         assert crds
+        crds += [*gateway_api_crds(), *inference_extension_crds()]
         for crd in [*crds, MINIMAL_SERVICEMONITOR_CRD]:
             status, message = running.apply(crd, dry_run=False)
             assert status in (200, 201), message
@@ -366,7 +457,14 @@ def test_the_strict_dry_run_would_catch_a_misspelt_field(
     envoyfilter["spec"]["workloadSelectors"] = envoyfilter["spec"].pop("workloadSelector")
     monitor = copy.deepcopy(objects["ServiceMonitor", "policyd"])
     monitor["spec"]["endpoints"][0]["intervall"] = monitor["spec"]["endpoints"][0].pop("interval")
-    for document in (deployment, envoyfilter, monitor):
+    pools = by_kind(render(tool, VALUE_SETS["inferencepool-tls"]))
+    pool = copy.deepcopy(pools["InferencePool", "vllm"])
+    pool["spec"]["targetPort"] = pool["spec"].pop("targetPorts")
+    rule = copy.deepcopy(pools["DestinationRule", "policyd"])
+    rule["spec"]["trafficPolicy"]["tls"]["sniHost"] = rule["spec"]["trafficPolicy"]["tls"].pop(
+        "sni"
+    )
+    for document in (deployment, envoyfilter, monitor, pool, rule):
         status, message = dry_run(cluster, document)
         assert status >= 400, (document["kind"], status, message)
         assert "unknown field" in message or "not declared in schema" in message, message

@@ -360,8 +360,9 @@ async def test_request_and_response_trailers_get_through(rig: Rig) -> None:
     got_body, got_trailers = rig.trailer_upstream.received[-1]
     assert got_body == document
     assert got_trailers == {"x-client-trailer": "sent"}
-    await settled(rig.gateway.server)
     span = rig.gateway.telemetry.spans[rig.gateway.router.seen[-1].id]
+    # In the buffered shape the end comes with Envoy's reset, after the client's answer.
+    await until(lambda: span.end_calls == 1, "the exchange's end to be recorded")
     assert span.ended["prompt_tokens"] == TRAILER_USAGE["prompt_tokens"]
     # policyd's buffered shape skips trailers (response_trailer_mode SKIP), so policyd
     # never sees such a response end: the exchange ends when Envoy resets the stream,
@@ -437,3 +438,21 @@ async def test_every_stream_ends_cleanly_and_envoy_stays_up(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert gateway.envoy.process is not None and gateway.envoy.process.poll() is None
     await until(lambda: set(in_flight(rig).values()) == {0}, "in-flight counts back to 0")
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+async def test_a_request_without_a_body_reaches_the_least_busy_pod(rig: Rig, method: str) -> None:
+    gateway = rig.gateway
+    busy = [pod for pod in gateway.pool.snapshot.candidates if pod.name != "pod-b"]
+    for pod in busy:
+        pod.load.count = 1
+    try:
+        async with gateway.client.request(method, gateway.url + "/v1/models") as response:
+            status, headers = response.status, CIMultiDict(response.headers)
+            await response.read()
+    finally:
+        for pod in busy:
+            pod.load.count = 0
+    assert status == 200
+    assert headers["x-test-upstream"] == "pod-b"
+    assert set(in_flight(rig).values()) == {0}

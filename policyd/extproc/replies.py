@@ -337,38 +337,56 @@ def _streamed(phase: bytes, body: bytes, end_of_stream: bool) -> list[bytes]:
     """``ProcessingResponse.<phase>.response.body_mutation.streamed_response`` replies
     carrying ``body``, the last one marked ``end_of_stream`` when asked.
 
-    Encoded by hand: a streaming generation's every chunk passes here, and the
-    chunk is copied once, into the joined reply.
+    Encoded by hand: a streaming generation's every chunk passes here. What
+    precedes a piece depends only on the phase, the piece's length and whether
+    it ends the body, so it is encoded once per such key.
     """
     size = STREAMED_CHUNK_BYTES
-    pieces = [body[start : start + size] for start in range(0, len(body), size)] or [b""]
+    if len(body) <= size:  # the common case: one piece
+        return [_streamed_head(phase, len(body), end_of_stream) + body + _ending(end_of_stream)]
+    pieces = [body[start : start + size] for start in range(0, len(body), size)]
     last = len(pieces) - 1
-    replies = []
-    for index, piece in enumerate(pieces):
-        end = _END_OF_STREAM if end_of_stream and index == last else b""
-        streamed = len(_STREAMED_BODY) + len(_length(len(piece))) + len(piece) + len(end)
-        mutation = len(_STREAMED_RESPONSE) + len(_length(streamed)) + streamed
-        common = len(_BODY_MUTATION) + len(_length(mutation)) + mutation
-        response = len(_BODY_RESPONSE) + len(_length(common)) + common
-        replies.append(
-            b"".join(
-                (
-                    phase,
-                    _length(response),
-                    _BODY_RESPONSE,
-                    _length(common),
-                    _BODY_MUTATION,
-                    _length(mutation),
-                    _STREAMED_RESPONSE,
-                    _length(streamed),
-                    _STREAMED_BODY,
-                    _length(len(piece)),
-                    piece,
-                    end,
-                )
-            )
+    return [
+        _streamed_head(phase, len(piece), ends) + piece + _ending(ends)
+        for index, piece in enumerate(pieces)
+        for ends in (end_of_stream and index == last,)
+    ]
+
+
+_STREAMED_HEADS: Final[dict[tuple[bytes, int, bool], bytes]] = {}
+
+
+def _ending(end_of_stream: bool) -> bytes:
+    return _END_OF_STREAM if end_of_stream else b""
+
+
+def _streamed_head(phase: bytes, piece_size: int, end_of_stream: bool) -> bytes:
+    """What precedes a streamed piece of ``piece_size`` bytes (which is followed by
+    ``_ending(end_of_stream)``)."""
+    key = (phase, piece_size, end_of_stream)
+    head = _STREAMED_HEADS.get(key)
+    if head is not None:
+        return head
+    streamed = len(_STREAMED_BODY) + len(_length(piece_size)) + piece_size
+    streamed += len(_ending(end_of_stream))
+    mutation = len(_STREAMED_RESPONSE) + len(_length(streamed)) + streamed
+    common = len(_BODY_MUTATION) + len(_length(mutation)) + mutation
+    response = len(_BODY_RESPONSE) + len(_length(common)) + common
+    head = b"".join(
+        (
+            phase,
+            _length(response),
+            _BODY_RESPONSE,
+            _length(common),
+            _BODY_MUTATION,
+            _length(mutation),
+            _STREAMED_RESPONSE,
+            _length(streamed),
+            _STREAMED_BODY,
+            _length(piece_size),
         )
-    return replies
+    )
+    return _kept(_STREAMED_HEADS, key, head)
 
 
 def immediate(error: RequestError) -> bytes:

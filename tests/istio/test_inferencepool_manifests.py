@@ -103,7 +103,8 @@ def test_what_both_paths_share_is_the_same() -> None:
     assert {k: v for k, v in mine.items() if k != "args"} == {
         k: v for k, v in theirs.items() if k != "args"
     }
-    pod_source = {"--k8s-selector=app=vllm", "--k8s-target-port=8000"}
+    # the pod source, and the fallback list only an override-host cluster takes
+    pod_source = {"--k8s-selector=app=vllm", "--k8s-target-port=8000", "--send-fallbacks"}
     assert [a for a in theirs["args"] if a not in pod_source] == [
         a for a in mine["args"] if not a.startswith("--inference-pool=")
     ]

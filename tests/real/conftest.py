@@ -2,8 +2,9 @@
 
 ``make test-real`` runs these with the binaries that
 ``../shared/tools/real-tools.sh`` builds (``jaeger``, ``istioctl``, ``etcd``,
-``kube-apiserver``, ``helm``) on PATH; ``test_kube.py`` and ``test_helm.py``
-also need ``openssl``.
+``kube-apiserver``, ``helm``, ``kustomize``) on PATH; the tests that start an
+API server also need ``openssl``, and those that install the Gateway API and
+InferencePool CRDs ``go`` (``crds.py``).
 They are not part of ``make test``: a whole-suite run leaves this folder out,
 and a test whose binary is not on PATH is skipped, saying which one. Run
 ``pytest tests/real`` (or a file in it) to run them by hand.
@@ -25,7 +26,7 @@ for folder in ("telemetry", "extproc", "e2e"):  # the telemetry tests' helpers, 
     if str(TESTS / folder) not in sys.path:
         sys.path.append(str(TESTS / folder))
 
-BUILT = {"jaeger", "istioctl", "etcd", "kube-apiserver", "helm"}  # by ../shared/tools/real-tools.sh
+BUILT = {"jaeger", "istioctl", "etcd", "kube-apiserver", "helm", "kustomize"}  # real-tools.sh
 BUILD_HINT = "build it with ../shared/tools/real-tools.sh {tool}; make test-real puts it on PATH"
 
 

@@ -41,8 +41,10 @@ Origin = Literal["identity", "metric", "serving", "scrape", "prefix", "request",
 # - "sum": a count, summed over the series (one per engine, e.g. vLLM data
 #   parallel); each a finite, non-negative number that fits an int64;
 # - "fullest": a fraction 0..1, the largest series (the fullest engine);
-# - "lora-info": vLLM's ``lora_requests_info``: the newest series' labels.
-Combine = Literal["sum", "fullest", "lora-info"]
+# - "lora-info": vLLM's ``lora_requests_info``: the newest series' labels;
+# - "info": labels of the first series, each field the label its ``part``
+#   names (an int field's label must be a whole number).
+Combine = Literal["sum", "fullest", "lora-info", "info"]
 
 REQUIRED: Final = object()  # a field with no default: a hand-made pod must give it
 
@@ -150,7 +152,33 @@ PREEMPTIONS: Final = Metric(
     help="preemptions since the server started (a counter)",
 )
 
-METRICS: Final[tuple[Metric, ...]] = (WAITING, RUNNING, KV_CACHE, LORA_INFO, PREEMPTIONS)
+SERVED_MODEL: Final = Metric(
+    "served-model",
+    "info",
+    {
+        "vllm": ("vllm:num_requests_running",),
+        "sglang": ("sglang:num_running_reqs",),
+    },
+    required=False,
+    help="a series labelled with the served model's name (model_name)",
+)
+CACHE_CONFIG: Final = Metric(
+    "cache-config",
+    "info",
+    {"vllm": ("vllm:cache_config_info",)},
+    required=False,
+    help="vLLM's cache_config_info (num_gpu_blocks, block_size labels)",
+)
+
+METRICS: Final[tuple[Metric, ...]] = (
+    WAITING,
+    RUNNING,
+    KV_CACHE,
+    LORA_INFO,
+    PREEMPTIONS,
+    SERVED_MODEL,
+    CACHE_CONFIG,
+)
 
 _EMPTY_MAP: Final[Mapping[str, str]] = MappingProxyType({})
 
@@ -218,6 +246,38 @@ POD_FIELDS: Final[tuple[Field, ...]] = (
         " (`vllm:num_preemptions_total`; 0 where the server does not publish it)",
         0,
         PREEMPTIONS,
+    ),
+    Field(
+        "base_model",
+        "string",
+        "metric",
+        "the model the server serves, as its metrics name it (the `model_name` label);"
+        " a request for it needs no LoRA adapter (\"\" where not published)",
+        "",
+        SERVED_MODEL,
+        "model_name",
+    ),
+    Field(
+        "kv_cache_blocks",
+        "int",
+        "metric",
+        "KV-cache blocks the server holds on its GPUs (`num_gpu_blocks` of"
+        " `vllm:cache_config_info`; 0 where not published)",
+        0,
+        CACHE_CONFIG,
+        "num_gpu_blocks",
+        logged=False,
+    ),
+    Field(
+        "kv_block_size",
+        "int",
+        "metric",
+        "tokens per KV-cache block (`block_size` of `vllm:cache_config_info`; 0 where"
+        " not published)",
+        0,
+        CACHE_CONFIG,
+        "block_size",
+        logged=False,
     ),
     Field(
         "in_flight",

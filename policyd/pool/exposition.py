@@ -7,8 +7,8 @@ wanted family by ``bytes.find`` at C speed, reads that family's group of
 sample lines with one pattern match per line (the text format requires a
 family's samples to form one contiguous group) and stops. Each metric's
 series are then combined by the rule its declaration names (``_count``,
-``_fraction``, ``_lora_state``). Labels are decoded only where a spec matches
-on them or where the LoRA state lives.
+``_fraction``, ``_lora_state``, ``_info``). Labels are decoded only where a
+spec matches on them or where the LoRA state or an info metric's values live.
 Lines of other families are never looked at, so their oddities cannot fail a
 scrape; a malformed line of a family that is read raises
 ``ExpositionError`` with its line number (a slower, explaining parse of that
@@ -113,7 +113,7 @@ class MetricsParser:
     Each declared metric is read by the rule its ``combine`` names.
     """
 
-    __slots__ = ("_fields", "_lora_states", "_names", "_reads")
+    __slots__ = ("_fields", "_info_fields", "_infos", "_lora_states", "_names", "_reads")
 
     def __init__(self, names: MetricNames) -> None:
         self._names = names
@@ -122,13 +122,22 @@ class MetricsParser:
             (metric, tuple(_Family.of(spec) for spec in names.of(metric))) for metric in METRICS
         )
         index = {metric.key: i for i, metric in enumerate(METRICS)}
+        # Per info metric: the fields it gives, in the order of its value's parts.
+        self._info_fields = {
+            metric.key: tuple(f for f in SCRAPED_POD_FIELDS if f.metric is metric)
+            for metric in METRICS
+            if metric.combine == "info"
+        }
         # Per scraped field: which read gives it, and which part of that read's value.
         self._fields = tuple(
-            (index[field.metric.key], _LORA_PARTS.get(field.part, -1))
+            (index[field.metric.key], _part_of(field, self._info_fields))
             for field in SCRAPED_POD_FIELDS
             if field.metric is not None
         )
-        self._lora_states: dict[bytes, _LoraState] = {}  # by the label text they were read from
+        # Label sets read before, by the label text they were read from: they
+        # change only when adapters come or go, or a server restarts.
+        self._lora_states: dict[bytes, _LoraState] = {}
+        self._infos: dict[tuple[str, bytes], tuple[Any, ...]] = {}
 
     def parse(self, body: bytes | bytearray, start: int = 0, end: int | None = None) -> PodMetrics:
         """The ``PodMetrics`` in ``body[start:end]`` (no copy is made of a slice of a buffer).
@@ -143,6 +152,8 @@ class MetricsParser:
                 values.append(_count(page, families, metric))
             elif combine == "fullest":
                 values.append(_fraction(page, families, metric))
+            elif combine == "info":
+                values.append(self._info(page, families, metric))
             else:
                 values.append(self._lora_state(page, families))
         return PodMetrics(
@@ -185,6 +196,28 @@ class MetricsParser:
             self._lora_states[key] = state
         return state
 
+    def _info(self, page: _Page, families: tuple[_Family, ...], metric: Metric) -> tuple[Any, ...]:
+        """The labels its fields name, of the first series of the first present family.
+
+        A field whose label is missing keeps its default; an int field's label
+        that is not a whole number fails the scrape, as a bad count does.
+        """
+        fields = self._info_fields[metric.key]
+        found = _first_present(page, families, metric)
+        if found is None:
+            return tuple(field.default for field in fields)
+        spec, samples = found
+        first = samples[0]
+        key = (metric.key, bytes(first[1]))
+        values = self._infos.get(key)
+        if values is None:
+            labels = page.labels(first, spec.name)
+            values = tuple(_info_value(field, labels, spec, page, first) for field in fields)
+            if len(self._infos) >= _LORA_STATES_KEPT:
+                self._infos.clear()
+            self._infos[key] = values
+        return values
+
     def _read_lora_labels(self, page: _Page, family: _Family, newest: _Sample) -> _LoraState:
         spec = family.spec
         labels = page.labels(newest, spec.name)
@@ -208,6 +241,30 @@ class MetricsParser:
             max_loras,
             True,
         )
+
+
+def _part_of(field: Field, info_fields: dict[str, tuple[Field, ...]]) -> int:
+    """Where a field sits in its read's value (-1: it is the whole value)."""
+    assert field.metric is not None
+    if field.metric.combine == "info":
+        return info_fields[field.metric.key].index(field)
+    return _LORA_PARTS.get(field.part, -1)
+
+
+def _info_value(
+    field: Field, labels: dict[str, str], spec: MetricSpec, page: _Page, sample: _Sample
+) -> Any:
+    text = labels.get(field.part)
+    if text is None:
+        return field.default
+    if field.kind != "int":
+        return text
+    text = text.strip()
+    if not (text.isdigit() and text.isascii()) or int(text) > _INT64_MAX:
+        raise ExpositionError(
+            f"{spec.name}: {field.part}={text!r} is not a whole number", page.line_of(sample[0])
+        )
+    return int(text)
 
 
 def _count(page: _Page, families: tuple[_Family, ...], metric: Metric) -> int:

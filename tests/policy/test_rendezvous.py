@@ -122,16 +122,35 @@ def test_a_key_that_fails_scores_nothing_and_is_traced_for_every_pod(tmp_path: P
     assert with_session.pod == home_of("s-1", ["a", "b"])  # 5 points of home beat 0.4 of queue
 
 
+def test_an_empty_key_gives_no_home_so_base_model_requests_spread_on_load(
+    tmp_path: Path,
+) -> None:
+    route = router(
+        tmp_path,
+        """
+        score:
+          adapter home:
+            weight: 3
+            rendezvous: 'request.target_model == pod.base_model ? "" : request.target_model'
+          light load:
+            weight: 1
+            expr: 1.0 - double(pod.in_flight) / 10.0
+        """,
+    )
+    pods = [pod(p.name, address=p.address, base_model="llama") for p in PODS]
+    adapter = route.decide(request("adapter-1"), pods)
+    assert adapter.pod == home_of("adapter-1", [p.name for p in PODS])
+    picked = []
+    for _ in range(12):  # each base-model request goes to the least loaded pod
+        decision = route.decide(request("llama"), pods)
+        picked.append(decision.pod)
+        decision.chosen.load.count += 1
+    assert sorted(picked) == sorted(p.name for p in PODS for _ in range(2))
+
+
 @pytest.mark.parametrize(
     ("score", "expected"),
     [
-        pytest.param(
-            "  home:\n    rendezvous: pod.name\n",
-            "policy.yaml:3:20: undeclared reference to 'pod.name': a rendezvous key is "
-            "computed once per request and sees only request and params (each pod's name "
-            "is hashed with it)",
-            id="key-uses-pod",
-        ),
         pytest.param(
             "  home:\n    rendezvous: request.max_tokens\n",
             "policy.yaml:3:17: the rendezvous key of scorer 'home' must be string, but this "

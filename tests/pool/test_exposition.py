@@ -310,7 +310,32 @@ sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
 sglang:token_usage{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.28
 """
     metrics = MetricsParser(SGLANG).parse(text.encode())
-    assert metrics == PodMetrics(waiting_queue=2, running=6, kv_cache=0.28)
+    assert metrics == PodMetrics(
+        waiting_queue=2,
+        running=6,
+        kv_cache=0.28,
+        base_model="meta-llama/Llama-3.1-8B-Instruct",
+    )
+
+
+def test_the_served_model_and_the_cache_configuration_are_read_from_labels() -> None:
+    text = """\
+vllm:num_requests_running{engine="0",model_name="m-7b"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m-7b"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m-7b"} 0.5
+vllm:cache_config_info{block_size="32",num_gpu_blocks="1200",sliding_window="None"} 1.0
+"""
+    metrics = vllm.parse(text.encode())
+    assert (metrics.base_model, metrics.kv_cache_blocks, metrics.kv_block_size) == (
+        "m-7b",
+        1200,
+        32,
+    )
+    without = text.replace('block_size="32",', "")
+    assert vllm.parse(without.encode()).kv_block_size == 0  # a missing label: its default
+    bad = text.replace('num_gpu_blocks="1200"', 'num_gpu_blocks="many"')
+    with pytest.raises(ExpositionError, match=r"line 4: .*num_gpu_blocks='many'"):
+        vllm.parse(bad.encode())
 
 
 def test_metric_specs_parse_and_print() -> None:

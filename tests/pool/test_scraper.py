@@ -313,7 +313,8 @@ async def test_the_request_is_a_plain_get_of_the_metrics_path() -> None:
         "GET /custom/metrics?name%5B%5D=vllm%3Anum_requests_waiting"
         "&name%5B%5D=vllm%3Anum_requests_running&name%5B%5D=vllm%3Akv_cache_usage_perc"
         "&name%5B%5D=vllm%3Agpu_cache_usage_perc&name%5B%5D=vllm%3Alora_requests_info"
-        "&name%5B%5D=vllm%3Anum_preemptions_total HTTP/1.1\r\n"
+        "&name%5B%5D=vllm%3Anum_preemptions_total&name%5B%5D=vllm%3Acache_config_info"
+        " HTTP/1.1\r\n"
     )
     assert f"Host: {server.address}\r\n" in request
     assert "Accept-Encoding: identity\r\n" in request

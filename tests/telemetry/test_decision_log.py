@@ -58,6 +58,7 @@ def test_a_line_holds_the_inputs_the_walk_the_pick_and_the_response(
         "active_loras": [],
         "waiting_loras": [],
         "num_preemptions": 0,
+        "base_model": "",
         "metrics_age_seconds": 0.0,
     }
     assert entry["walk"][0] == {

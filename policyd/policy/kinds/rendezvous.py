@@ -1,4 +1,4 @@
-"""``rendezvous: <string CEL over request and params>``: rendezvous hashing on a key.
+"""``rendezvous: <string CEL>``: rendezvous hashing on a key.
 
 Every pod scores a fixed pseudo-random number in [0, 1) for the pair (key, pod
 name). Requests with the same key therefore agree on an order of the pods
@@ -6,6 +6,12 @@ without any shared state, in every policyd replica and after restarts, and a
 pod joining or leaving changes the first choice only for the keys whose first
 choice it is (highest-random-weight hashing). Weighted next to load scorers,
 it becomes a preferred "home" that load can override.
+
+The key is evaluated per pod, so it may read the pod: an empty key scores 0,
+which gives a request no home on that pod. That is how a policy keeps homes
+for what needs one (a LoRA adapter, which takes a slot) and not for what
+every pod serves alike (the base model, ``pod.base_model``): one home for all
+of a base model's requests would draw them to one pod.
 """
 
 from __future__ import annotations
@@ -16,15 +22,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar, Final
 
-from policyd.cel import CelEvalError
-from policyd.policy.evaluation import FAILED, Compiling, Evaluation, Evaluator
+from policyd.policy.evaluation import FAILED, Compiling, Evaluation, PodExpression
 from policyd.policy.scoring import ScorerSpec
 
 _HASH_SPACE: Final = float(1 << 64)
-SEES: Final = (
-    "a rendezvous key is computed once per request and sees only request and params "
-    "(each pod's name is hashed with it)"
-)
 
 
 @lru_cache(maxsize=65536)
@@ -41,35 +42,32 @@ def rendezvous_weight(key: str, pod_name: str) -> float:
 
 @dataclass(frozen=True, slots=True)
 class RendezvousScore:
-    """The request's key, computed once per decision, hashed with each pod's name."""
+    """Each pod's key hashed with its name; an empty key scores 0."""
 
     source: str
-    key: Evaluator
+    key: PodExpression
 
     kind: ClassVar[str] = "rendezvous"
     schema: ClassVar[dict[str, Any]] = {
         "$ref": "#/$defs/cel",
-        "description": "Rendezvous hashing: a string key over request and params; each pod "
-        "scores a fixed pseudo-random number in [0, 1) for (key, pod name).",
+        "description": "Rendezvous hashing: a string key over pod, request and params; each "
+        "pod scores a fixed pseudo-random number in [0, 1) for (key, pod name), 0 for an "
+        "empty key.",
     }
 
     @classmethod
     def build(cls, spec: ScorerSpec, compiler: Compiling) -> RendezvousScore | None:
-        key = compiler.request_expression(
-            spec.expression,
-            what=f"the rendezvous key of scorer '{spec.name}'",
-            want=("STRING",),
-            sees=SEES,
+        key = compiler.pod_expression(
+            spec.expression, what=f"the rendezvous key of scorer '{spec.name}'", want=("STRING",)
         )
         return cls(spec.expression.source, key) if key is not None else None
 
     def values(
         self, pods: Sequence[Any], ev: Evaluation
     ) -> tuple[list[Any], list[tuple[str, str]]]:
-        """Each pod's weight for the request's key; if the key fails, every pod fails."""
-        try:
-            key = self.key(ev.activation)
-        except CelEvalError as error:
-            message = str(error)
-            return [FAILED] * len(pods), [(pod.name, message) for pod in pods]
-        return [rendezvous_weight(key, pod.name) for pod in pods], []
+        """Each pod's weight for its key (``FAILED`` where the key failed)."""
+        keys, errors = self.key.values(pods, ev)
+        return [
+            FAILED if key is FAILED else rendezvous_weight(key, pod.name) if key else 0.0
+            for key, pod in zip(keys, pods, strict=True)
+        ], errors

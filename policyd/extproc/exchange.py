@@ -78,6 +78,7 @@ from policyd.extproc.usage import UsageReader
 from policyd.policy.decision import Decision, Outcome, ShadowReport
 from policyd.policy.request import Request
 from policyd.pool.pod import InFlight, Pod
+from policyd.prefix.probe import PrefixLocator
 
 log = logging.getLogger("policyd.extproc")
 
@@ -248,6 +249,8 @@ class ServingContext(Protocol):
     def response_watch(self) -> ResponseWatch: ...
     @property
     def subsets(self) -> epp.Subsets: ...
+    @property
+    def prefix(self) -> PrefixLocator | None: ...
 
 
 class _TraceCarrier(Mapping[str, str]):
@@ -602,7 +605,12 @@ class Exchange:
         try:
             candidates = self._candidates_now()
             router = self._router = self._server.routers()
-            decision = self._checked(router.decide(request, candidates))
+            locator = self._server.prefix
+            prompt = locator.probe(body.turns) if locator is not None and body.turns else None
+            decision = self._checked(router.decide(request, candidates, prompt))
+            if prompt is not None and decision.best_prefix_match is not None:
+                # The policy matched the prompt: approximate mode remembers its blocks.
+                prompt.routed(decision.target_model, decision.endpoint)
         except RequestError:
             raise  # the proxy's subset has none of the pool's pods: a 503 of its own
         except Exception as error:

@@ -41,6 +41,7 @@ from policyd.extproc.interfaces import (
     Telemetry,
 )
 from policyd.extproc.process_stream import ExternalProcessor
+from policyd.prefix.probe import PrefixLocator
 
 log = logging.getLogger("policyd.extproc.server")
 
@@ -85,10 +86,11 @@ class ExtProcServer:
         telemetry: Telemetry | None = None,
         ready: Readiness = lambda: True,
         options: ServerOptions | None = None,
+        prefix: PrefixLocator | None = None,
     ) -> None:
         self.options = options or ServerOptions()
         self.processor = ExternalProcessor(
-            routers, snapshots, telemetry or NoTelemetry(), self.options.settings
+            routers, snapshots, telemetry or NoTelemetry(), self.options.settings, prefix
         )
         self.health = HealthReporter(ready, self.options.readiness_poll_seconds)
         self.port = 0

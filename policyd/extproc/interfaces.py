@@ -20,13 +20,16 @@ from typing import Final, Protocol
 
 from policyd.policy.decision import Decision, ShadowReport
 from policyd.policy.request import Request
+from policyd.policy.router import PrefixMatcher
 from policyd.pool.pod import Pod, PoolSnapshot
 
 
 class RouterLike(Protocol):
     """``policyd.policy.Router``: pure, non-blocking, safe to call concurrently."""
 
-    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision: ...
+    def decide(
+        self, request: Request, candidates: Sequence[Pod], prompt: PrefixMatcher | None = None
+    ) -> Decision: ...
 
     def decide_shadows(self, decision: Decision) -> ShadowReport | None:
         """What the decision's shadow policies would have decided (asked only

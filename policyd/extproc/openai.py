@@ -61,10 +61,12 @@ _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True)
 class InferenceBody:
-    """The ``Request`` routing reads; ``document`` is the body, kept for a rewrite."""
+    """The ``Request`` routing reads; ``document`` is the body, kept for a rewrite;
+    ``turns`` the prompt in reading order, for prefix-cache matching."""
 
     document: dict[str, Any]
     request: Request
+    turns: tuple[Turn, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +191,10 @@ def parse_body(
         )
 
     api = api_of(path)
+    turns: tuple[Turn, ...] = ()
     if api:
-        prompt_tokens = estimate_prompt_tokens(prompt_of(document, api))
+        turns = prompt_of(document, api)
+        prompt_tokens = estimate_prompt_tokens(turns)
         budget = ("max_output_tokens",) if api == "responses" else _BUDGET_FIELDS
         max_tokens = _max_tokens(document, budget)
         stream = _optional_bool(document, "stream")
@@ -206,7 +210,7 @@ def parse_body(
         path=path,
         id=headers.get(REQUEST_ID_HEADER, ""),
     )
-    return InferenceBody(document, request)
+    return InferenceBody(document, request, turns)
 
 
 def rewrite_model(body: InferenceBody, model: str) -> bytes:

@@ -50,6 +50,7 @@ from policyd.extproc.exchange import (
 )
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
 from policyd.extproc.settlement import Settlement
+from policyd.prefix.probe import PrefixLocator
 
 log = logging.getLogger("policyd.extproc")
 
@@ -69,6 +70,7 @@ class ExternalProcessor:
         snapshots: SnapshotSource,
         telemetry: Telemetry,
         settings: ServingSettings,
+        prefix: PrefixLocator | None = None,
     ) -> None:
         self.routers = routers
         self.snapshots = snapshots
@@ -80,6 +82,7 @@ class ExternalProcessor:
         self.body_budget = BodyBudget(settings.max_buffered_body_bytes)
         self.response_watch = ResponseWatch(settings.in_flight_expiry_seconds)
         self.subsets = epp.Subsets()
+        self.prefix = prefix
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any

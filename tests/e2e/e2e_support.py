@@ -226,7 +226,7 @@ class ScriptedRouter:
     def __init__(self) -> None:
         self.seen: list[Request] = []
 
-    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision:
+    def decide(self, request: Request, candidates: Sequence[Pod], prompt: Any = None) -> Decision:
         self.seen.append(request)
         headers = request.headers
         outcome = headers.get("x-test-outcome", "")

@@ -266,7 +266,7 @@ async def test_a_body_past_the_buffer_limit_is_refused_by_envoy(gateway: Gateway
 
 async def test_a_new_router_takes_over_from_the_next_request(gateway: Gateway) -> None:
     class AlwaysPodA:
-        def decide(self, request: Request, candidates: Any) -> Decision:
+        def decide(self, request: Request, candidates: Any, prompt: Any = None) -> Decision:
             pod: Pod = next(p for p in candidates if p.name == "pod-a")
             return Decision(Outcome.ROUTED, "a-only", "2", request.model, pod.address, pod.name)
 

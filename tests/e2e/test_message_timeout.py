@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -36,7 +37,7 @@ async def gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Gat
     )
     scripted = rig.router.decide
 
-    def decide(request: Request, candidates: Sequence[Pod]) -> Decision:
+    def decide(request: Request, candidates: Sequence[Pod], prompt: Any = None) -> Decision:
         if "x-test-stall" in request.headers:
             time.sleep(3 * TIMEOUT_MS / 1000)  # holds policyd's event loop: no reply goes out
         return scripted(request, candidates)

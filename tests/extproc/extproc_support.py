@@ -144,7 +144,7 @@ class PickFirst:
         self.error = error
         self.seen: list[Request] = []
 
-    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision:
+    def decide(self, request: Request, candidates: Sequence[Pod], prompt: Any = None) -> Decision:
         self.seen.append(request)
         if self.error is not None:
             raise self.error

@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.workers import run_in_workers
@@ -24,7 +25,7 @@ from policyd.pool.pod import Pod
 
 
 class PidRouter:
-    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision:
+    def decide(self, request: Request, candidates: Sequence[Pod], prompt: Any = None) -> Decision:
         return Decision(Outcome.ROUTED, "pid", "1", request.model, f"10.0.0.1:{os.getpid()}")
 
 

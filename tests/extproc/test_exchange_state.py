@@ -165,7 +165,7 @@ class Shadowed(PickFirst):
         super().__init__()
         self.asked: list[Decision] = []
 
-    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision:
+    def decide(self, request: Request, candidates: Sequence[Pod], prompt: Any = None) -> Decision:
         decision = super().decide(request, candidates)
         decision.shadow_inputs = ShadowInputs(("shadow",), request, candidates, None, 0)
         return decision

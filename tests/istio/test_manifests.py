@@ -605,7 +605,7 @@ def gateway_bootstrap(
 class StallingRouter(ScriptedRouter):
     """``x-test-stall: <seconds>`` holds policyd's event loop that long first."""
 
-    def decide(self, request: Request, candidates: Sequence[Pod]) -> Decision:
+    def decide(self, request: Request, candidates: Sequence[Pod], prompt: Any = None) -> Decision:
         if "x-test-stall" in request.headers:
             time.sleep(float(request.headers["x-test-stall"]))
         return super().decide(request, candidates)

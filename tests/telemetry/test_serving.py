@@ -158,7 +158,7 @@ class SlowShadows:
         self.shadow_started = 0.0
         self.shadow_ended = 0.0
 
-    def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
+    def decide(self, request: Request, candidates: Sequence[Any], prompt: Any = None) -> Decision:
         return self.router.decide(request, candidates)
 
     def decide_shadows(self, decision: Decision) -> ShadowReport | None:

@@ -328,8 +328,12 @@ def streamed_request_body(body: bytes, end_of_stream: bool) -> list[bytes]:
     return _streamed(_REQUEST_BODY, body, end_of_stream)
 
 
-def streamed_response_body(chunk: bytes, end_of_stream: bool) -> list[bytes]:
-    """A response body chunk handed back unchanged (FULL_DUPLEX_STREAMED)."""
+def streamed_response_body(chunk: bytes, end_of_stream: bool) -> bytes | list[bytes]:
+    """A response body chunk handed back unchanged (FULL_DUPLEX_STREAMED): one reply
+    for a chunk of up to ``STREAMED_CHUNK_BYTES`` (nearly all are), else several."""
+    if len(chunk) <= STREAMED_CHUNK_BYTES:
+        head = _streamed_head(_RESPONSE_BODY, len(chunk), end_of_stream)
+        return head + chunk + _ending(end_of_stream)
     return _streamed(_RESPONSE_BODY, chunk, end_of_stream)
 
 

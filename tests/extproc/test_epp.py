@@ -105,6 +105,8 @@ def headers_message(
 
 
 def parsed(replies: Replies) -> list[pb.ProcessingResponse]:
+    if isinstance(replies, bytes):
+        replies = [replies]
     assert isinstance(replies, tuple | list), replies
     return [pb.ProcessingResponse.FromString(reply) for reply in replies]
 
@@ -217,6 +219,19 @@ def test_each_response_chunk_goes_back_unchanged_and_the_last_ends_the_exchange(
     last = parsed(exchange.handle(response_body(events[1], end_of_stream=True)))
     assert [streamed(reply) for reply in last] == [("response_body", events[1], True)]
     assert exchange.state is State.ENDED and PODS[0].in_flight == 0
+
+
+def test_a_response_chunk_over_64_kib_goes_back_in_pieces() -> None:
+    exchange, _ = duplex()
+    routed(exchange, json.dumps({"model": "m", "prompt": "p"}).encode())
+    sent(exchange, response_headers(200))
+    big = bytes(range(256)) * 600  # 150 KiB
+    pieces = [
+        streamed(reply) for reply in parsed(exchange.handle(response_body(big, end_of_stream=True)))
+    ]
+    assert [len(piece) for _, piece, _ in pieces] == [65536, 65536, len(big) - 131072]
+    assert b"".join(piece for _, piece, _ in pieces) == big
+    assert [end for _, _, end in pieces] == [False, False, True]
 
 
 def test_response_trailers_are_answered_in_full_duplex_mode() -> None:

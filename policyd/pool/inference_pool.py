@@ -71,7 +71,7 @@ def selection_of(pool: Mapping[str, Any]) -> PodSelection:
     if not isinstance(labels, Mapping) or not labels:
         raise ValueError("spec.selector.matchLabels is missing or empty")
     for key, value in labels.items():
-        if not isinstance(key, str) or len(key) > 316 or not _LABEL_KEY.fullmatch(key):
+        if not isinstance(key, str) or len(key) > 253 + 1 + 63 or not _LABEL_KEY.fullmatch(key):
             raise ValueError(f"spec.selector.matchLabels: {key!r} is not a label name")
         if not isinstance(value, str) or not _LABEL_VALUE.fullmatch(value):
             raise ValueError(f"spec.selector.matchLabels[{key!r}]: {value!r} is not a label value")

@@ -68,8 +68,10 @@ class KubernetesOptions:
     def __post_init__(self) -> None:
         if not 0 < self.target_port < 65536:
             raise ValueError(f"target port {self.target_port} is not a port number")
-        if self.inference_pool is not None and (self.selector or not self.inference_pool):
-            raise ValueError("an InferencePool is named by a non-empty name and has no selector")
+        if self.inference_pool is not None and not self.inference_pool:
+            raise ValueError("the InferencePool's name is empty")
+        if self.inference_pool is not None and self.selector:
+            raise ValueError("an InferencePool names its pods: give it no label selector")
         if self.watch_timeout <= 0 or self.request_timeout <= 0 or self.page_size <= 0:
             raise ValueError("watch timeout, request timeout and page size must be positive")
         if not 0 < self.retry_initial <= self.retry_max:

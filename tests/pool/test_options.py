@@ -60,6 +60,8 @@ def test_inference_pool_flags() -> None:
     assert isinstance(default, KubernetesDiscovery) and default.options.target_port == 8000
     with pytest.raises(ValueError, match="--k8s-target-port goes with --k8s-selector"):
         pool_from_arguments(parse("--inference-pool", "llama", "--k8s-target-port", "9000"))
+    with pytest.raises(ValueError, match="the InferencePool's name is empty"):
+        pool_from_arguments(parse("--inference-pool", ""))
 
 
 @pytest.mark.parametrize(

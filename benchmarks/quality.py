@@ -36,14 +36,38 @@ chosen on seeds 0-4; the default seeds 100-109 were not used for tuning.
     python benchmarks/quality.py --seeds 30           # seeds 100-129
     python benchmarks/quality.py --first-seed 0 --seeds 5      # the tuning seeds
     python benchmarks/quality.py --policy my-policy.yaml       # add your own
+
+The prefix-cache workloads (``--workload shared-prefix``, ``multi-turn``,
+``mixed``; ``policyd/sim/workloads.py`` has their shapes and why) are open
+loop instead (``policyd.sim.open_loop``): Poisson arrivals at several request
+rates, each request with its own prompt. Every request goes through the real
+``Router.decide`` as above, now with its prompt: a policy reading
+``pod.prefix_match`` gets it from ``policyd.prefix``, in approximate mode (an
+``ApproximateIndex`` of what this router sent where, bounded per pod by the
+profile's ``num_gpu_blocks``) or in precise mode (a ``PreciseIndex`` fed
+with the pods' own KV events, encoded and decoded as they travel over ZMQ,
+5 ms after the step that produced them). The oracle (``open_loop.Oracle``)
+reads the pods' true cache contents and load. For each workload the script
+first runs random routing over the sweep of rates and takes *the knee*, the
+lowest rate at which random starts to queue: its TTFT p90 more than twice its
+value at the lowest rate, i.e. a tenth of the requests wait at least as long
+again as an unloaded prefill. Every policy then runs at the lowest rate, the
+knee, 1.5x the knee and the highest rate; the goals of issue 25 are checked at
+the knee and at 1.5x. The figures are means over seeds (default 3, seeds
+100-102).
+
+    python benchmarks/quality.py --workload shared-prefix      # about a minute
+    python benchmarks/quality.py --workload multi-turn --seeds 2 --duration 150
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +75,13 @@ from types import MappingProxyType
 from typing import Final
 
 from policyd.cel.values import Duration
-from policyd.policy import Outcome, PolicyStore, Request, Router
+from policyd.policy import Decision, Outcome, PolicyStore, Request, Router
 from policyd.pool.pod import InFlight, Pod
+from policyd.prefix.events import decode_batch
+from policyd.prefix.index import ApproximateIndex, PreciseIndex
+from policyd.prefix.probe import PrefixLocator, PrefixProbe
+from policyd.prefix.tokenizers import tokenizer_from_spec
+from policyd.sim.blocks import KvEvent
 from policyd.sim.experiment import (
     ExperimentResult,
     PodView,
@@ -61,9 +90,16 @@ from policyd.sim.experiment import (
     percentile,
     run_experiment,
 )
+from policyd.sim.kv_events import encode_batch
+from policyd.sim.names import adapter_names
+from policyd.sim.open_loop import Arrival, OpenLoopResult, Oracle, Turn, run_open_loop
+from policyd.sim.profile import L4_LLAMA2_7B, Profile
+from policyd.sim.workloads import Mixed, MultiTurn, SharedPrefix
 
 RULES: Final = Path(__file__).resolve().parents[1] / "rules"
 POLICIES: Final = ("random", "round-robin", "default", "scorers", "lora-balanced")
+OPEN_POLICIES: Final = ("random", "default", "lora-balanced")  # random first: the baseline
+LORA_BALANCED: Final = "lora-balanced"
 BASELINE: Final = "random"
 SEED_POLICY: Final = "default"
 # The published figures: (completed requests, output tokens/s).
@@ -75,21 +111,27 @@ FIRST_POD_PORT: Final = 8000  # as `policyd sim --base-port 8000` would serve th
 
 
 def pod_from_view(
-    view: PodView, *, labels: Mapping[str, str] = POD_LABELS, prefix: str | None = None
+    view: PodView,
+    *,
+    labels: Mapping[str, str] = POD_LABELS,
+    prefix: str | None = None,
+    profile: Profile = L4_LLAMA2_7B,
 ) -> Pod:
     """The ``Pod`` the service would publish for one simulated pod, as the router saw it.
 
     Field for field: scraped ``waiting`` / ``running`` / KV use / running and
     waiting adapters / ``max_loras`` / preemptions, the age of that scrape, and policyd's own
     count of requests in flight there (a fresh ``InFlight`` holding the
-    simulator's count: the simulator, not this adapter, keeps it up to date).
+    simulator's count: the simulator, not this adapter, keeps it up to date);
+    the served model and KV-cache geometry from ``profile`` (what the pod's
+    ``vllm:cache_config_info`` and ``model_name`` labels say).
     The address is the one ``policyd sim`` would give pod ``i``. ``prefix``
     renames pod ``i`` to ``{prefix}{i}`` (policies that hash pod names, such as
     rendezvous scorers, then see another layout of the same pods).
     """
     return Pod(
         name=view.name if prefix is None else f"{prefix}{view.index}",
-        address=f"127.0.0.1:{FIRST_POD_PORT + view.index}",
+        address=pod_address(view.index),
         labels=labels,
         waiting_queue=view.waiting,
         running=view.running,
@@ -98,9 +140,17 @@ def pod_from_view(
         waiting_loras=view.waiting_adapters,
         max_loras=view.max_loras,
         num_preemptions=view.preemptions,
+        base_model=profile.base_model,
+        kv_cache_blocks=profile.num_gpu_blocks,
+        kv_block_size=profile.block_size,
         metrics_age=Duration.from_seconds(view.metrics_age),
         load=InFlight(view.in_flight),
     )
+
+
+def pod_address(index: int) -> str:
+    """Where ``policyd sim --base-port 8000`` serves pod ``index``; prefix indexes name it so."""
+    return f"127.0.0.1:{FIRST_POD_PORT + index}"
 
 
 class NotRoutedError(RuntimeError):
@@ -112,7 +162,10 @@ class PolicyRouting:
 
     Loads the policy afresh (a round-robin turn is state of the loaded policy,
     so each run starts from the same turn) and seeds the router's generator
-    from the experiment's seed, so a run is repeatable.
+    from the experiment's seed, so a run is repeatable. With a ``locator`` the
+    router gets each request's prompt (the seed prompt, as token ids), so a
+    policy reading prefix fields sees them (approximate mode: the seed
+    experiment publishes no KV events).
     """
 
     def __init__(
@@ -122,14 +175,19 @@ class PolicyRouting:
         seed: int,
         headers: Mapping[str, str] = CRITICAL,
         prefix: str | None = None,
+        locator: PrefixLocator | None = None,
+        prompt: tuple[int, ...] = SEED_WORKLOAD.prompt,
     ) -> None:
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
         self.headers = headers
         self.prefix = prefix
+        self.locator = locator
+        self.turns = (Turn(None, token_ids=prompt),)
         self.decisions = 0
 
     def __call__(self, request: RoutedRequest, views: Sequence[PodView], rng: random.Random) -> int:
         pods = [pod_from_view(view, prefix=self.prefix) for view in views]
+        probe = self.locator.probe(self.turns) if self.locator is not None else None
         decision = self.router.decide(
             Request(
                 model=request.model,
@@ -139,26 +197,163 @@ class PolicyRouting:
                 id=str(request.index),
             ),
             pods,
+            probe,
         )
-        if decision.outcome is not Outcome.ROUTED:
-            raise NotRoutedError(
-                f"policy '{decision.policy}' answered request {request.index} with "
-                f"{decision.outcome.value} ({decision.outcome.http_status}: {decision.reason}); "
-                "the seed experiment needs every request routed to a pod"
-            )
+        chosen = _chosen(decision, request.index, views, pods, probe)
         self.decisions += 1
-        for view, pod in zip(views, pods, strict=True):
-            if pod.name == decision.pod:
-                return view.index
-        raise NotRoutedError(f"policy '{decision.policy}' chose an unknown pod {decision.pod!r}")
+        return chosen
+
+
+def _chosen(
+    decision: Decision,
+    index: int,
+    views: Sequence[PodView],
+    pods: Sequence[Pod],
+    probe: PrefixProbe | None,
+) -> int:
+    """The index of the pod ``decision`` routed to; approximate mode learns the route."""
+    if decision.outcome is not Outcome.ROUTED:
+        raise NotRoutedError(
+            f"policy '{decision.policy}' answered request {index} with "
+            f"{decision.outcome.value} ({decision.outcome.http_status}: {decision.reason}); "
+            "the experiment needs every request routed to a pod"
+        )
+    for view, pod in zip(views, pods, strict=True):
+        if pod.name == decision.pod:
+            if probe is not None:
+                probe.routed(decision.target_model, pod.address)
+            return view.index
+    raise NotRoutedError(f"policy '{decision.policy}' chose an unknown pod {decision.pod!r}")
 
 
 def run_policy(
     policy: Path, seed: int, *, workload: SeedWorkload, prefix: str | None = None
 ) -> ExperimentResult:
     """One virtual run of ``workload`` routed by ``policy``."""
-    routing = PolicyRouting(policy, seed=seed, prefix=prefix)
+    routing = PolicyRouting(policy, seed=seed, prefix=prefix, locator=prefix_locator(APPROXIMATE))
     return run_experiment(routing, workload=workload, seed=seed)
+
+
+# --- open-loop workloads ----------------------------------------------------------------
+
+PROFILE: Final = L4_LLAMA2_7B
+APPROXIMATE: Final = "approximate"
+PRECISE: Final = "precise"
+# Adapter name -> the 1-based id a simulated pod gives it in its KV events.
+LORA_IDS: Final = MappingProxyType(
+    {name: i + 1 for i, name in enumerate(adapter_names(SEED_WORKLOAD.adapters))}
+)
+ORACLE: Final = "oracle"
+PREFIX_POLICY: Final = RULES / "prefix-aware.yaml"
+COMBINED_POLICY: Final = RULES / "lora-prefix.yaml"
+
+
+def prefix_locator(mode: str, tokenizer: str = "sim") -> PrefixLocator:
+    """A fresh prefix index in ``mode``, as ``policyd serve`` builds one per process.
+
+    Approximate mode bounds each pod's entries by the profile's
+    ``num_gpu_blocks`` (what ``vllm:cache_config_info`` tells the serving path).
+    """
+    index = ApproximateIndex(PROFILE.num_gpu_blocks) if mode == APPROXIMATE else PreciseIndex()
+    return PrefixLocator(tokenizer_from_spec(tokenizer), index, PROFILE.block_size)
+
+
+class OpenPolicyRouting:
+    """A routing function for ``run_open_loop`` that asks the real ``Router``, with the prompt.
+
+    ``mode`` says where prefix fields come from: ``approximate`` (what this
+    router sent where), ``precise`` (the pods' KV events, through
+    ``kv_events``) or ``None`` (no prefix index: the fields read 0).
+    """
+
+    def __init__(
+        self,
+        policy: Path,
+        *,
+        seed: int,
+        mode: str | None = None,
+        tokenizer: str = "sim",
+        headers: Mapping[str, str] = CRITICAL,
+    ) -> None:
+        self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
+        self.headers = headers
+        self.locator = None if mode is None else prefix_locator(mode, tokenizer)
+        self.decisions = 0
+
+    def __call__(self, arrival: Arrival, views: Sequence[PodView], rng: random.Random) -> int:
+        pods = [pod_from_view(view) for view in views]
+        probe = self.locator.probe(arrival.turns) if self.locator is not None else None
+        decision = self.router.decide(
+            Request(
+                model=arrival.model,
+                headers=self.headers,
+                prompt_tokens=len(arrival.prompt),
+                max_tokens=arrival.max_tokens,
+                id=str(arrival.index),
+            ),
+            pods,
+            probe,
+        )
+        chosen = _chosen(decision, arrival.index, views, pods, probe)
+        self.decisions += 1
+        return chosen
+
+    def kv_events(self, pod: int, events: Sequence[KvEvent]) -> None:
+        """One pod's KV events, encoded as pods publish them, decoded as policyd reads them."""
+        assert self.locator is not None and isinstance(self.locator.index, PreciseIndex)
+        payload = encode_batch(events, 0.0, PROFILE.block_size, LORA_IDS)
+        batch = decode_batch(payload, PROFILE.base_model)
+        if batch is None:
+            raise ValueError(f"pod {pod}'s KV events did not decode")
+        self.locator.index.apply(pod_address(pod), batch.events)
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """One router of the comparison: a policy file and its prefix mode, or the oracle."""
+
+    name: str
+    policy: Path | None  # None: the oracle
+    mode: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenWorkload:
+    """An open-loop workload of the benchmark and the rates (requests/s) it is swept over."""
+
+    name: str
+    workload: SharedPrefix | MultiTurn
+    rates: tuple[float, ...]
+
+
+OPEN_WORKLOADS: Final = {
+    w.name: w
+    for w in (
+        OpenWorkload("shared-prefix", SharedPrefix(), (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)),
+        OpenWorkload("multi-turn", MultiTurn(), (2.0, 3.0, 4.0, 5.0, 6.0)),
+        OpenWorkload("mixed", Mixed(), (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)),
+    )
+}
+
+
+def run_contender(
+    contender: Contender,
+    workload: OpenWorkload,
+    *,
+    rate: float,
+    duration_s: float,
+    seed: int,
+    tokenizer: str = "sim",
+) -> OpenLoopResult:
+    """One open-loop run of ``workload`` at ``rate`` routed by ``contender``."""
+    requests = workload.workload.requests(rate=rate, duration_s=duration_s, seed=seed)
+    if contender.policy is None:
+        return run_open_loop(Oracle(), requests, profile=PROFILE, seed=seed)
+    routing = OpenPolicyRouting(
+        contender.policy, seed=seed, mode=contender.mode, tokenizer=tokenizer
+    )
+    sink = routing.kv_events if contender.mode == PRECISE else None
+    return run_open_loop(routing, requests, profile=PROFILE, seed=seed, kv_events=sink)
 
 
 # --- figures ---------------------------------------------------------------------------
@@ -258,9 +453,256 @@ def paired(figures: Mapping[str, Figures], name: str, reference: str) -> str:
     )
 
 
+# --- open-loop figures ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFigures:
+    """One contender's results at one rate over the seeds, one value per seed in each list.
+
+    TTFT percentiles count a request that never got its first token (timed
+    out) as infinitely slow.
+    """
+
+    sent: list[float]
+    completed: list[float]
+    tokens_per_s: list[float]
+    ttft_p50: list[float]
+    ttft_p90: list[float]
+    ttft_p99: list[float]
+    hit_rate: list[float]
+    imbalance: list[float]
+
+    @classmethod
+    def of(cls, results: Sequence[OpenLoopResult]) -> OpenFigures:
+        return cls(
+            sent=[r.sent for r in results],
+            completed=[r.completed for r in results],
+            tokens_per_s=[r.output_tokens_per_s for r in results],
+            ttft_p50=[percentile(r.ttft_s(), 0.5) for r in results],
+            ttft_p90=[percentile(r.ttft_s(), 0.9) for r in results],
+            ttft_p99=[percentile(r.ttft_s(), 0.99) for r in results],
+            hit_rate=[r.hit_rate for r in results],
+            imbalance=[r.load_imbalance for r in results],
+        )
+
+
+def mean(values: Sequence[float]) -> float:
+    return statistics.mean(values)
+
+
+def find_knee(p90_by_rate: Mapping[float, float]) -> float:
+    """The lowest rate at which random's TTFT p90 is more than twice its value at the lowest rate.
+
+    The highest rate when random never queues that much in the sweep.
+    """
+    rates = sorted(p90_by_rate)
+    unloaded = p90_by_rate[rates[0]]
+    for rate in rates[1:]:
+        if p90_by_rate[rate] > 2 * unloaded:
+            return rate
+    return rates[-1]
+
+
+def open_table(figures: Mapping[str, OpenFigures]) -> list[str]:
+    """One row per contender at one rate; ratios to random and to the oracle of the same runs."""
+    base, oracle = figures.get(BASELINE), figures.get(ORACLE)
+    base_tokens = mean(base.tokens_per_s) if base else None
+    base_p90 = mean(base.ttft_p90) if base else None
+    oracle_tokens = mean(oracle.tokens_per_s) if oracle else None
+    oracle_hits = mean(oracle.hit_rate) if oracle else None
+    rows = [
+        f"{'policy':<22} {'completed':>11} {'output tok/s':>12} {'TTFT p50 s':>10} "
+        f"{'p90 s':>7} {'p99 s':>7} {'hit rate':>8} {'max/mean':>8} {'tok/s vs':>8} "
+        f"{'p90 vs':>7} {'hit vs':>7} {'tok/s vs':>8}",
+        f"{'':<22} {'':>11} {'':>12} {'':>10} {'':>7} {'':>7} {'':>8} {'load':>8} "
+        f"{'random':>8} {'random':>7} {'oracle':>7} {'oracle':>8}",
+    ]
+    for name, fig in figures.items():
+        tokens, p90, hits = mean(fig.tokens_per_s), mean(fig.ttft_p90), mean(fig.hit_rate)
+        rows.append(
+            f"{name:<22} {mean(fig.completed):>5.0f}/{mean(fig.sent):<5.0f} "
+            f"{mean_sd(fig.tokens_per_s):>12} {mean(fig.ttft_p50):>10.2f} "
+            f"{p90:>7.2f} {mean(fig.ttft_p99):>7.2f} {hits:>8.1%} {mean(fig.imbalance):>8.2f} "
+            f"{_times(tokens, base_tokens):>8} {_times(base_p90, p90):>7} "
+            f"{_share(hits, oracle_hits):>7} {_times(tokens, oracle_tokens):>8}"
+        )
+    return rows
+
+
+def _times(value: float | None, reference: float | None) -> str:
+    """``value / reference`` as ``1.23x`` (``-`` when either is missing, zero or infinite)."""
+    if not value or not reference or not math.isfinite(value) or not math.isfinite(reference):
+        return "-"
+    return f"{value / reference:.2f}x"
+
+
+def _share(value: float, reference: float | None) -> str:
+    return f"{value / reference:.0%}" if reference else "-"
+
+
+GOAL_HIT_SHARE: Final = {APPROXIMATE: 0.95, PRECISE: 0.98}  # of the oracle's hit rate
+GOAL_TTFT_P90_FACTOR: Final = 10.0  # times lower than random's
+GOAL_COMPLETED_SHARE: Final = 0.99  # the combined policy's completed requests / lora-balanced's
+GOAL_IMBALANCE: Final = 1.3  # busiest pod's requests / the mean
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
+
+
+def open_goals(
+    workload: str,
+    contenders: Sequence[Contender],
+    figures: Mapping[float, Mapping[str, OpenFigures]],
+    knee: float,
+    combined: str | None,
+) -> list[str]:
+    """Issue 25's goals at the knee and at 1.5x it, each marked met or missed with its numbers."""
+    lines: list[str] = []
+    locality = workload in ("shared-prefix", "multi-turn")
+    for label, rate in (("the knee", knee), ("1.5x the knee", knee * 1.5)):
+        at = figures[rate]
+        base, oracle = at[BASELINE], at[ORACLE]
+        lines.append(f"at {label}, {rate:g} requests/s:")
+        for contender in contenders:
+            if contender.policy is None or contender.name == BASELINE:
+                continue
+            fig = at[contender.name]
+            if locality and contender.mode is not None:
+                share = mean(fig.hit_rate) / mean(oracle.hit_rate)
+                goal = GOAL_HIT_SHARE[contender.mode]
+                lines.append(
+                    f"  {contender.name}: hit rate {mean(fig.hit_rate):.1%} = {share:.1%} of "
+                    f"the oracle's {mean(oracle.hit_rate):.1%} (goal >= {goal:.0%}): "
+                    f"{_verdict(share >= goal)}"
+                )
+                factor = mean(base.ttft_p90) / mean(fig.ttft_p90)
+                lines.append(
+                    f"  {contender.name}: TTFT p90 {mean(fig.ttft_p90):.2f} s, "
+                    f"{factor:.1f}x lower than random's {mean(base.ttft_p90):.2f} s "
+                    f"(goal >= {GOAL_TTFT_P90_FACTOR:.0f}x): "
+                    f"{_verdict(factor >= GOAL_TTFT_P90_FACTOR)}"
+                )
+                tokens, random_tokens = mean(fig.tokens_per_s), mean(base.tokens_per_s)
+                if rate > knee:  # random is overloaded: strictly more
+                    wanted, met = "higher, random is overloaded", tokens > random_tokens
+                else:  # below capacity both serve the offered load; the drain tail differs
+                    wanted = "at least random's, within 1%"
+                    met = tokens >= GOAL_COMPLETED_SHARE * random_tokens
+                lines.append(
+                    f"  {contender.name}: {tokens:.0f} output tok/s vs random's "
+                    f"{random_tokens:.0f} ({tokens / random_tokens:.2f}x; goal {wanted}): "
+                    f"{_verdict(met)}"
+                )
+            if not locality and contender.name == combined and LORA_BALANCED in at:
+                done, reference = mean(fig.completed), mean(at[LORA_BALANCED].completed)
+                lines.append(
+                    f"  {contender.name}: completed {done:.0f} vs lora-balanced's "
+                    f"{reference:.0f} ({done / reference:.1%}; goal >= "
+                    f"{GOAL_COMPLETED_SHARE:.0%}): "
+                    f"{_verdict(done >= GOAL_COMPLETED_SHARE * reference)}"
+                )
+            imbalance = mean(fig.imbalance)
+            lines.append(
+                f"  {contender.name}: max/mean load {imbalance:.2f} (goal <= {GOAL_IMBALANCE}): "
+                f"{_verdict(imbalance <= GOAL_IMBALANCE)}"
+            )
+    return lines
+
+
+def open_contenders(arguments: argparse.Namespace) -> list[Contender]:
+    """random, default, lora-balanced, the prefix policies in both modes, extras, the oracle."""
+    contenders = [Contender(name, RULES / f"{name}.yaml") for name in OPEN_POLICIES]
+    for path in (arguments.prefix_policy, arguments.combined_policy):
+        if path.exists():
+            contenders += [
+                Contender(f"{path.stem} approx", path, APPROXIMATE),
+                Contender(f"{path.stem} precise", path, PRECISE),
+            ]
+        else:
+            print(f"  ({path} does not exist: not run)", flush=True)
+    contenders += [Contender(path.stem, path, APPROXIMATE) for path in arguments.policy]
+    contenders.append(Contender(ORACLE, None))
+    return contenders
+
+
+def main_open_loop(arguments: argparse.Namespace) -> None:
+    workload = OPEN_WORKLOADS[arguments.workload]
+    if arguments.rates:
+        workload = OpenWorkload(workload.name, workload.workload, tuple(arguments.rates))
+    seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
+    contenders = open_contenders(arguments)
+    began = time.perf_counter()
+
+    def runs(contender: Contender, rate: float) -> OpenFigures:
+        return OpenFigures.of(
+            [
+                run_contender(
+                    contender,
+                    workload,
+                    rate=rate,
+                    duration_s=arguments.duration,
+                    seed=seed,
+                    tokenizer=arguments.prefix_tokenizer,
+                )
+                for seed in seeds
+            ]
+        )
+
+    random_contender = contenders[0]
+    figures: dict[float, dict[str, OpenFigures]] = {
+        rate: {BASELINE: runs(random_contender, rate)} for rate in workload.rates
+    }
+    knee = find_knee({rate: mean(at[BASELINE].ttft_p90) for rate, at in figures.items()})
+    if knee * 1.5 not in figures:
+        figures[knee * 1.5] = {BASELINE: runs(random_contender, knee * 1.5)}
+    # Every contender at the lowest rate, the knee, 1.5x it and the highest rate.
+    compared = sorted({min(figures), knee, knee * 1.5, max(figures)})
+    for contender in contenders[1:]:
+        started = time.perf_counter()
+        for rate in compared:
+            figures[rate][contender.name] = runs(contender, rate)
+        print(
+            f"  {contender.name}: {len(compared) * len(seeds)} runs in "
+            f"{time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
+    total = (len(figures) + len(compared) * (len(contenders) - 1)) * len(seeds)
+    print(
+        f"{workload.name}: {workload.workload}; Poisson arrivals for {arguments.duration:g} s, "
+        f"6 pods of {PROFILE.name}; seeds {seeds.start}-{seeds.stop - 1}; "
+        f"{total} virtual runs in {time.perf_counter() - began:.0f} s of wall time"
+    )
+    print(
+        "random's TTFT p90 by rate: "
+        + ", ".join(
+            f"{rate:g}/s {mean(at[BASELINE].ttft_p90):.2f} s" for rate, at in figures.items()
+        )
+        + f" -> random starts to queue at {knee:g} requests/s (the knee)"
+    )
+    for rate in compared:
+        mark = " (the knee)" if rate == knee else " (1.5x the knee)" if rate == knee * 1.5 else ""
+        print(f"\n{rate:g} requests/s{mark}")
+        for row in open_table(figures[rate]):
+            print(row)
+    combined = next((c.name for c in contenders if c.policy == arguments.combined_policy), None)
+    print("\ngoals (issue 25):")
+    for line in open_goals(workload.name, contenders, figures, knee, combined):
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=10, help="how many seeds (default 10)")
+    parser.add_argument(
+        "--workload",
+        choices=("seed", *OPEN_WORKLOADS),
+        default="seed",
+        help="seed (the published experiment, the default) or an open-loop prefix workload",
+    )
+    parser.add_argument(
+        "--seeds", type=int, help="how many seeds (default 10 for seed, 3 for the others)"
+    )
     parser.add_argument(
         "--first-seed", type=int, default=100, help="the first seed (default 100; 0-4 tuned)"
     )
@@ -268,39 +710,87 @@ def main() -> None:
         "--adapters",
         type=int,
         default=SEED_WORKLOAD.adapters,
-        help=f"LoRA adapters the requests spread over (default {SEED_WORKLOAD.adapters}, "
+        help=f"seed: LoRA adapters the requests spread over (default {SEED_WORKLOAD.adapters}, "
         "the published experiment); other values are variants with no published figures",
     )
     parser.add_argument(
         "--pod-prefix",
-        help="name pod i '{prefix}{i}' instead of 'vllm-{i}': another layout of rendezvous homes",
+        help="seed: name pod i '{prefix}{i}' instead of 'vllm-{i}': another layout of "
+        "rendezvous homes",
     )
     parser.add_argument(
         "--policy",
         type=Path,
         action="append",
         default=[],
-        help="another policy file to run next to the shipped ones (repeatable)",
+        help="another policy file to run next to the shipped ones (repeatable; "
+        "open-loop workloads give it approximate prefix fields)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=200.0,
+        help="open loop: seconds of Poisson arrivals per run (default 200)",
+    )
+    parser.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        help="open loop: the request rates (per second) to sweep instead of the workload's",
+    )
+    parser.add_argument(
+        "--prefix-policy",
+        type=Path,
+        default=PREFIX_POLICY,
+        help="open loop: the prefix-aware policy, run in both modes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--combined-policy",
+        type=Path,
+        default=COMBINED_POLICY,
+        help="the combined LoRA and prefix policy, run in both modes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-tokenizer",
+        default="sim",
+        help="open loop: approximate mode's tokenizer, sim or estimate (default sim; "
+        "precise mode always uses sim, the pods' own)",
     )
     arguments = parser.parse_args()
+    if arguments.seeds is None:
+        arguments.seeds = 10 if arguments.workload == "seed" else 3
     if arguments.seeds < 1:
         parser.error("--seeds must be at least 1")
     if arguments.adapters < 1:
         parser.error("--adapters must be at least 1")
+    if arguments.duration <= 0 or any(rate <= 0 for rate in arguments.rates or ()):
+        parser.error("--duration and --rates must be positive")
+    if arguments.workload == "seed":
+        main_seed(arguments)
+    else:
+        main_open_loop(arguments)
+
+
+def main_seed(arguments: argparse.Namespace) -> None:
     workload = SeedWorkload(adapters=arguments.adapters)
     seed_workload = workload == SEED_WORKLOAD
     seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
     policies = {name: RULES / f"{name}.yaml" for name in POLICIES}
+    combined = arguments.combined_policy
+    if combined.exists():
+        policies[combined.stem] = combined
     for path in arguments.policy:
         policies[path.stem] = path
     began = time.perf_counter()
     figures: dict[str, Figures] = {}
+    imbalance: dict[str, float] = {}
     for name, path in policies.items():
         started = time.perf_counter()
         runs = [
             run_policy(path, seed, workload=workload, prefix=arguments.pod_prefix) for seed in seeds
         ]
         figures[name] = Figures.of(runs)
+        imbalance[name] = mean([seed_imbalance(run) for run in runs])
         print(f"  {name}: {len(seeds)} runs in {time.perf_counter() - started:.1f} s", flush=True)
     wall = time.perf_counter() - began
     print(
@@ -315,6 +805,26 @@ def main() -> None:
     for name in figures:
         if name not in (BASELINE, SEED_POLICY) and SEED_POLICY in figures:
             print(paired(figures, name, SEED_POLICY))
+    if combined.stem in figures and LORA_BALANCED in figures:
+        done = mean(figures[combined.stem].completed)
+        reference = mean(figures[LORA_BALANCED].completed)
+        print(
+            f"goal (issue 25): {combined.stem} completed {done:.0f} vs lora-balanced's "
+            f"{reference:.0f} ({done / reference:.1%}; goal >= {GOAL_COMPLETED_SHARE:.0%}): "
+            f"{_verdict(done >= GOAL_COMPLETED_SHARE * reference)}"
+        )
+    print(
+        "max/mean requests per pod: "
+        + ", ".join(f"{name} {value:.2f}" for name, value in imbalance.items())
+        + f" (goal <= {GOAL_IMBALANCE} for policyd's policies)"
+    )
+
+
+def seed_imbalance(result: ExperimentResult) -> float:
+    """The busiest pod's request count over the mean, in one seed run."""
+    counts = Counter(record.pod for record in result.records if record.pod is not None)
+    pods = max(counts) + 1 if counts else 1
+    return max(counts.values(), default=0) / (sum(counts.values()) / pods) if counts else 1.0
 
 
 if __name__ == "__main__":

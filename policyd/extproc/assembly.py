@@ -28,8 +28,10 @@ from collections.abc import Callable
 
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.interfaces import Telemetry
+from policyd.extproc.prefix_matching import PrefixMatching
 from policyd.policy import PolicyStore, Reload, Router
 from policyd.pool import Pool
+from policyd.prefix.options import PrefixSettings
 
 log = logging.getLogger("policyd.extproc.service")
 
@@ -48,6 +50,7 @@ class Policyd:
         telemetry: Telemetry | None = None,
         policy_poll_seconds: float = 1.0,
         on_reload: ReloadListener | None = None,
+        prefix: PrefixSettings | None = None,
     ) -> None:
         if policy_poll_seconds <= 0:
             raise ValueError(f"policy poll interval must be positive, not {policy_poll_seconds}")
@@ -57,12 +60,15 @@ class Policyd:
         self.policy_poll_seconds = policy_poll_seconds
         self._on_reload = on_reload
         router = self.router
+        # Prefix matching costs nothing until a policy reads the prefix fields.
+        self.prefix = PrefixMatching(prefix or PrefixSettings(), pool.snapshot)
         self.server = ExtProcServer(
             lambda: router,  # one Router for good: it reads store.current per decision
             pool.snapshot,
             telemetry=telemetry,
             ready=self.ready,
             options=options,
+            prefix=self.prefix.locator,
         )
         self._watch: asyncio.Task[None] | None = None
 
@@ -87,6 +93,7 @@ class Policyd:
             await self.pool.stop()
             raise
         try:
+            self.prefix.start()
             self._watch = asyncio.create_task(
                 self.store.watch(self.policy_poll_seconds, self._on_reload), name="policy-watch"
             )
@@ -119,6 +126,7 @@ class Policyd:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
+        await self.prefix.stop()
         await self.pool.stop()
 
     async def run_until_signalled(self) -> None:

@@ -39,6 +39,8 @@ from policyd.pool.options import (
     pool_from_arguments,
     scrape_config_from_arguments,
 )
+from policyd.prefix.options import add_arguments as add_prefix_arguments
+from policyd.prefix.options import settings_from_arguments as prefix_from_arguments
 from policyd.telemetry import PoolCollector, build_telemetry, start_metrics_server
 
 log = logging.getLogger("policyd.extproc.serve")
@@ -142,6 +144,7 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         "its pod's in-flight; 0: never (default 330, above Envoy's 300 s stream idle timeout)",
     )
     add_pool_arguments(parser)
+    add_prefix_arguments(parser)
     telemetry = parser.add_argument_group("telemetry")
     telemetry.add_argument(
         "--monitoring-port",
@@ -257,6 +260,10 @@ def check_arguments(arguments: argparse.Namespace) -> None:
         raise UsageError(f"--policy {arguments.policy}: no such file or directory")
     discovery_from_arguments(arguments)  # ValueError: contradicting pod flags
     scrape_config_from_arguments(arguments)  # ValueError: bad scrape settings
+    try:
+        prefix_from_arguments(arguments).make_tokenizer()  # ValueError: bad prefix settings
+    except RuntimeError as error:  # the tokenizers extra is not installed
+        raise UsageError(str(error)) from None
 
 
 def server_options(arguments: argparse.Namespace) -> ServerOptions:
@@ -331,6 +338,7 @@ async def serve(arguments: argparse.Namespace, store: PolicyStore, worker: int =
         telemetry=telemetry,
         policy_poll_seconds=arguments.policy_poll_interval,
         on_reload=metrics.on_reload,
+        prefix=prefix_from_arguments(arguments),
     )
     monitoring = None
     try:

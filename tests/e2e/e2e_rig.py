@@ -34,6 +34,7 @@ from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Reload
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.pool.pod import Pod
+from policyd.prefix.options import PrefixSettings
 from policyd.sim import SimPool, SimServer
 
 
@@ -138,6 +139,16 @@ class PolicydGateway:
         }
 
 
+def _labels(server: SimServer) -> str:
+    """The pod's labels in the pods file: its role, and its KV-event ports when it has them."""
+    labels = ["role: serving"]
+    if server.kv_events_port is not None:
+        labels.append(f"policyd/kv-events-port: '{server.kv_events_port}'")
+    if server.kv_replay_port is not None:
+        labels.append(f"policyd/kv-events-replay-port: '{server.kv_replay_port}'")
+    return ", ".join(labels)
+
+
 async def start_policyd_gateway(
     tmp: Path,
     policy: Path,
@@ -147,13 +158,19 @@ async def start_policyd_gateway(
     extra_pods: str = "",
     scrape_interval: float = 0.05,
     policy_poll_seconds: float = 0.1,
+    prefix: PrefixSettings | None = None,
 ) -> PolicydGateway:
     """Start the pods, policyd over ``policy`` (a file or directory) and Envoy.
 
     The pod file lists the simulated pods (label ``role: serving``) and then
-    ``extra_pods``, YAML list items for pods outside the simulation.
+    ``extra_pods``, YAML list items for pods outside the simulation. In
+    precise prefix mode the pods publish KV events, each on its own ports,
+    which their labels name.
     """
-    sim = SimPool(pods, base_port=0, time_scale=time_scale)
+    precise = prefix is not None and prefix.mode == "precise"
+    sim = SimPool(
+        pods, base_port=0, time_scale=time_scale, kv_events_port_base=0 if precise else None
+    )
     await sim.start()
     telemetry = RecordingTelemetry()
     reloads: list[Reload] = []
@@ -165,7 +182,7 @@ async def start_policyd_gateway(
         pods_file.write_text(
             "pods:\n"
             + "".join(
-                f"  - {{name: {s.name}, address: '{s.address}', labels: {{role: serving}}}}\n"
+                f"  - {{name: {s.name}, address: '{s.address}', labels: {{{_labels(s)}}}}}\n"
                 for s in sim.servers
             )
             + extra_pods
@@ -177,6 +194,7 @@ async def start_policyd_gateway(
             telemetry=telemetry,
             policy_poll_seconds=policy_poll_seconds,
             on_reload=reloads.append,
+            prefix=prefix,
         )
         await service.start()
         assert await service.pool.wait_ready(timeout=10)

@@ -51,6 +51,10 @@ def serve(*arguments: str) -> int:
         (["--monitoring-port", "65535", "--workers", "2"], "--monitoring-port must be from"),
         (["--monitoring-port", "9000", "--workers", "3", "--port", "9002"], "must not overlap"),
         (["--decision-log-sample-rate", "1.5"], "--decision-log-sample-rate must be from 0 to 1"),
+        (["--prefix-tokenizer", "gpt"], "unknown prefix tokenizer 'gpt'"),
+        (["--prefix-tokenizer", "hf:/nonexistent.json"], "cannot load the tokenizer file"),
+        (["--prefix-block-size", "0"], "--prefix-block-size must be positive"),
+        (["--kv-events-port", "0"], "--kv-events-port must be from 1 to 65535"),
     ],
 )
 def test_flags_that_cannot_work_are_a_usage_error(

@@ -456,3 +456,15 @@ async def test_a_request_without_a_body_reaches_the_least_busy_pod(rig: Rig, met
     assert status == 200
     assert headers["x-test-upstream"] == "pod-b"
     assert set(in_flight(rig).values()) == {0}
+
+
+async def test_a_body_past_the_limit_is_a_413_that_no_pod_sees(rig: Rig) -> None:
+    """The buffered shape's limit is Envoy's buffer (4 MiB); in FULL_DUPLEX_STREAMED mode
+    Envoy buffers nothing, and policyd's own ``--max-body-mib`` (16 MiB) holds."""
+    size = 5 * 1024 * 1024 if rig.mode == "buffered" else 17 * 1024 * 1024
+    before = received(rig)
+    status, _, answer = await post(rig.gateway.url, rig, {"model": "m", "prompt": "z" * size})
+    assert status == 413
+    if rig.mode == "inference-pool":
+        assert json.loads(answer)["error"]["code"] == "body_too_large"
+    assert received(rig) == before

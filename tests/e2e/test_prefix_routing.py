@@ -27,7 +27,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_ID = "x-test-id"
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+]
 
 
 def system_prompt(conversation: int) -> str:

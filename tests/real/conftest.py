@@ -22,7 +22,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
-for folder in ("telemetry", "extproc", "e2e"):  # the telemetry tests' helpers, and theirs
+for folder in ("telemetry", "extproc", "e2e", "pool"):  # the other tests' helpers
     if str(TESTS / folder) not in sys.path:
         sys.path.append(str(TESTS / folder))
 

@@ -23,8 +23,9 @@ import pytest
 import yaml
 from crds import inference_extension_crds
 from kube_cluster import Cluster, start_cluster, stop_cluster
+from model_server import MetricsServer, vllm_text
 
-from policyd.pool import DiscoveryError, PodIdentity
+from policyd.pool import DiscoveryError, PodIdentity, Pool, ScrapeConfig
 from policyd.pool.kubernetes_discovery import KubernetesDiscovery, KubernetesOptions
 
 # The test API server's certificate is self-signed (the kubeconfig skips verification).
@@ -272,3 +273,29 @@ def test_the_real_crd_refuses_the_pools_policyd_would_ignore(cluster: Cluster, c
         change(bad["spec"])
         bad_specs.append(cluster.create(bad, NAMESPACE))
     assert all(status == 422 for status, _ in bad_specs), bad_specs
+
+
+async def test_a_pool_of_pods_on_loopback_is_scraped_and_ready(
+    cluster: Cluster, policyd_kubeconfig: Path
+) -> None:
+    """The whole pool (discovery, scraping, snapshots) on the pod the real API server names,
+    a vLLM metrics page served on loopback: what ``policyd serve --inference-pool`` runs."""
+    server = MetricsServer(vllm_text(waiting=3))
+    await server.start()
+    port = int(server.address.rsplit(":", 1)[1])
+    for name in ("vllm-0", "vllm-1", "starting", "other", "other-2"):
+        cluster.call("DELETE", f"{PODS}/{name}?gracePeriodSeconds=0")
+    put_pod(cluster, "loopback", "127.0.0.1", app="loopback")
+    put_pool(cluster, [port], app="loopback")
+    options = KubernetesOptions(
+        inference_pool=POOL_NAME, namespace=NAMESPACE, kubeconfig=str(policyd_kubeconfig)
+    )
+    pool = Pool(KubernetesDiscovery(options), ScrapeConfig(interval=0.1, in_process=True))
+    try:
+        await asyncio.wait_for(pool.start(), 30)
+        assert await pool.wait_ready(20)
+        (pod,) = pool.snapshot().candidates
+        assert (pod.name, pod.address, pod.waiting_queue) == ("loopback", server.address, 3)
+    finally:
+        await pool.stop()
+        await server.stop()

@@ -25,8 +25,10 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
@@ -468,3 +470,46 @@ async def test_a_body_past_the_limit_is_a_413_that_no_pod_sees(rig: Rig) -> None
     if rig.mode == "inference-pool":
         assert json.loads(answer)["error"]["code"] == "body_too_large"
     assert received(rig) == before
+
+
+async def test_the_inference_pool_shape_fails_closed_and_envoy_stays_up(
+    tmp_path: Path,
+) -> None:
+    """Every response chunk passes through policyd in FULL_DUPLEX_STREAMED mode, so a
+    policyd that stops cuts the generations streaming through it, and new requests get
+    Envoy's 500 (Istio's default: ``failure_mode_allow`` off, no ``status_on_error``).
+    The buffered shape fails open instead (test_stream_close.py)."""
+    gateway = await start_gateway(tmp_path, EnvoyConfigOptions(ext_proc_mode="inference-pool"))
+    try:
+        upstream = gateway.upstreams["pod-b"]
+        upstream.release_stream.clear()
+
+        async def generation() -> bool:
+            async with gateway.client.post(
+                gateway.url + COMPLETIONS,
+                json={"model": "m", "prompt": "hi", "stream": True},
+                headers={"x-test-pick": "pod-b"},
+            ) as response:
+                assert response.status == 200
+                try:
+                    await response.read()
+                except aiohttp.ClientPayloadError:
+                    return False
+                return True
+
+        streams = [asyncio.create_task(generation()) for _ in range(4)]
+        await until(lambda: len(upstream.received) == 4, "the generations to start")
+        await asyncio.sleep(0.3)  # their first events are on their way to the clients
+        await gateway.server.stop(0)
+        await asyncio.sleep(0.3)
+        upstream.release_stream.set()
+        assert await asyncio.wait_for(asyncio.gather(*streams), 15) == [False] * 4
+        before = sum(len(u.received) for u in gateway.upstreams.values())
+        async with gateway.client.post(
+            gateway.url + COMPLETIONS, json={"model": "m", "prompt": "p"}
+        ) as response:
+            assert response.status == 500
+        assert sum(len(u.received) for u in gateway.upstreams.values()) == before
+        assert gateway.envoy.process is not None and gateway.envoy.process.poll() is None
+    finally:
+        await stop_gateway(gateway)

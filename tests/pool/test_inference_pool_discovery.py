@@ -302,6 +302,24 @@ async def test_closing_the_source_ends_both_watch_threads(
     assert not names & {"policyd-pod-watch", "policyd-inference-pool-watch"}
 
 
+async def test_closing_while_waiting_for_the_pool_ends_both_threads(
+    server: FakeKubeApiServer, tmp_path: Path
+) -> None:
+    """The pod thread waits for a selection, the pool thread watches for the pool."""
+    updates = discovery(tmp_path, server)
+    first = asyncio.ensure_future(anext(updates))
+    await _watches_open(server, POOLS)
+    first.cancel()  # as a signal abandons `policyd serve`'s start
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await updates.aclose()  # type: ignore[attr-defined]
+    assert loop.time() - started < 2
+    names = {t.name for t in threading.enumerate()}
+    assert not names & {"policyd-pod-watch", "policyd-inference-pool-watch"}
+
+
 def test_selection_of_reads_match_labels_and_ports_in_order() -> None:
     pool = {
         "spec": {

@@ -230,6 +230,23 @@ async def test_a_pool_missing_at_start_is_waited_for(
         await updates.aclose()  # type: ignore[attr-defined]
 
 
+async def test_a_bad_pool_at_start_is_waited_out(
+    server: FakeKubeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pod(server, "a", "10.1.0.1")
+    server.put_pool(POOL, namespace=NAMESPACE, spec={"selector": {"matchLabels": {"app": "vllm"}}})
+    updates = discovery(tmp_path, server)
+    try:
+        with caplog.at_level(logging.ERROR, logger="policyd.pool.inference_pool"):
+            first = asyncio.ensure_future(anext(updates))
+            await _logged(caplog, "spec.targetPorts is missing or empty; waiting for a usable")
+        assert not first.done() and not server.lists()
+        pool(server)
+        assert [p.name for p in await asyncio.wait_for(first, 5)] == ["a"]
+    finally:
+        await updates.aclose()  # type: ignore[attr-defined]
+
+
 async def test_an_expired_pool_watch_gets_the_pool_again(
     server: FakeKubeApiServer, tmp_path: Path
 ) -> None:

@@ -327,3 +327,48 @@ def test_the_parents_tracestate_is_carried_on(tmp_path: Path, spans: Spans) -> N
     assert record.upstream_headers["tracestate"] == "vendor=abc"
     routed_end(record, completed=False)
     assert spans.only().parent is not None
+
+
+def test_a_prefix_policy_records_the_chosen_and_best_match_and_the_cached_tokens(
+    tmp_path: Path, spans: Spans
+) -> None:
+    class Matcher:
+        def match(self, model: str, candidates: object) -> list[tuple[float, int]]:
+            return [(0.25, 64), (0.75, 192), (0.5, 128)]
+
+    prefix_policy = """\
+        name: live
+        score:
+          locality:
+            weight: 1
+            expr: pod.prefix_match
+          short queue:
+            weight: 1
+            expr: 1.0 - double(pod.waiting_queue) / 10.0
+        pick:
+          strategy: max-score
+        """
+    (tmp_path / "live.yaml").write_text(textwrap.dedent(prefix_policy))
+    router = Router(load_policy_set(tmp_path / "live.yaml"))
+    decision = router.decide(request(), pods(), Matcher())
+    assert decision.pod == "b"
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply(router.decide_shadows(decision))
+    record.response_headers(200, 0.05)
+    routed_end(record, cached_tokens=160)
+    attributes = dict(spans.only().attributes or {})
+    assert attributes[a.PREFIX_MATCH] == 0.75
+    assert attributes[a.BEST_PREFIX_MATCH] == 0.75
+    assert attributes[a.CACHED_TOKENS] == 160
+
+
+def test_a_policy_without_prefix_fields_records_no_prefix_attributes(
+    tmp_path: Path, spans: Spans
+) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply(router.decide_shadows(decision))
+    routed_end(record)
+    attributes = dict(spans.only().attributes or {})
+    assert not {a.PREFIX_MATCH, a.BEST_PREFIX_MATCH, a.CACHED_TOKENS} & set(attributes)

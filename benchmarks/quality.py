@@ -556,7 +556,7 @@ def open_goals(
     contenders: Sequence[Contender],
     figures: Mapping[float, Mapping[str, OpenFigures]],
     knee: float,
-    combined: str | None,
+    combined: Path | None,
 ) -> list[str]:
     """Issue 25's goals at the knee and at 1.5x it, each marked met or missed with its numbers."""
     lines: list[str] = []
@@ -595,7 +595,7 @@ def open_goals(
                     f"{random_tokens:.0f} ({tokens / random_tokens:.2f}x; goal {wanted}): "
                     f"{_verdict(met)}"
                 )
-            if not locality and contender.name == combined and LORA_BALANCED in at:
+            if not locality and contender.policy == combined and LORA_BALANCED in at:
                 done, reference = mean(fig.completed), mean(at[LORA_BALANCED].completed)
                 lines.append(
                     f"  {contender.name}: completed {done:.0f} vs lora-balanced's "
@@ -686,9 +686,8 @@ def main_open_loop(arguments: argparse.Namespace) -> None:
         print(f"\n{rate:g} requests/s{mark}")
         for row in open_table(figures[rate]):
             print(row)
-    combined = next((c.name for c in contenders if c.policy == arguments.combined_policy), None)
     print("\ngoals (issue 25):")
-    for line in open_goals(workload.name, contenders, figures, knee, combined):
+    for line in open_goals(workload.name, contenders, figures, knee, arguments.combined_policy):
         print(line)
 
 

@@ -140,3 +140,26 @@ def test_the_goals_are_judged_with_their_numbers() -> None:
     assert "p approx: 100 output tok/s vs random's 100 (1.00x; goal at least" in knee
     assert "p approx: 100 output tok/s vs random's 100 (1.00x; goal higher" in past
     assert past.count("goal higher, random is overloaded): MISSED") == 1
+
+
+def test_on_mixed_the_combined_policy_is_held_to_lora_balanceds_completions_in_both_modes() -> None:
+    combined = Path("combined.yaml")
+    contenders = [
+        quality.Contender("random", Path("random.yaml")),
+        quality.Contender("lora-balanced", Path("lora-balanced.yaml")),
+        quality.Contender("combined approx", combined, quality.APPROXIMATE),
+        quality.Contender("combined precise", combined, quality.PRECISE),
+        quality.Contender("oracle", None),
+    ]
+    at = {
+        "random": _figures(tokens=100, p90=5.0, hits=0.2),
+        "lora-balanced": _figures(tokens=100, p90=1.0, hits=0.4, completed=200),
+        "combined approx": _figures(tokens=100, p90=0.4, hits=0.7, completed=198),
+        "combined precise": _figures(tokens=100, p90=0.4, hits=0.7, completed=197),
+        "oracle": _figures(tokens=100, p90=0.4, hits=0.8),
+    }
+    text = "\n".join(quality.open_goals("mixed", contenders, {1.0: at, 1.5: at}, 1.0, combined))
+    assert text.count("combined approx: completed 198 vs lora-balanced's 200 (99.0%") == 2
+    assert text.count("combined precise: completed 197 vs lora-balanced's 200 (98.5%") == 2
+    assert text.count("98.5%; goal >= 99%): MISSED") == 2  # 198 of 200 meets 99%
+    assert "hit rate" not in text  # locality goals belong to shared-prefix and multi-turn

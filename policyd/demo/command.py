@@ -8,23 +8,27 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from policyd.demo.feed import DecisionFeed
 from policyd.demo.stack import Stack, StackSettings
-from policyd.demo.traffic import Traffic, TrafficPlan
-from policyd.demo.view import View, summary
+from policyd.demo.traffic import WORKLOADS, Traffic, TrafficPlan, TrafficResults
+from policyd.demo.view import View, comparison, run_figures, summary
 from policyd.extproc.envoy_process import EnvoyError
 from policyd.policy import PolicyError, PolicyStore
+from policyd.prefix.options import MODES
 from policyd.sim import L4_LLAMA2_7B, adapter_names
 
 EXIT_INTERRUPTED = 130
+DEFAULT_POLICY = "lora-prefix.yaml"
+BASELINE_POLICY = "random.yaml"
 
 
-def default_policy() -> Path:
-    """``rules/default.yaml`` of the checkout policyd runs from, else of the working directory."""
-    beside_package = Path(__file__).resolve().parents[2] / "rules" / "default.yaml"
-    return beside_package if beside_package.is_file() else Path("rules/default.yaml")
+def shipped_policy(name: str) -> Path:
+    """``rules/<name>`` of the checkout policyd runs from, else of the working directory."""
+    beside_package = Path(__file__).resolve().parents[2] / "rules" / name
+    return beside_package if beside_package.is_file() else Path("rules") / name
 
 
 def register(name: str, parser: argparse.ArgumentParser) -> None:
@@ -33,13 +37,34 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help="policy file or directory (default: the checkout's rules/default.yaml)",
+        help=f"policy file or directory (default: the checkout's rules/{DEFAULT_POLICY})",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="mixed",
+        help="mixed: LoRA adapters and long shared system prompts; shared-prefix: the "
+        "prompts, base model only; lora: short prompts for the adapters (default mixed)",
+    )
+    parser.add_argument(
+        "--prefix-index",
+        choices=MODES,
+        default="approximate",
+        help="how policyd learns what the pods cached: approximate, from its own routing; "
+        "precise, from the pods' KV-cache events (default approximate)",
     )
     parser.add_argument(
         "--requests", type=int, default=200, metavar="N", help="requests to send (default 200)"
     )
     parser.add_argument(
-        "--continuous", action="store_true", help="keep sending until Ctrl-C (ignores --requests)"
+        "--continuous",
+        action="store_true",
+        help="keep sending until Ctrl-C (ignores --requests; no baseline)",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip replaying the traffic with uniform random routing for the comparison",
     )
     parser.add_argument(
         "--rate",
@@ -77,13 +102,18 @@ def run(arguments: argparse.Namespace) -> int:
     if problem:
         print(f"policyd demo: {problem}", file=sys.stderr)
         return 2
-    policy = arguments.policy or default_policy()
+    policy = arguments.policy or shipped_policy(DEFAULT_POLICY)
     try:
         store = PolicyStore.open(policy)
+        baseline = (
+            None
+            if _skips_baseline(arguments)
+            else PolicyStore.open(shipped_policy(BASELINE_POLICY))
+        )
     except PolicyError as error:
         print(f"policyd demo: the policy does not load:\n{error}", file=sys.stderr)
         return 1
-    return asyncio.run(_demo(arguments, store))
+    return asyncio.run(_demo(arguments, store, baseline))
 
 
 def _check(arguments: argparse.Namespace) -> str:
@@ -98,7 +128,24 @@ def _check(arguments: argparse.Namespace) -> str:
     return ""
 
 
-async def _demo(arguments: argparse.Namespace, store: PolicyStore) -> int:
+def _skips_baseline(arguments: argparse.Namespace) -> bool:
+    return bool(arguments.no_baseline or arguments.continuous)
+
+
+@dataclass
+class Run:
+    """One policy's run of the traffic: what policyd saw, what the clients saw."""
+
+    policy: str
+    feed: DecisionFeed
+    traffic: TrafficResults
+    seconds: float
+    pod_names: list[str]
+
+
+async def _demo(
+    arguments: argparse.Namespace, store: PolicyStore, baseline: PolicyStore | None
+) -> int:
     out = sys.stdout
     view = View(out, live=out.isatty() and not arguments.plain)
     root = logging.getLogger()
@@ -110,83 +157,159 @@ async def _demo(arguments: argparse.Namespace, store: PolicyStore) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stopping.set)
 
-    feed = DecisionFeed()
     settings = StackSettings(
         pods=arguments.pods,
         adapters=arguments.adapters,
         time_scale=arguments.time_scale,
         seed=arguments.seed,
+        prefix_index=arguments.prefix_index,
     )
-    stack = Stack(settings, feed)
+    plan = TrafficPlan(
+        adapters=adapter_names(arguments.adapters),
+        base_model=L4_LLAMA2_7B.base_model,
+        workload=arguments.workload,
+        requests=None if arguments.continuous else arguments.requests,
+        rate=arguments.rate,
+        max_in_flight=arguments.max_in_flight,
+        seed=arguments.seed,
+    )
     print(
         f"policyd demo: starting {arguments.pods} simulated vLLM pods "
         f"({L4_LLAMA2_7B.base_model}, {arguments.adapters} LoRA adapters), policyd and Envoy ...",
         flush=True,
     )
     try:
-        await stack.start(store)
+        main = await _run(settings, store, plan, stopping, view)
     except (EnvoyError, OSError, RuntimeError) as error:
         print(f"policyd demo: could not start: {error}", file=sys.stderr)
         return 1
-    adapters = adapter_names(arguments.adapters)
-    plan = TrafficPlan(
-        models=(*adapters, L4_LLAMA2_7B.base_model),
-        requests=None if arguments.continuous else arguments.requests,
-        rate=arguments.rate,
-        max_in_flight=arguments.max_in_flight,
-        seed=arguments.seed,
-    )
+    runs = [main]
+    if baseline is not None and not stopping.is_set():
+        print(
+            f"\npolicyd demo: replaying the same {arguments.requests} requests on fresh pods "
+            f"with uniform random routing ({shipped_policy(BASELINE_POLICY)}) to compare ...",
+            flush=True,
+        )
+        try:
+            runs.append(await _run(settings, baseline, plan, stopping, None))
+        except (EnvoyError, OSError, RuntimeError) as error:
+            print(f"policyd demo: the baseline could not start: {error}", file=sys.stderr)
+    print()
+    for line in summary(main.feed, main.traffic, seconds=main.seconds, pod_names=main.pod_names):
+        print(line)
+    if stopping.is_set():
+        print("policyd demo: interrupted; everything is stopped")
+        return EXIT_INTERRUPTED
+    adapters = plan.adapters
+    figures = [run_figures(r.policy, r.feed, r.pod_names, adapters) for r in runs]
+    if len(runs) == 2:
+        print(
+            f"what policyd gained: the same {main.traffic.finished} requests, routed by "
+            f"{main.policy} and, on fresh pods, uniformly at random"
+        )
+    for line in comparison(figures, time_scale=arguments.time_scale):
+        print(line)
+    ok = main.traffic.statuses.get(200, 0)
+    return 0 if ok else 1
+
+
+async def _run(
+    settings: StackSettings,
+    store: PolicyStore,
+    plan: TrafficPlan,
+    stopping: asyncio.Event,
+    view: View | None,
+) -> Run:
+    """Start a fresh stack under ``store``, send ``plan``'s traffic, stop the stack.
+
+    With a ``view`` the run is drawn as it goes (the main run); without, it
+    runs quietly (the baseline).
+    """
+    feed = DecisionFeed()
+    stack = Stack(settings, feed)
+    await stack.start(store)
     traffic = Traffic(stack.url, plan)
+    policy = ", ".join(p.name for p in store.current.policies)
+    started = time.monotonic()
+    try:
+        if view is None:
+            await traffic.run(stopping)
+            stack.settle()
+        else:
+            await _watch(
+                stack,
+                store=store,
+                plan=plan,
+                traffic=traffic,
+                feed=feed,
+                stopping=stopping,
+                view=view,
+            )
+    finally:
+        if view is not None:
+            view.close()
+        await stack.stop()
+    pod_names = [server.name for server in stack.sim.servers]
+    return Run(policy, feed, traffic.results, time.monotonic() - started, pod_names)
+
+
+async def _watch(
+    stack: Stack,
+    *,
+    store: PolicyStore,
+    plan: TrafficPlan,
+    traffic: Traffic,
+    feed: DecisionFeed,
+    stopping: asyncio.Event,
+    view: View,
+) -> None:
+    """Send the traffic while the view draws the pods and the decisions."""
     assert stack.policyd is not None and stack.envoy is not None
+    settings = stack.settings
     pool = stack.policyd.pool
     view.start(
         [
             f"policy  {', '.join(p.name for p in store.current.policies)} "
             f"(version {store.current.version}) "
-            f"from {store.path}",
+            f"from {store.path}; prefix matching {settings.prefix_index}, with the pods' tokenizer",
             f"envoy   {stack.url}  (admin 127.0.0.1:{stack.envoy.admin_port})  -> policyd "
             f"127.0.0.1:{stack.policyd.port} (ext_proc)",
-            f"pods    {len(stack.sim.servers)} simulated vLLM pods at {arguments.time_scale:g}x "
+            f"pods    {len(stack.sim.servers)} simulated vLLM pods at {settings.time_scale:g}x "
             f"real time; policyd scrapes their /metrics every "
             f"{settings.scrape_interval * 1000:.0f} ms",
+            f"traffic {_describe(plan)}",
             "",
         ]
     )
-    started = time.monotonic()
     sending = asyncio.create_task(traffic.run(stopping))
-    try:
-        while True:
-            finished = sending.done()
-            if finished:
-                stack.settle()  # the last requests' records, before the last update
-            snapshot = pool.snapshot()
-            view.update(
-                feed,
-                snapshot.pods,
-                {pod.name for pod in snapshot.candidates},
-                traffic.results,
-                plan.requests,
-            )
-            if finished:
-                break
-            await asyncio.wait({sending}, timeout=0.25 if view.live else 0.5)
-        await sending
-    finally:
-        view.close()
-        await stack.stop()
-    elapsed = time.monotonic() - started
-    pod_names = [server.name for server in stack.sim.servers]
-    for line in summary(
-        feed,
-        traffic.results,
-        seconds=elapsed,
-        pod_names=pod_names,
-        time_scale=arguments.time_scale,
-        adapters=adapters,
-    ):
-        print(line)
-    if stopping.is_set():
-        print("policyd demo: interrupted; everything is stopped")
-        return EXIT_INTERRUPTED
-    ok = traffic.results.statuses.get(200, 0)
-    return 0 if ok else 1
+    while True:
+        finished = sending.done()
+        if finished:
+            stack.settle()  # the last requests' records, before the last update
+        snapshot = pool.snapshot()
+        view.update(
+            feed,
+            snapshot.pods,
+            {pod.name for pod in snapshot.candidates},
+            traffic.results,
+            plan.requests,
+        )
+        if finished:
+            break
+        await asyncio.wait({sending}, timeout=0.25 if view.live else 0.5)
+    await sending
+
+
+def _describe(plan: TrafficPlan) -> str:
+    """The traffic in a line, for the title."""
+    prompts = (
+        f"{plan.groups} groups of users, each with its own system prompt of "
+        f"{plan.system_words[0]}-{plan.system_words[1]} words, and short questions"
+    )
+    adapters = f"{len(plan.adapters)} LoRA adapters of skewed popularity and the base model"
+    shape = {
+        "mixed": f"{prompts}, for {adapters}",
+        "shared-prefix": f"{prompts}, base model only",
+        "lora": f"short prompts for {adapters}",
+    }[plan.workload]
+    return f"{plan.workload}, {plan.rate:g} requests/s: {shape}"

@@ -2,7 +2,10 @@
 
 Start order matters: pods first, then policyd (which loads the pod file and
 scrapes every pod once, so its readiness check passes), then Envoy, whose
-first health check of policyd then succeeds. ``stop`` runs in the reverse
+first health check of policyd then succeeds. Policyd matches prompts against
+the pods' prefix caches with the pods' own tokenizer: in approximate mode
+from its own routing, in precise mode from the KV events each pod publishes
+on its own loopback ports, which the pod file's labels name. ``stop`` runs in the reverse
 order and always completes, whatever failed; Envoy is also started with a
 parent-death signal, so even a killed demo leaves no Envoy behind.
 """
@@ -25,9 +28,11 @@ from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyError, EnvoyProcess, start_envoy
 from policyd.extproc.grpc_server import ServerOptions
 from policyd.extproc.interfaces import Telemetry
+from policyd.extproc.prefix_matching import KV_EVENTS_PORT_LABEL, KV_REPLAY_PORT_LABEL
 from policyd.policy import PolicyStore
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
-from policyd.sim import SimPool, SimServer
+from policyd.prefix.options import Mode, PrefixSettings
+from policyd.sim import L4_LLAMA2_7B, SimPool, SimServer
 
 log = logging.getLogger("policyd.demo")
 
@@ -39,6 +44,14 @@ class StackSettings:
     time_scale: float = 5.0
     seed: int = 0
     scrape_interval: float = 0.1
+    prefix_index: Mode = "approximate"
+
+    @property
+    def prefix(self) -> PrefixSettings:
+        """Policyd's prefix matching: the simulated pods' tokenizer and block size."""
+        return PrefixSettings(
+            mode=self.prefix_index, tokenizer="sim", block_size=L4_LLAMA2_7B.block_size
+        )
 
 
 class Stack:
@@ -53,6 +66,7 @@ class Stack:
             adapters=settings.adapters,
             time_scale=settings.time_scale,
             seed=settings.seed,
+            kv_events_port_base=0 if settings.prefix_index == "precise" else None,
         )
         self.policyd: Policyd | None = None
         self.envoy: EnvoyProcess | None = None
@@ -87,7 +101,7 @@ class Stack:
         pods_file.write_text(
             "pods:\n"
             + "".join(
-                f"  - {{name: {server.name}, address: '{server.address}'}}\n"
+                f"  - {{name: {server.name}, address: '{server.address}'{_labels(server)}}}\n"
                 for server in self.sim.servers
             )
         )
@@ -96,12 +110,17 @@ class Stack:
             ScrapeConfig(interval=self.settings.scrape_interval),
         )
         self.policyd = Policyd(
-            store, pool, ServerOptions(port=0, grace_seconds=1.0), telemetry=self.telemetry
+            store,
+            pool,
+            ServerOptions(port=0, grace_seconds=1.0),
+            telemetry=self.telemetry,
+            prefix=self.settings.prefix,
         )
         await self.policyd.start()
         if not await pool.wait_ready(timeout=10):
             raise RuntimeError("the simulated pods did not answer their first scrape")
         await _scraped_lora_state(pool, len(self.sim.servers))
+        await _subscribed(self.policyd)
         self.envoy = await start_envoy(
             self.directory,
             EnvoyConfigOptions(port=0, admin_port=0, policyd_port=self.policyd.port),
@@ -151,6 +170,35 @@ async def _scraped_lora_state(pool: Pool, pods: int, timeout: float = 5.0) -> No
             return
         await asyncio.sleep(0.05)
     raise RuntimeError("policyd did not see every simulated pod's LoRA state in time")
+
+
+async def _subscribed(service: Policyd, timeout: float = 5.0) -> None:
+    """In precise mode, wait until policyd has connected to every pod's KV events,
+    so that the first requests' blocks are not announced to nobody."""
+    subscriber = service.prefix.subscriber
+    if subscriber is None:
+        return
+    deadline = time.monotonic() + timeout
+    pods = [pod.address for pod in service.pool.snapshot().pods]
+    while time.monotonic() < deadline:
+        stats = [subscriber.stats(pod) for pod in pods]
+        if all(s is not None and s.connects > 0 for s in stats):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("policyd did not connect to every simulated pod's KV events in time")
+
+
+def _labels(server: SimServer) -> str:
+    """The pod file's labels: the pod's KV-event ports when it publishes events."""
+    labels = [
+        f"'{label}': '{port}'"
+        for label, port in (
+            (KV_EVENTS_PORT_LABEL, server.kv_events_port),
+            (KV_REPLAY_PORT_LABEL, server.kv_replay_port),
+        )
+        if port is not None
+    ]
+    return f", labels: {{{', '.join(labels)}}}" if labels else ""
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -15,6 +15,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final, TextIO
 
 from policyd.demo.feed import DecisionFeed, DecisionRecord
@@ -51,7 +52,7 @@ def pod_lines(pods: Sequence[Pod], candidates: set[str], routed: dict[str, int])
 
 DECISION_HEADER: Final = (
     f"{'req':<6}{'model':<15}{'crit':<5}{'pod':<9}{'status':>6}{'TTFT':>8}{'time':>8}"
-    f"{'tokens':>7}  why (filter node pods in→kept · pick)"
+    f"{'tokens':>7}{'pfx':>6}  why (filter node pods in→kept · pick)"
 )
 
 
@@ -60,17 +61,22 @@ def _ms(seconds: float | None) -> str:
 
 
 def decision_line(record: DecisionRecord) -> str:
-    """One request; TTFT only for streams (a JSON answer's first byte is its last)."""
+    """One request; TTFT only for streams (a JSON answer's first byte is its last).
+
+    ``pfx`` is the chosen pod's prefix match (the share of the prompt policyd
+    expects in its prefix cache), blank under a policy that does not read it.
+    """
     status = "…" if record.status is None else str(record.status)
     if record.done and not record.completed:
         status = "cut"
     ttft = _ms(record.first_body_seconds) if record.stream else ""
     tokens = "" if record.completion_tokens is None else str(record.completion_tokens)
     model = short_model(record.model) + ("~" if record.stream else "")
+    prefix = "" if record.prefix_match is None else f"{record.prefix_match:.2f}"
     return (
         f"{record.label:<6}{model[:14]:<15}{CRITICALITY.get(record.criticality, '?'):<5}"
         f"{record.pod or '-':<9}{status:>6}{ttft:>8}{_ms(record.duration_seconds):>8}"
-        f"{tokens:>7}  {record.why}"
+        f"{tokens:>7}{prefix:>6}  {record.why}"
     )
 
 
@@ -158,15 +164,45 @@ class View:
             self.out.write(line + "\n")
 
 
+@dataclass(frozen=True, slots=True)
+class RunFigures:
+    """What one run under one policy achieved, for the side-by-side."""
+
+    policy: str
+    completed: int
+    ttft_p50_s: float | None  # of the streams
+    ttft_p90_s: float | None
+    hit_rate: float | None  # cached prompt tokens / prompt tokens, as the pods reported
+    adapter_pods: float | None  # distinct pods per adapter
+    busiest_over_mean: float | None  # the most requests a pod got / the mean per pod
+
+
+def run_figures(
+    policy: str, feed: DecisionFeed, pod_names: Sequence[str], adapters: Sequence[str]
+) -> RunFigures:
+    totals = feed.totals
+    ttfts = sorted(totals.stream_ttft_seconds)
+    routed = [totals.by_pod.get(name, 0) for name in pod_names]
+    mean = sum(routed) / len(routed) if routed else 0.0
+    return RunFigures(
+        policy=policy,
+        completed=totals.completed,
+        ttft_p50_s=statistics.median(ttfts) if ttfts else None,
+        ttft_p90_s=ttfts[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None,
+        hit_rate=totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else None,
+        adapter_pods=adapter_spread(feed, adapters),
+        busiest_over_mean=max(routed) / mean if mean else None,
+    )
+
+
 def summary(
     feed: DecisionFeed,
     traffic: TrafficResults,
     *,
     seconds: float,
     pod_names: Sequence[str],
-    time_scale: float,
-    adapters: Sequence[str],
 ) -> list[str]:
+    """What the run did: answers, requests per pod, tokens."""
     totals = feed.totals
     answers = "  ".join(f"{status} x{count}" for status, count in sorted(traffic.statuses.items()))
     failures = "  ".join(f"{why} x{count}" for why, count in sorted(traffic.failures.items()))
@@ -175,38 +211,66 @@ def summary(
         f"{len(pod_names)} simulated vLLM pods",
         f"  answers   {answers or 'none'}" + (f"   no answer: {failures}" if failures else ""),
         "  per pod   " + "  ".join(f"{name} {totals.by_pod.get(name, 0)}" for name in pod_names),
+        f"  tokens    {totals.completion_tokens} generated, {totals.prompt_tokens} prompt tokens "
+        f"of which {totals.cached_tokens} came from the pods' prefix caches (usage reported "
+        "to policyd)",
     ]
-    spread = adapter_spread(feed, adapters, len(pod_names))
-    if spread is not None:
-        observed, uniform = spread
-        lines.append(
-            f"  affinity  requests for one adapter went to {observed:.1f} pods on average; "
-            f"spread uniformly at random they would reach {uniform:.1f}"
-        )
-    ttfts = sorted(totals.stream_ttft_seconds)
-    if ttfts:
-        p50 = statistics.median(ttfts) * 1000
-        p90 = ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)] * 1000
-        lines.append(
-            f"  TTFT      streams: p50 {p50:.0f} ms, p90 {p90:.0f} ms on the wall clock "
-            f"(the pods run {time_scale:g}x faster than real time)"
-        )
-    lines.append(f"  tokens    {totals.completion_tokens} generated (usage reported to policyd)")
     if totals.rejected:
         rejected = "  ".join(f"{code} x{n}" for code, n in sorted(totals.rejected.items()))
         lines.append(f"  rejected  {rejected} (answered before any decision)")
     return lines
 
 
-def adapter_spread(
-    feed: DecisionFeed, adapters: Sequence[str], pods: int
-) -> tuple[float, float] | None:
-    """Average distinct pods per adapter, and what uniform random routing would give.
+_LABEL_WIDTH: Final = 24
+_COLUMN_WIDTH: Final = 14
 
-    For ``n`` requests spread uniformly over ``k`` pods the expected number of
-    distinct pods is ``k * (1 - (1 - 1/k) ** n)``; both averages are over
-    the adapters that got at least two requests.
-    """
+
+def comparison(runs: Sequence[RunFigures], *, time_scale: float) -> list[str]:
+    """The runs' figures side by side; with two, how the first compares with the second."""
+    rows: list[tuple[str, list[float | None], str]] = [
+        ("completed", [run.completed for run in runs], "{:.0f}"),
+        ("TTFT p50 (streams)", [_in_ms(run.ttft_p50_s) for run in runs], "{:.0f} ms"),
+        ("TTFT p90 (streams)", [_in_ms(run.ttft_p90_s) for run in runs], "{:.0f} ms"),
+        ("prefix-cache hit rate", [_in_percent(run.hit_rate) for run in runs], "{:.0f}%"),
+        ("pods per adapter", [run.adapter_pods for run in runs], "{:.1f}"),
+        ("busiest pod / mean", [run.busiest_over_mean for run in runs], "{:.2f}"),
+    ]
+    lines = [" " * (2 + _LABEL_WIDTH) + "".join(f"{run.policy:>{_COLUMN_WIDTH}}" for run in runs)]
+    for label, values, shape in rows:
+        cells = "".join(
+            f"{'-' if value is None else shape.format(value):>{_COLUMN_WIDTH}}" for value in values
+        )
+        ratio = f"   {compare(values[0], values[1])}" if len(values) == 2 else ""
+        lines.append(f"  {label:<{_LABEL_WIDTH}}{cells}{ratio}".rstrip())
+    lines.append(
+        f"  (TTFT on the wall clock, the pods running {time_scale:g}x faster than real time; "
+        "hit rate: cached prompt tokens / prompt tokens)"
+    )
+    return lines
+
+
+def compare(value: float | None, baseline: float | None) -> str:
+    """``value`` against ``baseline`` in words: "same", "2.6x lower", "3.1x higher"."""
+    if value is None or baseline is None or value < 0 or baseline < 0:
+        return ""
+    if value == baseline or (baseline and abs(value / baseline - 1) < 0.05):
+        return "same"
+    if value == 0 or baseline == 0:
+        return "lower" if value < baseline else "higher"
+    ratio = value / baseline
+    return f"{ratio:.1f}x higher" if ratio > 1 else f"{1 / ratio:.1f}x lower"
+
+
+def _in_ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _in_percent(share: float | None) -> float | None:
+    return None if share is None else share * 100
+
+
+def adapter_spread(feed: DecisionFeed, adapters: Sequence[str]) -> float | None:
+    """Distinct pods per adapter, averaged over the adapters that got at least two requests."""
     per_adapter: dict[str, set[str]] = {}
     counts: dict[str, int] = {}
     for (model, pod), count in feed.totals.by_model_pod.items():
@@ -214,8 +278,6 @@ def adapter_spread(
             per_adapter.setdefault(model, set()).add(pod)
             counts[model] = counts.get(model, 0) + count
     measured = [model for model, n in counts.items() if n >= 2]
-    if not measured or pods < 2:
+    if not measured:
         return None
-    observed = sum(len(per_adapter[m]) for m in measured) / len(measured)
-    uniform = sum(pods * (1 - (1 - 1 / pods) ** counts[m]) for m in measured) / len(measured)
-    return observed, uniform
+    return sum(len(per_adapter[m]) for m in measured) / len(measured)

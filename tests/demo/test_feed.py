@@ -1,19 +1,23 @@
-"""What the demo's table says about a decision, and the affinity figure of its summary."""
+"""What the demo's table says about a decision."""
 
 from __future__ import annotations
 
-import pytest
-
 from policyd.demo.feed import DecisionFeed, explain
-from policyd.demo.view import adapter_spread, decision_line
+from policyd.demo.view import decision_line
 from policyd.policy.decision import Decision, NodeTrace, Outcome
 from policyd.policy.request import Request
 
 
-def routed(trace: tuple[NodeTrace, ...], survivors: tuple[str, ...], **more: object) -> Decision:
+def routed(
+    trace: tuple[NodeTrace, ...],
+    survivors: tuple[str, ...],
+    *,
+    score: float | None = None,
+    prefix_match: float | None = None,
+) -> Decision:
     return Decision(
         Outcome.ROUTED, "p", "v", "adapter-1", "127.0.0.1:1", survivors[0],
-        trace=trace, survivors=survivors, **more,
+        trace=trace, survivors=survivors, score=score, prefix_match=prefix_match,
     )  # fmt: skip
 
 
@@ -60,23 +64,14 @@ def test_the_feed_follows_a_request_to_its_end() -> None:
     line = decision_line(span.record)
     assert line.split()[:5] == ["r007", "adapter-1~", "std", "vllm-2", "200"]
     assert "20ms" in line and "500ms" in line
+    assert line.split()[8] == "all"  # no prefix column: the policy does not read it
     assert feed.totals.by_status[200] == 1
     assert feed.totals.stream_ttft_seconds == [0.02]
     assert feed.totals.by_model_pod[("adapter-1", "vllm-2")] == 1
 
 
-@pytest.mark.parametrize(
-    ("spread", "observed"),
-    [({"vllm-0": 4}, 1.0), ({"vllm-0": 2, "vllm-1": 2}, 2.0)],
-)
-def test_the_affinity_figure_compares_with_uniform_random_routing(
-    spread: dict[str, int], observed: float
-) -> None:
+def test_the_table_shows_the_chosen_pods_prefix_match() -> None:
     feed = DecisionFeed()
-    for pod, count in spread.items():
-        feed.totals.by_model_pod[("adapter-1", pod)] += count
-    feed.totals.by_model_pod[("base", "vllm-3")] += 5  # not an adapter: left out
-    result = adapter_spread(feed, ["adapter-1"], pods=6)
-    assert result is not None
-    # 4 requests uniformly over 6 pods reach 6 * (1 - (5/6) ** 4) = 3.11 pods on average.
-    assert result == (observed, pytest.approx(3.106, abs=1e-3))
+    request = Request(model="adapter-1", headers={"x-demo-request": "r008"})
+    span = feed.start(request, routed((), ("vllm-2",), prefix_match=0.9312), {}, 0.0001)
+    assert decision_line(span.record).split()[4:7] == ["…", "0.93", "all"]

@@ -20,17 +20,19 @@ are rendered to one text first. Token-id prompts are the ids as given.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from policyd.sim.tokenizer import render_chat, tokenize
+from policyd.sim.tokenizer import BOS_TOKEN, render_chat, tokenize
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HfTokenizer
 
 _ESTIMATE_BYTES: Final = 4  # bytes per estimated token, the serving path's four-characters rule
+_CACHED_LINES: Final = 256  # message lines whose simulator ids are kept (~65 kB for 1,500 words)
 
 
 class TurnLike(Protocol):
@@ -77,12 +79,29 @@ def render_turns(turns: Sequence[TurnLike]) -> str:
 
 
 class SimTokenizer:
-    """Exactly the simulated pods' token ids (``policyd.sim.tokenizer``, ``policyd.sim.api``)."""
+    """Exactly the simulated pods' token ids (``policyd.sim.tokenizer``, ``policyd.sim.api``).
+
+    The simulator gives one id per word or mark, never across whitespace, and
+    renders each message as one line, so a chat prompt's ids are the BOS and
+    each message line's ids in turn. Lines are remembered (the last
+    ``_CACHED_LINES``): a shared system prompt or a conversation's history is
+    not tokenized again, which is most of a request's cost (~0.3 us a word).
+    """
 
     name: Final = "sim"
 
     def encode(self, turns: Sequence[TurnLike]) -> list[int]:
-        return _encode_turns(turns, tokenize)
+        if not turns or turns[0].role is None:
+            return _encode_turns(turns, tokenize)
+        ids = [BOS_TOKEN]
+        for turn in turns:
+            ids += _sim_line_ids(render_turns((turn,)))
+        return ids
+
+
+@functools.lru_cache(maxsize=_CACHED_LINES)
+def _sim_line_ids(line: str) -> tuple[int, ...]:
+    return tuple(tokenize(line)[1:])
 
 
 class EstimateTokenizer:

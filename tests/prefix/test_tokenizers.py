@@ -42,6 +42,17 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
         {
             "model": "m",
             "messages": [
+                {"role": "system", "content": "Lines:\nend.\n\n:next,"},
+                {"role": "user", "content": ""},
+                {"role": "assistant", "content": "!"},
+            ],
+        },
+    ),
+    (
+        CHAT,
+        {
+            "model": "m",
+            "messages": [
                 {
                     "role": "user",
                     "content": [

@@ -245,7 +245,12 @@ class PreciseIndex(_Holders):
         if event.parent_block_hash is None:
             seed = event.served_as
             if seed is None:
-                _skip(pod, state, "an adapter named only by its id", count)
+                reason = (
+                    "an adapter named only by its id"
+                    if event.lora_id is not None
+                    else "the base model unnamed (the topic names none)"
+                )
+                _skip(pod, state, reason, count)
                 return
             parent = root_key(seed)
         else:

@@ -197,6 +197,7 @@ def test_precise_skips_what_it_cannot_key_and_says_so(caplog: pytest.LogCaptureF
                 stored(tokens, model="adapter-1", lora_id=1),  # an adapter named by id only
                 stored(tokens, model="adapter-1", lora_id=1),
                 stored(tokens, medium="CPU"),  # another tier is not the GPU prefix cache
+                BlockStored(bad.block_hashes, None, bad.token_ids, 16),  # no topic, no model
             ],
         )
     assert index.match(keys(tokens), ["a"]) == [0]
@@ -204,8 +205,9 @@ def test_precise_skips_what_it_cannot_key_and_says_so(caplog: pytest.LogCaptureF
         "token ids do not fill the blocks": 6,
         "parent block never announced": 2,
         "an adapter named only by its id": 12,
+        "the base model unnamed (the topic names none)": 6,
     }
-    assert len(caplog.records) == 3 and "adapter named only by its id" in caplog.text
+    assert len(caplog.records) == 4 and "adapter named only by its id" in caplog.text
 
 
 def test_precise_replays_are_idempotent_and_shared_keys_are_counted() -> None:

@@ -179,7 +179,7 @@ async def _demo(
         flush=True,
     )
     try:
-        main = await _run(settings, store, plan, stopping, view)
+        main = await _run(settings, store, plan, stopping, view, table=True)
     except (EnvoyError, OSError, RuntimeError) as error:
         print(f"policyd demo: could not start: {error}", file=sys.stderr)
         return 1
@@ -191,7 +191,7 @@ async def _demo(
             flush=True,
         )
         try:
-            runs.append(await _run(settings, baseline, plan, stopping, None))
+            runs.append(await _run(settings, baseline, plan, stopping, view, table=False))
         except (EnvoyError, OSError, RuntimeError) as error:
             print(f"policyd demo: the baseline could not start: {error}", file=sys.stderr)
     print()
@@ -218,12 +218,14 @@ async def _run(
     store: PolicyStore,
     plan: TrafficPlan,
     stopping: asyncio.Event,
-    view: View | None,
+    view: View,
+    *,
+    table: bool,
 ) -> Run:
     """Start a fresh stack under ``store``, send ``plan``'s traffic, stop the stack.
 
-    With a ``view`` the run is drawn as it goes (the main run); without, it
-    runs quietly (the baseline).
+    With ``table`` the view draws the run as it goes (the main run); without,
+    it shows only how far the run is (the baseline).
     """
     feed = DecisionFeed()
     stack = Stack(settings, feed)
@@ -232,8 +234,8 @@ async def _run(
     policy = ", ".join(p.name for p in store.current.policies)
     started = time.monotonic()
     try:
-        if view is None:
-            await traffic.run(stopping)
+        if not table:
+            await view.follow(traffic.run(stopping), traffic.results, plan.requests)
             stack.settle()
         else:
             await _watch(
@@ -246,8 +248,7 @@ async def _run(
                 view=view,
             )
     finally:
-        if view is not None:
-            view.close()
+        view.close()
         await stack.stop()
     pod_names = [server.name for server in stack.sim.servers]
     return Run(policy, feed, traffic.results, time.monotonic() - started, pod_names)

@@ -8,15 +8,16 @@ is complete, and the pods' load is a block of lines every few seconds.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import shutil
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Final, TextIO
+from typing import Any, Final, TextIO
 
 from policyd.demo.feed import DecisionFeed, DecisionRecord
 from policyd.demo.traffic import TrafficResults
@@ -152,6 +153,20 @@ class View:
         self.out.write(up + _CLEAR_DOWN + "\n".join(lines) + "\n")
         self.out.flush()
         self._drawn = len(lines)
+
+    async def follow(
+        self, sending: Coroutine[Any, Any, None], traffic: TrafficResults, planned: int | None
+    ) -> None:
+        """Await ``sending``, showing on a terminal how many requests went and came back."""
+        task = asyncio.ensure_future(sending)
+        while not task.done():
+            if self.live:
+                self.out.write(f"\r  sent {traffic.sent} of {planned}, {traffic.finished} answered")
+                self.out.flush()
+            await asyncio.wait({task}, timeout=0.25)
+        if self.live:
+            self.out.write("\n")
+        await task
 
     def _print_new(self, feed: DecisionFeed) -> None:
         new = feed.totals.finished - self._printed

@@ -105,11 +105,8 @@ def run(arguments: argparse.Namespace) -> int:
     policy = arguments.policy or shipped_policy(DEFAULT_POLICY)
     try:
         store = PolicyStore.open(policy)
-        baseline = (
-            None
-            if _skips_baseline(arguments)
-            else PolicyStore.open(shipped_policy(BASELINE_POLICY))
-        )
+        skip = arguments.no_baseline or arguments.continuous
+        baseline = None if skip else PolicyStore.open(shipped_policy(BASELINE_POLICY))
     except PolicyError as error:
         print(f"policyd demo: the policy does not load:\n{error}", file=sys.stderr)
         return 1
@@ -126,10 +123,6 @@ def _check(arguments: argparse.Namespace) -> str:
     if arguments.policy is not None and not arguments.policy.exists():
         return f"--policy {arguments.policy}: no such file or directory"
     return ""
-
-
-def _skips_baseline(arguments: argparse.Namespace) -> bool:
-    return bool(arguments.no_baseline or arguments.continuous)
 
 
 @dataclass
@@ -191,24 +184,26 @@ async def _demo(
             flush=True,
         )
         try:
-            runs.append(await _run(settings, baseline, plan, stopping, view, table=False))
+            replay = await _run(settings, baseline, plan, stopping, view, table=False)
         except (EnvoyError, OSError, RuntimeError) as error:
             print(f"policyd demo: the baseline could not start: {error}", file=sys.stderr)
+        else:
+            if not stopping.is_set():  # a replay cut short compares with nothing
+                runs.append(replay)
     print()
     for line in summary(main.feed, main.traffic, seconds=main.seconds, pod_names=main.pod_names):
         print(line)
-    if stopping.is_set():
-        print("policyd demo: interrupted; everything is stopped")
-        return EXIT_INTERRUPTED
-    adapters = plan.adapters
-    figures = [run_figures(r.policy, r.feed, r.pod_names, adapters) for r in runs]
     if len(runs) == 2:
         print(
             f"what policyd gained: the same {main.traffic.finished} requests, routed by "
             f"{main.policy} and, on fresh pods, uniformly at random"
         )
+    figures = [run_figures(r.policy, r.feed, r.pod_names, plan.adapters) for r in runs]
     for line in comparison(figures, time_scale=arguments.time_scale):
         print(line)
+    if stopping.is_set():
+        print("policyd demo: interrupted; everything is stopped")
+        return EXIT_INTERRUPTED
     ok = main.traffic.statuses.get(200, 0)
     return 0 if ok else 1
 

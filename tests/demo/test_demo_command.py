@@ -128,6 +128,8 @@ def test_ctrl_c_stops_the_demo_and_everything_it_started() -> None:
             process.wait()
     assert process.returncode == 130, err
     assert "interrupted; everything is stopped" in out
+    assert "replaying" not in out  # --continuous has no baseline
+    assert figures_alone(out)["completed"][0].isdigit()  # the figures of what did run
     ports = ADMIN.search("".join(lines))
     assert ports is not None
     assert all(refuses_connections(int(port)) for port in ports.groups())

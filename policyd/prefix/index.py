@@ -21,7 +21,7 @@ applied event (events are applied between requests, in slices).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
@@ -53,6 +53,10 @@ class PrefixIndex(Protocol):
 
     def block_size(self, pod: str) -> int | None:
         """The block size ``pod`` announced, or None: the locator's own applies."""
+        ...
+
+    def block_sizes(self) -> Collection[int]:
+        """Every block size a pod announced (empty when none did)."""
         ...
 
 
@@ -129,6 +133,9 @@ class ApproximateIndex(_Holders):
     def block_size(self, pod: str) -> int | None:
         return None
 
+    def block_sizes(self) -> Collection[int]:
+        return ()
+
     def record(self, pod: str, keys: Sequence[int]) -> None:
         """``pod`` was sent a prompt of these ``keys``: it holds them now, most recently used.
 
@@ -192,10 +199,14 @@ class PreciseIndex(_Holders):
     def __init__(self) -> None:
         super().__init__()
         self._pods: dict[str, _PodBlocks] = {}
+        self._sizes: Counter[int] = Counter()  # announced block size -> pods announcing it
 
     def block_size(self, pod: str) -> int | None:
         state = self._pods.get(pod)
         return None if state is None else state.block_size
+
+    def block_sizes(self) -> Collection[int]:
+        return self._sizes.keys()
 
     def blocks(self, pod: str) -> int:
         """Blocks indexed for ``pod``."""
@@ -231,8 +242,18 @@ class PreciseIndex(_Holders):
 
     def forget(self, pod: str) -> None:
         self.clear(pod)
-        self._pods.pop(pod, None)
+        state = self._pods.pop(pod, None)
+        if state is not None:
+            self._count_size(state.block_size, None)
         self._release(pod)
+
+    def _count_size(self, old: int | None, new: int | None) -> None:
+        if old is not None:
+            self._sizes[old] -= 1
+            if not self._sizes[old]:
+                del self._sizes[old]
+        if new is not None:
+            self._sizes[new] += 1
 
     def _store(self, pod: str, state: _PodBlocks, bit: int, event: BlockStored) -> None:
         count = len(event.block_hashes)
@@ -259,7 +280,9 @@ class PreciseIndex(_Holders):
                 _skip(pod, state, "parent block never announced", count)
                 return
             parent = known
-        state.block_size = size
+        if state.block_size != size:
+            self._count_size(state.block_size, size)
+            state.block_size = size
         keys = state.keys
         tokens = event.token_ids
         for i, engine_hash in enumerate(event.block_hashes):

@@ -81,16 +81,14 @@ class PrefixProbe:
         index = self._locator.index
         default = self._locator.block_size
         names = [pod.address for pod in pods]
-        sizes = [index.block_size(name) or default for name in names]
-        distinct = set(sizes)
-        if len(distinct) == 1:
-            size = sizes[0]
+        if all(size == default for size in index.block_sizes()):  # every pod cuts alike
             return [
-                (blocks * size / prompt, blocks * size)
-                for blocks in index.match(self.keys(model, size), names)
+                (blocks * default / prompt, blocks * default)
+                for blocks in index.match(self.keys(model, default), names)
             ]
+        sizes = [index.block_size(name) or default for name in names]
         result: list[tuple[float, int]] = [(0.0, 0)] * len(names)
-        for size in distinct:
+        for size in set(sizes):
             positions = [i for i, s in enumerate(sizes) if s == size]
             group = [names[i] for i in positions]
             matched = index.match(self.keys(model, size), group)

@@ -139,3 +139,8 @@ def test_precise_mode_keys_each_pod_with_the_block_size_it_announced() -> None:
         len(tokens) // 32 * 32,
         0,
     ]
+    assert sorted(index.block_sizes()) == [16, 32]
+    index.forget(PODS[1].address)
+    assert list(index.block_sizes()) == [16]
+    matched = locator.probe(turns).match(BASE, PODS)
+    assert [cached for _, cached in matched] == [len(tokens) // 16 * 16, 0, 0]

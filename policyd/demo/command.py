@@ -198,7 +198,7 @@ async def _demo(
             f"what policyd gained: the same {main.traffic.finished} requests, routed by "
             f"{main.policy} and, on fresh pods, uniformly at random"
         )
-    figures = [run_figures(r.policy, r.feed, r.pod_names, plan.adapters) for r in runs]
+    figures = [run_figures(r.policy, r.feed, r.traffic, r.pod_names, plan.adapters) for r in runs]
     for line in comparison(figures, time_scale=arguments.time_scale):
         print(line)
     if stopping.is_set():

@@ -122,7 +122,6 @@ class Totals:
     """Counts over the whole run (the table shows only the latest rows)."""
 
     finished: int = 0
-    completed: int = 0  # answered 200 and delivered whole
     by_status: Counter[int] = field(default_factory=Counter)
     by_pod: Counter[str] = field(default_factory=Counter)
     by_model_pod: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -176,8 +175,6 @@ class DecisionFeed:
         totals.finished += 1
         if record.status is not None:
             totals.by_status[record.status] += 1
-        if record.completed and record.status == 200:
-            totals.completed += 1
         if record.stream and record.first_body_seconds is not None and record.completed:
             totals.stream_ttft_seconds.append(record.first_body_seconds)
         totals.completion_tokens += record.completion_tokens or 0

@@ -109,6 +109,7 @@ class TrafficResults:
 
     sent: int = 0
     finished: int = 0
+    completed: int = 0  # answered 200 and read to the end
     statuses: Counter[int] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)  # no HTTP answer: why
 
@@ -239,6 +240,8 @@ class Traffic:
                 async for _ in response.content.iter_any():
                     pass  # read a stream as it comes, like a chat client
                 results.statuses[response.status] += 1
+                if response.status == 200:
+                    results.completed += 1
         except aiohttp.ClientError as error:
             results.failures[type(error).__name__] += 1
         finally:

@@ -184,7 +184,7 @@ class RunFigures:
     """What one run under one policy achieved, for the side-by-side."""
 
     policy: str
-    completed: int
+    completed: int  # as the clients saw them: answered 200 and read to the end
     ttft_p50_s: float | None  # of the streams
     ttft_p90_s: float | None
     hit_rate: float | None  # cached prompt tokens / prompt tokens, as the pods reported
@@ -193,7 +193,11 @@ class RunFigures:
 
 
 def run_figures(
-    policy: str, feed: DecisionFeed, pod_names: Sequence[str], adapters: Sequence[str]
+    policy: str,
+    feed: DecisionFeed,
+    traffic: TrafficResults,
+    pod_names: Sequence[str],
+    adapters: Sequence[str],
 ) -> RunFigures:
     totals = feed.totals
     ttfts = sorted(totals.stream_ttft_seconds)
@@ -201,7 +205,7 @@ def run_figures(
     mean = sum(routed) / len(routed) if routed else 0.0
     return RunFigures(
         policy=policy,
-        completed=totals.completed,
+        completed=traffic.completed,
         ttft_p50_s=statistics.median(ttfts) if ttfts else None,
         ttft_p90_s=ttfts[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None,
         hit_rate=totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else None,

@@ -38,9 +38,10 @@ def test_the_figures_of_a_run() -> None:
     for i in range(10):  # adapter-a stays on vllm-0; streams' TTFT 10, 20, ... 100 ms
         answer(feed, "adapter-a", "vllm-0", cached=80 if i else 0, ttft=(i + 1) / 100)
     answer(feed, "adapter-b", "vllm-1")
-    answer(feed, "adapter-b", "vllm-2", completed=False)  # cut: not completed
+    answer(feed, "adapter-b", "vllm-2", completed=False)  # policyd lost the stream
     answer(feed, "base", "vllm-1")  # not an adapter: no spread
-    figures = run_figures("lora-prefix", feed, PODS, adapters=("adapter-a", "adapter-b"))
+    traffic = TrafficResults(sent=13, finished=13, completed=12)  # what the clients saw
+    figures = run_figures("lora-prefix", feed, traffic, PODS, ("adapter-a", "adapter-b"))
     assert figures.completed == 12
     assert figures.ttft_p50_s == pytest.approx(0.055)
     assert figures.ttft_p90_s == pytest.approx(0.09)
@@ -52,7 +53,7 @@ def test_the_figures_of_a_run() -> None:
 def test_a_run_without_streams_adapters_or_usage_has_no_such_figures() -> None:
     feed = DecisionFeed()
     answer(feed, "base", "vllm-0", prompt=0)
-    figures = run_figures("random", feed, PODS, adapters=("adapter-a",))
+    figures = run_figures("random", feed, TrafficResults(), PODS, ("adapter-a",))
     assert (figures.ttft_p50_s, figures.hit_rate, figures.adapter_pods) == (None, None, None)
 
 

@@ -47,7 +47,10 @@ rates, each request with its own prompt. Every request goes through the real
 profile's ``num_gpu_blocks``) or in precise mode (a ``PreciseIndex`` fed
 with the pods' own KV events, encoded and decoded as they travel over ZMQ,
 5 ms after the step that produced them). The oracle (``open_loop.Oracle``)
-reads the pods' true cache contents and load. For each workload the script
+reads the pods' true cache contents and load. The prefix-aware policy also
+runs in approximate mode on two policyd replicas taking turns (``--replicas``):
+each learns only its own routes and counts only its own requests in flight,
+as separate ``policyd serve`` processes do. For each workload the script
 first runs random routing over the sweep of rates and takes *the knee*, the
 lowest rate at which random starts to queue: its TTFT p90 more than twice its
 value at the lowest rate, i.e. a tenth of the requests wait at least as long
@@ -63,6 +66,7 @@ the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -308,6 +312,44 @@ class OpenPolicyRouting:
         self.locator.index.apply(pod_address(pod), batch.events)
 
 
+class ReplicatedRouting:
+    """Several policyd replicas behind one proxy, each deciding its own share of the requests.
+
+    Requests go to the replicas in turn (the proxy's round robin over the
+    ext_proc streams). Each replica sees the scraped metrics every replica
+    sees, but only its own in-flight counts, and in approximate mode learns
+    only the routes it chose itself; in precise mode every replica subscribes
+    to every pod's events.
+    """
+
+    def __init__(self, replicas: Sequence[OpenPolicyRouting]) -> None:
+        self.replicas = replicas
+        self.counts: list[list[int]] = [[] for _ in replicas]
+        self.owner: dict[int, tuple[int, int]] = {}
+        self.turn = 0
+
+    def __call__(self, arrival: Arrival, views: Sequence[PodView], rng: random.Random) -> int:
+        replica = self.turn % len(self.replicas)
+        self.turn += 1
+        counts = self.counts[replica]
+        if len(counts) < len(views):
+            counts.extend([0] * (len(views) - len(counts)))
+        own = [dataclasses.replace(view, in_flight=counts[view.index]) for view in views]
+        pod = self.replicas[replica](arrival, own, rng)
+        counts[pod] += 1
+        self.owner[arrival.index] = (replica, pod)
+        return pod
+
+    def done(self, index: int) -> None:
+        """Request ``index`` ended: the replica that routed it counts one fewer in flight."""
+        replica, pod = self.owner.pop(index)
+        self.counts[replica][pod] -= 1
+
+    def kv_events(self, pod: int, events: Sequence[KvEvent]) -> None:
+        for replica in self.replicas:
+            replica.kv_events(pod, events)
+
+
 @dataclass(frozen=True, slots=True)
 class Contender:
     """One router of the comparison: a policy file and its prefix mode, or the oracle."""
@@ -315,6 +357,7 @@ class Contender:
     name: str
     policy: Path | None  # None: the oracle
     mode: str | None = None
+    replicas: int = 1  # policyd replicas sharing the traffic, each with its own state
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,11 +392,25 @@ def run_contender(
     requests = workload.workload.requests(rate=rate, duration_s=duration_s, seed=seed)
     if contender.policy is None:
         return run_open_loop(Oracle(), requests, profile=PROFILE, seed=seed)
-    routing = OpenPolicyRouting(
-        contender.policy, seed=seed, mode=contender.mode, tokenizer=tokenizer
+    replicas = [
+        OpenPolicyRouting(
+            contender.policy, seed=seed + 1000 * i, mode=contender.mode, tokenizer=tokenizer
+        )
+        for i in range(contender.replicas)
+    ]
+    if contender.replicas == 1:
+        routing = replicas[0]
+        sink = routing.kv_events if contender.mode == PRECISE else None
+        return run_open_loop(routing, requests, profile=PROFILE, seed=seed, kv_events=sink)
+    replicated = ReplicatedRouting(replicas)
+    return run_open_loop(
+        replicated,
+        requests,
+        profile=PROFILE,
+        seed=seed,
+        kv_events=replicated.kv_events if contender.mode == PRECISE else None,
+        on_done=replicated.done,
     )
-    sink = routing.kv_events if contender.mode == PRECISE else None
-    return run_open_loop(routing, requests, profile=PROFILE, seed=seed, kv_events=sink)
 
 
 # --- figures ---------------------------------------------------------------------------
@@ -622,6 +679,9 @@ def open_contenders(arguments: argparse.Namespace) -> list[Contender]:
             ]
         else:
             print(f"  ({path} does not exist: not run)", flush=True)
+    if arguments.prefix_policy.exists() and arguments.replicas > 1:
+        path, replicas = arguments.prefix_policy, arguments.replicas
+        contenders.append(Contender(f"{path.stem} approx x{replicas}", path, APPROXIMATE, replicas))
     contenders += [Contender(path.stem, path, APPROXIMATE) for path in arguments.policy]
     contenders.append(Contender(ORACLE, None))
     return contenders
@@ -750,6 +810,13 @@ def main() -> None:
         help="the combined LoRA and prefix policy, run in both modes (default %(default)s)",
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="open loop: also run the prefix policy in approximate mode on this many policyd "
+        "replicas, each learning only its own routes (default 2; 1: not)",
+    )
+    parser.add_argument(
         "--prefix-tokenizer",
         default="sim",
         help="open loop: approximate mode's tokenizer, sim or estimate (default sim; "
@@ -764,6 +831,8 @@ def main() -> None:
         parser.error("--adapters must be at least 1")
     if arguments.duration <= 0 or any(rate <= 0 for rate in arguments.rates or ()):
         parser.error("--duration and --rates must be positive")
+    if arguments.replicas < 1:
+        parser.error("--replicas must be at least 1")
     if arguments.workload == "seed":
         main_seed(arguments)
     else:

@@ -271,8 +271,10 @@ class _OpenRun:
         timeout_s: float,
         kv_events: KvEventSink | None,
         kv_event_delay_s: float,
+        on_done: Callable[[int], None] | None,
     ) -> None:
         self.route = route
+        self.on_done = on_done
         self.requests = requests
         self.profile = profile
         self.scrape_interval_s = scrape_interval_s
@@ -420,6 +422,8 @@ class _OpenRun:
         pod = self.pod_of[index]
         if pod is not None:
             self.in_flight[pod] -= 1
+            if self.on_done is not None:
+                self.on_done(index)
 
     def _records(self) -> tuple[OpenRecord, ...]:
         records = []
@@ -453,11 +457,15 @@ def run_open_loop(
     timeout_s: float = 120.0,
     kv_events: KvEventSink | None = None,
     kv_event_delay_s: float = 0.005,
+    on_done: Callable[[int], None] | None = None,
 ) -> OpenLoopResult:
     """Serve ``requests`` (arrival times and prompts fixed by the workload) over ``pods`` pods.
 
     ``kv_events`` receives every pod's KV events ``kv_event_delay_s`` after
-    the step that produced them (precise prefix routing's input).
+    the step that produced them (precise prefix routing's input). ``on_done``
+    is told the index of every sent request that ended, completed or timed
+    out, when the router's own in-flight count drops (a router keeping counts
+    of its own, such as one of several replicas, needs it).
     """
     if pods < 1:
         raise ValueError("an experiment needs at least one pod")
@@ -473,6 +481,7 @@ def run_open_loop(
         timeout_s=timeout_s,
         kv_events=kv_events,
         kv_event_delay_s=kv_event_delay_s,
+        on_done=on_done,
     )
     return run.run()
 

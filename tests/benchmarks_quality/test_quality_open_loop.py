@@ -163,3 +163,38 @@ def test_on_mixed_the_combined_policy_is_held_to_lora_balanceds_completions_in_b
     assert text.count("combined precise: completed 197 vs lora-balanced's 200 (98.5%") == 2
     assert text.count("98.5%; goal >= 99%): MISSED") == 2  # 198 of 200 meets 99%
     assert "hit rate" not in text  # locality goals belong to shared-prefix and multi-turn
+
+
+def test_each_replica_counts_and_learns_only_its_own_routes(prefix_only: Path) -> None:
+    replicas = [
+        quality.OpenPolicyRouting(prefix_only, seed=i, mode=quality.APPROXIMATE) for i in (0, 1)
+    ]
+    route = quality.ReplicatedRouting(replicas)
+    # The proxy's view says pod 0 is busy; each replica sees only its own counts instead.
+    views = [PodView(i, f"vllm-{i}", 0, 0, 0.0, (), (), 4, 0.0, [9, 0, 0][i]) for i in range(3)]
+    first = route(_arrival(0), views, random.Random(0))  # replica 0: a tie, its own draw
+    second = route(_arrival(1), views, random.Random(0))  # replica 1
+    address = quality.pod_address(first)
+    assert replicas[0].locator.index.blocks(address) == 6
+    assert second != first  # (these seeds) so replica 1 did not learn replica 0's route:
+    assert replicas[1].locator.index.blocks(address) == 0
+    assert route(_arrival(2), views, random.Random(0)) == first  # replica 0 learned it
+    expected = [[0, 0, 0], [0, 0, 0]]
+    expected[0][first] += 2
+    expected[1][second] += 1
+    assert route.counts == expected
+    route.done(0)
+    route.done(1)
+    expected[0][first] -= 1
+    expected[1][second] -= 1
+    assert route.counts == expected
+
+
+def test_two_approximate_replicas_serve_a_run_with_their_counts_back_to_zero(
+    prefix_only: Path,
+) -> None:
+    contender = quality.Contender("x2", prefix_only, quality.APPROXIMATE, replicas=2)
+    tiny = quality.OpenWorkload("tiny", TINY, (3.0,))
+    result = quality.run_contender(contender, tiny, rate=3.0, duration_s=10.0, seed=1)
+    assert result.completed == result.sent > 20
+    assert result.hit_rate > 0.5

@@ -223,3 +223,15 @@ def test_arrivals_are_poisson_at_the_rate() -> None:
     requests = TINY.requests(rate=5.0, duration_s=400.0, seed=10)
     assert len(requests) == pytest.approx(2000, rel=0.1)
     assert all(0 <= r.at_s < 400 for r in requests)
+
+
+def test_on_done_hears_of_every_sent_request_once_completed_or_timed_out() -> None:
+    requests = MultiTurn(turns=(3, 3)).requests(rate=3.0, duration_s=3.0, seed=5)
+    done: list[int] = []
+    result = run_open_loop(
+        uniform_random, requests, pods=1, seed=5, timeout_s=0.5, on_done=done.append
+    )
+    assert sorted(done) == [r.index for r in result.records if r.sent is not None]
+    done.clear()
+    result = run_open_loop(uniform_random, requests, pods=2, seed=5, on_done=done.append)
+    assert sorted(done) == list(range(len(requests))) and result.completed == len(requests)

@@ -270,7 +270,7 @@ def comparison(runs: Sequence[RunFigures], *, time_scale: float) -> list[str]:
 
 def compare(value: float | None, baseline: float | None) -> str:
     """``value`` against ``baseline`` in words: "same", "2.6x lower", "3.1x higher"."""
-    if value is None or baseline is None or value < 0 or baseline < 0:
+    if value is None or baseline is None:
         return ""
     if value == baseline or (baseline and abs(value / baseline - 1) < 0.05):
         return "same"

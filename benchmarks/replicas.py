@@ -103,7 +103,8 @@ class Replica:
         return sum(children_cpu_seconds(self.pid).values())
 
     async def routed(self, client: aiohttp.ClientSession) -> int:
-        """The requests this replica decided so far, from its own Prometheus counter."""
+        """The requests this replica decided so far (routed or answered with an error),
+        from its own Prometheus counter."""
         url = f"http://127.0.0.1:{self.monitoring_port}/metrics"
         async with client.get(url) as response:
             text = await response.text()
@@ -146,7 +147,7 @@ class Phase:
         """CPU seconds per wall second: a column of CPU_COLUMNS, or "rest", what the
         machine spent on other work (other users, the kernel's network processing)."""
         if column == "rest":
-            measured = sum(self.cpu[column] for column in CPU_COLUMNS if column != "machine")
+            measured = sum(self.cpu[name] for name in CPU_COLUMNS if name != "machine")
             return (self.cpu["machine"] - measured) / self.wall
         return self.cpu[column] / self.wall
 
@@ -177,7 +178,7 @@ class Configuration:
         return max(self.saturation.items(), key=lambda item: item[1].rate)
 
     async def one(self) -> str:
-        """ "200", or what went wrong: the status and the JSON error's code, or the
+        """How one request went: "200", the status and the JSON error's code, or the
         exception when no answer came."""
         try:
             async with self.session.post(self.url, data=BODY, headers=HEADERS) as response:
@@ -191,6 +192,14 @@ class Configuration:
                 return f"{response.status} {code}"
         except aiohttp.ClientError as error:
             return type(error).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class Idle:
+    """Cores (CPU seconds per wall second) with no traffic."""
+
+    replicas: list[tuple[float, float]]  # each replica's serving process and scraper child
+    pods: float  # the pods process, answering both replicas' scrapes
 
 
 @dataclasses.dataclass
@@ -266,9 +275,8 @@ class Stack:
                 tasks.append(asyncio.create_task(send(scheduled)))
             await asyncio.gather(*tasks)
 
-    async def idle(self, seconds: float) -> tuple[list[tuple[float, float]], float]:
-        """Each replica's serving process and scraper child, and the pods process, in
-        cores (CPU seconds per wall second) over ``seconds`` with no traffic."""
+    async def idle(self, seconds: float) -> Idle:
+        """Cores each process used over ``seconds`` with no traffic: the scrapes' cost."""
         replicas = self.replicas
         before = [(r.cpu_seconds(), r.children_cpu_seconds()) for r in replicas]
         pods = process_cpu_seconds(self.pods_pid)
@@ -279,7 +287,7 @@ class Stack:
             ((r.cpu_seconds() - serving) / wall, (r.children_cpu_seconds() - child) / wall)
             for r, (serving, child) in zip(replicas, before, strict=True)
         ]
-        return cores, (process_cpu_seconds(self.pods_pid) - pods) / wall
+        return Idle(cores, (process_cpu_seconds(self.pods_pid) - pods) / wall)
 
 
 def start_replica(pods_file: Path, log: Path) -> Replica:
@@ -362,11 +370,10 @@ async def stack(arguments: argparse.Namespace, directory: Path) -> Any:
         pods.join(10)
 
 
-async def measure(arguments: argparse.Namespace, running: Stack) -> list[tuple[float, float]]:
-    """Every phase, each visiting the configurations in turn; the scrape cost with no
-    traffic (per replica: serving process and child cores, then the pods process's)."""
-    idle, pods_idle = await running.idle(IDLE_SECONDS)
-    idle.append((pods_idle, 0.0))
+async def measure(arguments: argparse.Namespace, running: Stack) -> Idle:
+    """The scrape cost with no traffic, then every phase, each visiting the
+    configurations in turn."""
+    idle = await running.idle(IDLE_SECONDS)
     configurations = running.configurations
     for configuration in configurations:  # connections, code paths and both hosts warm
         for _ in range(100):
@@ -388,7 +395,7 @@ async def measure(arguments: argparse.Namespace, running: Stack) -> list[tuple[f
 def report(
     arguments: argparse.Namespace,
     configurations: list[Configuration],
-    idle: list[tuple[float, float]],
+    idle: Idle,
 ) -> None:
     one, two = configurations
     rate = arguments.rate
@@ -446,14 +453,14 @@ def report(
         ]
         if failed:
             print(f"{configuration.name}: answers other than 200, not counted: {'; '.join(failed)}")
-    (serving_1, child_1), (serving_2, child_2), (pods_cores, _) = idle
+    (serving_1, child_1), (serving_2, child_2) = idle.replicas
     per_100 = 100 / arguments.pods
     print(
         f"scraping {arguments.pods} pods every 100 ms, no traffic, in cores: replica 1 "
         f"{serving_1:.3f} serving + {child_1:.3f} scraper child, replica 2 {serving_2:.3f} + "
         f"{child_2:.3f}; per replica per 100 pods "
         f"{(serving_1 + child_1 + serving_2 + child_2) / 2 * per_100:.3f}; the pods process "
-        f"answering both replicas' scrapes {pods_cores:.3f}"
+        f"answering both replicas' scrapes {idle.pods:.3f}"
     )
     (_, peak_1), (_, peak_2) = one.peak, two.peak
     print(
@@ -464,11 +471,10 @@ def report(
         f"at {rate:g}/s x{two.fixed_rate.cpu_per_1000() / one.fixed_rate.cpu_per_1000():.2f}"
     )
     for configuration in configurations:
-        _, peak = configuration.peak
         print(
-            f"{configuration.name}: one core of policyd serving process routes "
-            f"~{1000 / peak.cpu_per_1000():.0f} req/s at the peak's cost per request, "
-            f"~{1000 / configuration.fixed_rate.cpu_per_1000():.0f} at {rate:g}/s's"
+            f"{configuration.name}: a serving process with a core to itself would route "
+            f"~{1000 / configuration.peak[1].cpu_per_1000():.0f} req/s at the peak's CPU "
+            "per request"
         )
 
 

@@ -18,8 +18,9 @@ subscriber checks the sequence numbers:
 
 ZMQ reconnects a dropped connection by itself; a monitor socket reports
 connections and drops, which are logged. Batches are applied on the event loop
-in slices of a few hundred blocks, yielding between slices, so a burst (a replay
-of thousands of batches) never holds the loop for long. Nothing a pod sends can
+in calls of at most 256 blocks, and the subscriber yields to the loop whenever
+its work has run for half a millisecond, so a burst (a backlog of queued
+messages, a replay of thousands of batches) never holds the loop for long. Nothing a pod sends can
 raise into the loop: a malformed message is logged and skipped.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -47,7 +49,8 @@ from policyd.prefix.index import PreciseIndex
 
 _log = logging.getLogger(__name__)
 
-SLICE_BLOCKS: Final = 256  # blocks applied between two yields to the event loop (~0.3 ms)
+SLICE_BLOCKS: Final = 256  # blocks applied in one call at most (~0.3 ms)
+SLICE_S: Final = 0.0005  # event work between two yields to the event loop, at most about
 REPLAY_TIMEOUT_S: Final = 2.0  # per reply message; a silent replay socket counts as none
 _END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 _SEQ_BYTES: Final = 8
@@ -106,6 +109,9 @@ class KvEventSubscriber:
         self._model = model
         self._context = context or zmq.asyncio.Context.instance()
         self._feeds: dict[str, _Feed] = {}
+        # When the event work running now began: a message already queued completes its
+        # receive without suspending, so a backlog or a replay would otherwise run unbroken.
+        self._slice_began = time.perf_counter()
 
     def stats(self, pod: str) -> FeedStats | None:
         """The followed ``pod``'s feed counters, or None when it is not followed."""
@@ -163,7 +169,12 @@ class KvEventSubscriber:
 
     async def _receive(self, feed: _Feed) -> None:
         while True:
-            frames = await feed.socket.recv_multipart()
+            receiving = asyncio.ensure_future(feed.socket.recv_multipart())
+            if receiving.done():
+                frames = receiving.result()
+            else:
+                frames = await receiving
+                self._slice_began = time.perf_counter()
             try:
                 await self._on_message(feed, frames)
             except asyncio.CancelledError:
@@ -228,18 +239,23 @@ class KvEventSubscriber:
         if endpoint is None:
             return None
         dealer = self._context.socket(zmq.DEALER)
+        dealer.set(zmq.RCVHWM, 0)  # a replay arrives faster than it is read: keep all of it
         batches: list[tuple[int, bytes]] = []
+        loop = asyncio.get_running_loop()
         try:
             dealer.connect(endpoint)
             await dealer.send_multipart((b"", start.to_bytes(_SEQ_BYTES, "big")))
-            while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
-                if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
-                    _log.warning("KV replay of %s: a malformed reply", feed.pod)
-                    return batches
-                if frames[1] == _END_SEQ:
-                    return batches
-                batches.append((int.from_bytes(frames[1], "big"), frames[2]))
+            async with asyncio.timeout(REPLAY_TIMEOUT_S) as deadline:
+                while True:
+                    frames = await dealer.recv_multipart()
+                    deadline.reschedule(loop.time() + REPLAY_TIMEOUT_S)
+                    if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+                        _log.warning("KV replay of %s: a malformed reply", feed.pod)
+                        return batches
+                    if frames[1] == _END_SEQ:
+                        return batches
+                    batches.append((int.from_bytes(frames[1], "big"), frames[2]))
+                    await self._yield_when_due()
         except TimeoutError:
             _log.warning("KV replay of %s at %s did not answer", feed.pod, endpoint)
             return batches
@@ -265,9 +281,16 @@ class KvEventSubscriber:
                 self.index.apply(feed.pod, chunk)
                 feed.stats.blocks += blocks
                 chunk, blocks = [], 0
-                await asyncio.sleep(0)
+                await self._yield_when_due()
         self.index.apply(feed.pod, chunk)
         feed.stats.blocks += blocks
+        await self._yield_when_due()
+
+    async def _yield_when_due(self) -> None:
+        """Let the loop run other work once this slice of event work has run its time."""
+        if time.perf_counter() - self._slice_began >= SLICE_S:
+            await asyncio.sleep(0)
+            self._slice_began = time.perf_counter()
 
     def _clear(self, feed: _Feed, reason: str) -> None:
         feed.stats.clears += 1

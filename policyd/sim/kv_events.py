@@ -45,6 +45,7 @@ END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 REPLAY_BUFFER_STEPS: Final = 10_000  # vLLM's default buffer_steps
 _HWM: Final = 100_000  # vLLM's default high-water mark
 _REBIND_WAIT_S: Final = 2.0
+_REPLAY_SLICE: Final = 64  # batches a replay sends between two yields to the pod's event loop
 
 _log = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class KvEventPublisher:
             port = await _bind(pub, host, port)
             if replay_port is not None:
                 router = context.socket(zmq.ROUTER)
+                # A ROUTER drops what exceeds its high-water mark: room for a whole replay.
+                router.set_hwm(buffer_steps + 1)
                 replay_port = await _bind(router, host, replay_port)
         except BaseException:
             pub.close(linger=0)
@@ -187,9 +190,12 @@ class KvEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start_seq:
-                    await replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            for sent, (seq, payload) in enumerate(
+                [(seq, payload) for seq, payload in self._buffer if seq >= start_seq], 1
+            ):
+                await replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                if sent % _REPLAY_SLICE == 0:  # a send that does not block does not yield
+                    await asyncio.sleep(0)
             await replay.send_multipart((client, b"", END_SEQ, b""))
 
 

@@ -204,6 +204,8 @@ class Idle:
 
 @dataclasses.dataclass
 class Stack:
+    """The running processes and clients, and the measurements taken on them."""
+
     replicas: list[Replica]
     pods_pid: int
     configurations: list[Configuration]
@@ -291,7 +293,8 @@ class Stack:
 
 
 def start_replica(pods_file: Path, log: Path) -> Replica:
-    """``policyd serve`` as deployed, apart from the ports (free ones, on loopback)."""
+    """``policyd serve`` with its default flags but for free loopback ports and no
+    grace period on stop."""
     port, monitoring = free_port(), free_port()
     command = [
         sys.executable, "-m", "policyd", "serve",
@@ -335,27 +338,26 @@ async def stack(arguments: argparse.Namespace, directory: Path) -> Any:
         for replica in replicas:
             await policyd_ready(replica.port, arguments.pods)
         async with aiohttp.ClientSession() as client:
-            configurations = []
-            for count in (1, 2):
-                envoy_directory = directory / f"envoy-{count}"
-                envoy_directory.mkdir()
-                options = EnvoyConfigOptions(
-                    port=0,
-                    admin_port=0,
-                    policyd_addresses=tuple(f"127.0.0.1:{r.port}" for r in replicas[:count]),
-                )
-                envoy = await start_envoy(envoy_directory, options)
-                envoys.append(envoy)
-                deadline = time.monotonic() + 15
-                while await healthy_hosts(client, envoy) < count:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"Envoy did not see {count} healthy policyd hosts")
-                    await asyncio.sleep(0.05)
-                connector = aiohttp.TCPConnector(limit=max(arguments.concurrency))
-                session = aiohttp.ClientSession(connector=connector)
-                configurations.append(Configuration(count, envoy, session))
-            assert pods.pid is not None
+            configurations: list[Configuration] = []
             try:
+                for count in (1, 2):
+                    envoy_directory = directory / f"envoy-{count}"
+                    envoy_directory.mkdir()
+                    addresses = [f"127.0.0.1:{r.port}" for r in replicas[:count]]
+                    options = EnvoyConfigOptions(
+                        port=0, admin_port=0, policyd_addresses=tuple(addresses)
+                    )
+                    envoy = await start_envoy(envoy_directory, options)
+                    envoys.append(envoy)
+                    deadline = time.monotonic() + 15
+                    while await healthy_hosts(client, envoy) < count:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"Envoy did not see {count} healthy policyd hosts")
+                        await asyncio.sleep(0.05)
+                    connector = aiohttp.TCPConnector(limit=max(arguments.concurrency))
+                    session = aiohttp.ClientSession(connector=connector)
+                    configurations.append(Configuration(count, envoy, session))
+                assert pods.pid is not None
                 yield Stack(replicas, pods.pid, configurations, client)
             finally:
                 for configuration in configurations:

@@ -388,10 +388,15 @@ def run_contender(
     seed: int,
     tokenizer: str = "sim",
 ) -> OpenLoopResult:
-    """One open-loop run of ``workload`` at ``rate`` routed by ``contender``."""
+    """One open-loop run of ``workload`` at ``rate`` routed by ``contender``.
+
+    ``tokenizer`` is approximate mode's; precise mode always uses ``sim``, the pods' own ids.
+    """
     requests = workload.workload.requests(rate=rate, duration_s=duration_s, seed=seed)
     if contender.policy is None:
         return run_open_loop(Oracle(), requests, profile=PROFILE, seed=seed)
+    if contender.mode != APPROXIMATE:
+        tokenizer = "sim"  # precise mode matches the pods' own token ids
     replicas = [
         OpenPolicyRouting(
             contender.policy, seed=seed + 1000 * i, mode=contender.mode, tokenizer=tokenizer

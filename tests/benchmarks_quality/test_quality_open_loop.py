@@ -198,3 +198,18 @@ def test_two_approximate_replicas_serve_a_run_with_their_counts_back_to_zero(
     result = quality.run_contender(contender, tiny, rate=3.0, duration_s=10.0, seed=1)
     assert result.completed == result.sent > 20
     assert result.hit_rate > 0.5
+
+
+def test_the_tokenizer_flag_changes_approximate_mode_only(prefix_only: Path) -> None:
+    tiny = quality.OpenWorkload("tiny", TINY, (3.0,))
+
+    def hits(mode: str, tokenizer: str) -> float:
+        contender = quality.Contender(mode, prefix_only, mode)
+        run = quality.run_contender(
+            contender, tiny, rate=3.0, duration_s=10.0, seed=4, tokenizer=tokenizer
+        )
+        return float(run.hit_rate)
+
+    # Precise mode with estimated ids would match nothing the pods announce.
+    assert hits(quality.PRECISE, "estimate") == hits(quality.PRECISE, "sim") > 0.5
+    assert hits(quality.APPROXIMATE, "estimate") > 0.5  # equal text, equal pseudo-ids

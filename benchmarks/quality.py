@@ -59,7 +59,7 @@ knee, 1.5x the knee and the highest rate; the goals of issue 25 are checked at
 the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 100-102).
 
-    python benchmarks/quality.py --workload shared-prefix      # about a minute
+    python benchmarks/quality.py --workload shared-prefix      # about two minutes
     python benchmarks/quality.py --workload multi-turn --seeds 2 --duration 150
 """
 

@@ -301,6 +301,11 @@ def report(
     print(f"request (probe: tokenize, keys, match over {args.pods} pods), sent -> answered:")
     print(f"  p50 no load {q50:8.1f} us   load {l50:8.1f} us   ratio {l50 / q50:.2f}")
     print(f"  p99 no load {q99:8.1f} us   load {l99:8.1f} us   ratio {l99 / q99:.2f}")
+    ratios = [
+        percentile(on.latency_us, 0.5) / percentile(off.latency_us, 0.5)
+        for off, on in zip(quiet, loaded, strict=True)
+    ]
+    print("  p50 ratio per round: " + " ".join(f"{ratio:.2f}" for ratio in ratios))
     print(f"probe's own time p50: no load {p_q:.1f} us, load {p_l:.1f} us")
     print(f"index match alone p50: no load {m_q:.1f} us, load {m_l:.1f} us")
     print(f"block events applied: {rate:,.0f}/s; CPU {cpu_per_k:.2f} ms per 1,000 block events")

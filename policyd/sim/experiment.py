@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from policyd.sim.engine import RequestState, SimRequest
+from policyd.sim.engine import EngineSnapshot, RequestState, SimRequest
 from policyd.sim.names import adapter_names, pod_name
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.virtual import Timer, VirtualLoop, VirtualPod
@@ -76,6 +76,32 @@ class PodView:
     metrics_age: float
     in_flight: int
     preemptions: int = 0
+
+
+def pod_views(
+    pods: Sequence[VirtualPod],
+    sampled: Sequence[tuple[EngineSnapshot, float]],
+    in_flight: Sequence[int],
+    now: float,
+) -> list[PodView]:
+    """What a router sees of each pod at ``now``: its last scraped snapshot (taken at
+    the time beside it) and the router's own in-flight count."""
+    return [
+        PodView(
+            i,
+            pods[i].name,
+            snapshot.waiting,
+            snapshot.running,
+            snapshot.kv_cache_usage,
+            snapshot.running_adapters,
+            snapshot.waiting_adapters,
+            snapshot.max_loras,
+            now - sampled_at,
+            in_flight[i],
+            snapshot.preemptions,
+        )
+        for i, (snapshot, sampled_at) in enumerate(sampled)
+    ]
 
 
 RoutingFunction = Callable[[RoutedRequest, Sequence[PodView], random.Random], int]
@@ -276,22 +302,7 @@ class _Run:
             )
 
     def _views(self, now: float) -> list[PodView]:
-        return [
-            PodView(
-                i,
-                self.pods[i].name,
-                snapshot.waiting,
-                snapshot.running,
-                snapshot.kv_cache_usage,
-                snapshot.running_adapters,
-                snapshot.waiting_adapters,
-                snapshot.max_loras,
-                now - sampled_at,
-                self.in_flight[i],
-                snapshot.preemptions,
-            )
-            for i, (snapshot, sampled_at) in enumerate(self.sampled)
-        ]
+        return pod_views(self.pods, self.sampled, self.in_flight, now)
 
     def on_progress(self, state: RequestState, now: float) -> None:
         if not state.finished:

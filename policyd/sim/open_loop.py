@@ -45,7 +45,7 @@ from functools import partial
 
 from policyd.sim.blocks import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, prefix_keys
 from policyd.sim.engine import RequestState, SimRequest
-from policyd.sim.experiment import PodView, percentile
+from policyd.sim.experiment import PodView, percentile, pod_views
 from policyd.sim.names import pod_name
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.virtual import Timer, VirtualLoop, VirtualPod
@@ -371,22 +371,7 @@ class _OpenRun:
         )
 
     def _views(self, now: float) -> list[PodView]:
-        return [
-            PodView(
-                i,
-                self.pods[i].name,
-                snapshot.waiting,
-                snapshot.running,
-                snapshot.kv_cache_usage,
-                snapshot.running_adapters,
-                snapshot.waiting_adapters,
-                snapshot.max_loras,
-                now - sampled_at,
-                self.in_flight[i],
-                snapshot.preemptions,
-            )
-            for i, (snapshot, sampled_at) in enumerate(self.sampled)
-        ]
+        return pod_views(self.pods, self.sampled, self.in_flight, now)
 
     def on_progress(self, state: RequestState, now: float) -> None:
         index = int(state.request.request_id)

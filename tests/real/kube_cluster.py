@@ -102,6 +102,16 @@ class Cluster:
         except urllib.error.HTTPError as error:
             return error.code, str(json.loads(error.read()).get("message", ""))
 
+    def create_when_served(self, document: dict[str, Any], namespace: str) -> tuple[int, str]:
+        """``create``, waiting out the moment after a CRD's creation when its
+        resources are not served yet (404)."""
+        for _ in range(100):
+            status, message = self.create(document, namespace)
+            if status != 404:
+                return status, message
+            time.sleep(0.2)
+        return status, message
+
     def call(
         self,
         method: str,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -420,24 +419,13 @@ def cluster(
         stop_cluster(running)
 
 
-def dry_run(cluster: Cluster, document: dict[str, Any]) -> tuple[int, str]:
-    """The dry run, waiting out the moment after a CRD's creation when its resources
-    are not served yet (404)."""
-    for _ in range(100):
-        status, message = cluster.create(document, NAMESPACE)
-        if status != 404:
-            return status, message
-        time.sleep(0.2)
-    return status, message
-
-
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_the_api_server_accepts_every_rendered_object(
     cluster: Cluster, tool: Callable[[str], str], name: str
 ) -> None:
     results = []
     for document in render(tool, VALUE_SETS[name]):
-        status, message = dry_run(cluster, document)
+        status, message = cluster.create_when_served(document, NAMESPACE)
         results.append((f"{document['kind']}/{document['metadata']['name']}", status, message))
     assert results
     assert all(status == 201 for _, status, _ in results), results
@@ -465,6 +453,6 @@ def test_the_strict_dry_run_would_catch_a_misspelt_field(
         "sni"
     )
     for document in (deployment, envoyfilter, monitor, pool, rule):
-        status, message = dry_run(cluster, document)
+        status, message = cluster.create_when_served(document, NAMESPACE)
         assert status >= 400, (document["kind"], status, message)
         assert "unknown field" in message or "not declared in schema" in message, message

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -111,21 +110,10 @@ def cluster(
         stop_cluster(running)
 
 
-def dry_run(cluster: Cluster, document: dict[str, Any]) -> tuple[int, str]:
-    """The dry run, waiting out the moment after a CRD's creation when its resources
-    are not served yet (404)."""
-    for _ in range(100):
-        status, message = cluster.create(document, NAMESPACE)
-        if status != 404:
-            return status, message
-        time.sleep(0.2)
-    return status, message
-
-
 def test_the_api_server_accepts_every_object(cluster: Cluster) -> None:
     results = []
     for document in objects():
-        status, message = dry_run(cluster, document)
+        status, message = cluster.create_when_served(document, NAMESPACE)
         results.append((f"{document['kind']}/{document['metadata']['name']}", status, message))
     assert len(results) == len(objects())
     assert all(status == 201 for _, status, _ in results), results
@@ -162,6 +150,6 @@ def test_the_strict_dry_run_would_catch_a_mistake(
     """The dry run above is not vacuous for the Gateway API and InferencePool kinds."""
     (document,) = [copy.deepcopy(d) for d in objects() if d["kind"] == kind]
     change(document)
-    status, message = dry_run(cluster, document)
+    status, message = cluster.create_when_served(document, NAMESPACE)
     assert status >= 400, (kind, status, message)
     assert complaint in message or "not declared in schema" in message, message

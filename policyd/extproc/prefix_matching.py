@@ -46,11 +46,16 @@ class PrefixMatching:
         self._snapshots = snapshots
         self._capacities: tuple[int, dict[str, int]] = (-1, {})
         self._replays: dict[str, str | None] = {}  # event endpoint -> replay endpoint
+        # Pod address -> the model its metrics name: the seed of its base-model
+        # blocks' keys when its KV-event topic names none (vLLM's default).
+        self._models: dict[str, str] = {}
         self.subscriber: KvEventSubscriber | None = None
         index: ApproximateIndex | PreciseIndex
         if settings.mode == "precise":
             index = PreciseIndex()
-            self.subscriber = KvEventSubscriber(index, replay_endpoint=self._replay_endpoint)
+            self.subscriber = KvEventSubscriber(
+                index, replay_endpoint=self._replay_endpoint, model=self._model_of
+            )
         elif settings.cache_blocks:
             index = ApproximateIndex(settings.cache_blocks)
         else:
@@ -84,6 +89,7 @@ class PrefixMatching:
                 endpoint = endpoints[pod.address] = f"tcp://{host}:{events}"
                 replays[endpoint] = None if replay is None else f"tcp://{host}:{replay}"
             self._replays = replays
+            self._models = {pod.address: pod.base_model for pod in pods if pod.base_model}
             self.subscriber.follow(endpoints)
         elif isinstance(index, ApproximateIndex):
             index.retain({pod.address for pod in pods})
@@ -112,6 +118,9 @@ class PrefixMatching:
 
     def _replay_endpoint(self, endpoint: str) -> str | None:
         return self._replays.get(endpoint)
+
+    def _model_of(self, address: str) -> str | None:
+        return self._models.get(address)
 
 
 def _port(labels: Mapping[str, str], label: str, default: int | None) -> int | None:

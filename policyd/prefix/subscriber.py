@@ -92,8 +92,10 @@ class KvEventSubscriber:
 
     ``replay_endpoint`` maps a pod's event endpoint to its replay endpoint
     (vLLM's ``replay_endpoint``, e.g. the same host on another port), or to None
-    when it has none. ``model`` is the base model for topics that do not name
-    one (llm-d's convention ``kv@<pod>@<model>`` does).
+    when it has none. ``model`` gives a pod's base model for topics that do not
+    name one (vLLM's default topic is empty; llm-d's convention
+    ``kv@<pod>@<model>`` names it): the serving path passes the model each pod's
+    metrics name (``pod.base_model``).
     """
 
     def __init__(
@@ -101,7 +103,7 @@ class KvEventSubscriber:
         index: PreciseIndex,
         *,
         replay_endpoint: Callable[[str], str | None] | None = None,
-        model: str | None = None,
+        model: Callable[[str], str | None] | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.index = index
@@ -189,7 +191,7 @@ class KvEventSubscriber:
             return
         topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
-        model = base_model_of(topic) or self._model
+        model = base_model_of(topic) or (self._model(feed.pod) if self._model else None)
         expected, dropped = feed.expected, feed.dropped
         feed.dropped = False
         if expected is None or seq < expected or (dropped and seq != expected):

@@ -71,7 +71,7 @@ async def test_precise_mode_follows_each_pods_publisher_by_ip_or_by_its_labels(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     pods = [
-        Pod("plain", "10.0.0.1:8000"),
+        Pod("plain", "10.0.0.1:8000", base_model="llama"),
         Pod("labelled", "127.0.0.1:8001", {"policyd/kv-events-port": "6001"}),
         Pod(
             "replays",
@@ -94,6 +94,9 @@ async def test_precise_mode_follows_each_pods_publisher_by_ip_or_by_its_labels(
         }
         assert matching._replay_endpoint("tcp://127.0.0.1:6003") == "tcp://127.0.0.1:6004"
         assert matching._replay_endpoint("tcp://10.0.0.1:5557") is None
+        # vLLM's default topic names no model: the pod's metrics say which it serves.
+        assert matching._model_of("10.0.0.1:8000") == "llama"
+        assert matching._model_of("127.0.0.1:8001") is None
         assert "policyd/kv-events-port='many' is no port" in caplog.text
         pool.replace([dataclasses.replace(pods[0], address="10.0.0.9:8000")])
         matching.follow_now()

@@ -158,7 +158,11 @@ async def test_stored_removed_and_cleared_blocks_arrive_in_the_index(
 
             for text, model in prompts[:2]:
                 await complete(client, pod, text, model)
-            await eventually(agree, "stored")
+            # Both requests' blocks are announced: 5 of the first prompt, and 2
+            # of the adapter's (its own chain, though the text starts alike).
+            await eventually(
+                lambda: agree() and observer.leading(prompts[1][0], "adapter-1") == 2, "stored"
+            )
             assert matched(index, pod.address, prompts[0][0]) == 5
             assert matched(index, pod.address, prompts[1][0], "adapter-1") == 2
             for text, model in prompts[2:]:

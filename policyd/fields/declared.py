@@ -252,7 +252,7 @@ POD_FIELDS: Final[tuple[Field, ...]] = (
         "string",
         "metric",
         "the model the server serves, as its metrics name it (the `model_name` label);"
-        " a request for it needs no LoRA adapter (\"\" where not published)",
+        ' a request for it needs no LoRA adapter ("" where not published)',
         "",
         SERVED_MODEL,
         "model_name",

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policyd.policy import Request
+import pytest
 
-from .helpers import pod, problems, router
+from policyd.cli import main
+from policyd.policy import Request
+from policyd.policy.explain import explain, render_text, to_json
+
+from .helpers import pod, policy_set, problems, router, write
 
 FLOW = """
 name: held
@@ -109,3 +113,49 @@ def test_flow_expressions_are_type_checked_at_their_place(tmp_path: Path) -> Non
 def test_a_band_wait_over_envoys_maximum_is_refused(tmp_path: Path) -> None:
     found = problems(tmp_path, FLOW.replace("max_wait: 60s", "max_wait: 5m"))
     assert any("'max_wait' must be under" in p for p in found), found
+
+
+def test_explain_says_a_request_would_be_held(tmp_path: Path) -> None:
+    policies = policy_set(tmp_path, FLOW)
+    full = [pod("a", waiting_queue=5), pod("b", waiting_queue=9)]
+    explanation = explain(policies, Request("m", headers={"x-tenant": "gold"}), full)
+    assert explanation.held.startswith("would be held: every pod is saturated")
+    assert "band standard, flow gold, for up to 20s" in explanation.held
+    assert "flow      would be held" in render_text(explanation)
+    assert to_json(explanation)["held"] == explanation.held
+    roomy = explain(policies, Request("m"), [pod("a"), *full])
+    assert roomy.held == "" and to_json(roomy)["held"] is None
+
+
+TESTS = """
+policy: policy.yaml
+pods:
+  a: {waiting_queue: 5}
+  b: {waiting_queue: 1}
+cases:
+  room on b:
+    request: {model: m}
+    expect: {pick: b}
+  every pod saturated:
+    request: {model: m}
+    pods:
+      a: {waiting_queue: 5}
+    expect: {outcome: held}
+  held, not routed:
+    request: {model: m}
+    pods:
+      a: {waiting_queue: 5}
+    expect: {outcome: routed}
+"""
+
+
+def test_policyd_test_can_expect_held(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = write(tmp_path, FLOW)
+    write(tmp_path, TESTS, "policy.test.yaml")
+    code = main(["test", str(policy)])
+    lines = capsys.readouterr().out.replace(str(tmp_path) + "/", "").splitlines()
+    assert code == 1
+    assert lines[0].startswith(
+        "policy.test.yaml:14:3: FAIL held, not routed: expected outcome routed, got would be held"
+    ), lines
+    assert lines[-1] == "2 passed, 1 failed"

@@ -260,6 +260,11 @@ class FlowControl:
             if pod is not None:
                 self.sent(pod)
 
+    @property
+    def held_bytes(self) -> int:
+        """The body bytes held, over every queue."""
+        return sum(queue.bytes for queue in self._queues.values())
+
     def next_expiry(self) -> float | None:
         """When the next held request expires (None: nothing held)."""
         times = [t for q in self._queues.values() if (t := q.next_expiry()) is not None]

@@ -7,7 +7,11 @@
   credit and is served one request per unit of credit, so over any stretch
   in which two flows stay backlogged each gets requests in proportion to its
   weight, within about one request (``tests/flow/test_queue.py`` holds it
-  to that). A flow that empties loses its credit: idling earns nothing.
+  to that). A flow that empties loses its credit: idling earns nothing. A
+  flow that held nothing goes to the front of the turns when its request
+  comes (as fq_codel's new flows do): a sparse flow (a small tenant, one
+  request at a time) waits for the next free slot, not behind a flood's turn,
+  while flows that stay backlogged still share by weight.
 - **Order inside a flow**: by ``Held.key``, the arrival (FCFS) or the
   deadline, then the arrival sequence.
 - **Limits**: per band (from the request's band) and in total. Past one the
@@ -141,9 +145,9 @@ class _Band:
 
     def push(self, held: Held) -> None:
         flow = self.flows.get(held.flow)
-        if flow is None:
+        if flow is None:  # a flow that held nothing: its turn comes first (see the docstring)
             flow = self.flows[held.flow] = _Flow(held.flow, held.weight)
-            self.active.append(flow)
+            self.active.appendleft(flow)
         flow.weight = held.weight  # the weight of the newest request: a reload applies
         flow.push(held)
         self.count += 1

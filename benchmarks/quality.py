@@ -58,6 +58,9 @@ the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 
     python benchmarks/quality.py --workload shared-prefix      # about a minute
     python benchmarks/quality.py --workload multi-turn --seeds 2 --duration 150
+
+Flow control's workloads (``--workload overload``, ``tenants``, ``priorities``)
+are run by ``benchmarks/flow_quality.py``, whose docstring says how.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ CRITICAL: Final = MappingProxyType({"x-gateway-inference-criticality": "critical
 POD_LABELS: Final = MappingProxyType({"app": "vllm"})
 SEED_WORKLOAD: Final = SeedWorkload()
 FIRST_POD_PORT: Final = 8000  # as `policyd sim --base-port 8000` would serve them
+FLOW_WORKLOADS: Final = ("overload", "tenants", "priorities")  # benchmarks/flow_quality.py
 
 
 def pod_from_view(
@@ -696,9 +700,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--workload",
-        choices=("seed", *OPEN_WORKLOADS),
+        choices=("seed", *OPEN_WORKLOADS, *FLOW_WORKLOADS),
         default="seed",
-        help="seed (the published experiment, the default) or an open-loop prefix workload",
+        help="seed (the published experiment, the default), an open-loop prefix workload, "
+        "or a flow-control workload (benchmarks/flow_quality.py)",
+    )
+    parser.add_argument(
+        "--multiples",
+        type=float,
+        nargs="+",
+        help="flow control: the multiples of the pool's capacity to offer instead of the "
+        "workload's",
+    )
+    parser.add_argument(
+        "--saturated",
+        help="flow control: the saturation predicate of the flow contenders instead of "
+        "flow_quality.SATURATED",
     )
     parser.add_argument(
         "--seeds", type=int, help="how many seeds (default 10 for seed, 3 for the others)"
@@ -767,6 +784,10 @@ def main() -> None:
         parser.error("--duration and --rates must be positive")
     if arguments.workload == "seed":
         main_seed(arguments)
+    elif arguments.workload in FLOW_WORKLOADS:
+        from flow_quality import main_flow  # beside this script; it builds on this module
+
+        main_flow(arguments)
     else:
         main_open_loop(arguments)
 

@@ -768,6 +768,8 @@ class Exchange:
             return False
         self._load.count -= 1
         self._load = None
+        if self._decision is not None:
+            self._server.holding.finished(self._decision.pod)  # counted free: a slot
         self._report("expired", "no_response_headers")
         return True
 

@@ -21,6 +21,10 @@ Four ways of handling overload, on the same requests:
 - ``flow+lora-prefix``: ``rules/lora-prefix.yaml`` (approximate prefix
   mode) with the same section.
 
+``--workload seed-flow`` runs the seed experiment (closed loop, 100
+connections) with ``rules/lora-prefix.yaml`` and the same section against
+``rules/lora-balanced.yaml`` without it: whether late binding pays there.
+
 The pool's capacity is measured first: the requests ``none`` completes per
 second while offered far more than it can serve (60 requests/s). Throughput
 counts the requests (and output tokens) completed while requests arrive, per
@@ -51,8 +55,8 @@ from policyd.flow import FlowAnswer, FlowControl, Held, Pass, unwrap
 from policyd.policy import Outcome, PolicyStore, Request, Router
 from policyd.pool.pod import Pod
 from policyd.prefix.probe import PrefixLocator
-from policyd.sim.experiment import percentile
-from policyd.sim.open_loop import OpenLoopResult, OpenRequest, _OpenRun
+from policyd.sim.experiment import _Run, percentile
+from policyd.sim.open_loop import OpenLoopResult, OpenRequest, Turn, _OpenRun
 from policyd.sim.workloads import Classes, Overload, Priorities, Tenants
 
 RULES: Final = quality.RULES
@@ -534,3 +538,171 @@ def goals(
                     f"{_verdict(p90 < base_p90)}",
                 ]
     return lines
+
+
+# --- the seed experiment: does late binding pay? ------------------------------------
+
+
+class SeedFlowRun(_Run):
+    """The seed experiment (closed loop: 100 connections) through a gateway with flow control.
+
+    A request holds its client's connection from the moment it is sent to the
+    gateway, held or not, as a real client's would.
+    """
+
+    def __init__(self, policy: Path, seed: int) -> None:
+        super().__init__(
+            route=self._chosen_pod,
+            workload=quality.SEED_WORKLOAD,
+            pods=6,
+            profile=quality.PROFILE,
+            seed=seed,
+            scrape_interval_s=0.1,
+        )
+        self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
+        self.locator = quality.prefix_locator(quality.APPROXIMATE)
+        self.turns = (Turn(None, token_ids=quality.SEED_WORKLOAD.prompt),)
+        self.control = FlowControl(lambda: self.router, self._snapshot, lambda: self.loop.now)
+        self.version = 0
+        self._pending_pod = -1
+        self.answered = 0
+        self.peak_held = 0
+        self.connected: list[float | None] = [None] * self.workload.requests
+        self._expiry: float | None = None
+
+    def ttft_s(self, result: Any) -> list[float]:
+        """Time to first token of completed requests, from the client's send (hold included)."""
+        return [
+            r.first_token - connected
+            for r, connected in zip(result.records, self.connected, strict=True)
+            if r.completed and r.first_token is not None and connected is not None
+        ]
+
+    def _dispatch(self) -> None:
+        while self.free_connections and self.pending:
+            index = self.pending.popleft()
+            if self.resolved[index]:
+                continue
+            self.free_connections -= 1  # the client's connection, held or not
+            if self.connected[index] is None:
+                self.connected[index] = self.loop.now
+            request = Request(
+                model=self.adapters[index],
+                headers=quality.CRITICAL,
+                prompt_tokens=len(self.workload.prompt),
+                max_tokens=self.workload.max_tokens,
+                id=str(index),
+            )
+            admission = self.router.admission(request)
+            if admission is None:
+                self._decide(index, request, self._snapshot().candidates)
+                continue
+            verdict = self.control.arrive(admission, request, 0, _SeedWaiter(self, index, request))
+            if isinstance(verdict, Pass):
+                pod = self._decide(index, request, verdict.candidates)
+                if pod is not None:
+                    self.control.sent(pod)
+            elif isinstance(verdict, FlowAnswer):
+                self._refuse(index)
+            else:
+                self.peak_held = max(self.peak_held, self.control.held)
+                self._arm()
+
+    def _decide(self, index: int, request: Request, candidates: Sequence[Any]) -> str | None:
+        probe = self.locator.probe(self.turns)
+        decision = self.router.decide(request, candidates, probe)
+        if decision.outcome is not Outcome.ROUTED:
+            self._refuse(index)
+            return None
+        pod = unwrap(decision.chosen)
+        probe.routed(decision.target_model, pod.address)
+        self._pending_pod = int(pod.name.rsplit("-", 1)[1])
+        self.pending.appendleft(index)  # the base class sends it to _pending_pod
+        self.free_connections += 1
+        super()._dispatch()
+        return str(pod.name)
+
+    def _chosen_pod(self, *_: object) -> int:
+        return self._pending_pod
+
+    def _refuse(self, index: int) -> None:
+        self.answered += 1
+        timer = self.timers[index]
+        if timer is not None:
+            timer.cancel()
+        self.resolved[index] = True
+        self.unresolved -= 1
+        self.last_resolution = self.loop.now
+        self.free_connections += 1
+
+    def _snapshot(self) -> Snapshot:
+        views = self._views(self.loop.now)
+        return Snapshot(self.version, tuple(quality.pod_from_view(view) for view in views))
+
+    def _scrape(self) -> None:
+        super()._scrape()
+        self.version += 1
+        self.control.pump()
+        self._arm()
+
+    def _resolve(self, index: int) -> None:
+        pod = self.pod_of[index]
+        super()._resolve(index)
+        if pod is not None:
+            self.control.finished(self.pods[pod].name)
+            self._arm()
+
+    def _arm(self) -> None:
+        due = self.control.next_expiry()
+        if due is None or (self._expiry is not None and self._expiry <= due):
+            return
+        self._expiry = due
+        self.loop.call_at(due, self._expired)
+
+    def _expired(self) -> None:
+        self._expiry = None
+        self.control.pump()
+        self._arm()
+
+
+class _SeedWaiter:
+    __slots__ = ("index", "request", "run")
+
+    def __init__(self, run: SeedFlowRun, index: int, request: Request) -> None:
+        self.run = run
+        self.index = index
+        self.request = request
+
+    def dispatch(self, candidates: Sequence[Any]) -> str | None:
+        return self.run._decide(self.index, self.request, candidates)
+
+    def answer(self, answer: FlowAnswer) -> None:
+        self.run._refuse(self.index)
+
+
+def main_seed_flow(arguments: argparse.Namespace) -> None:
+    """lora-balanced without flow control against the combined policy with it, on `seed`."""
+    seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
+    saturated = arguments.saturated or SATURATED
+    balanced = RULES / "lora-balanced.yaml"
+    with tempfile.TemporaryDirectory() as scratch:
+        flow = flow_policy(arguments.combined_policy, Path(scratch), saturated)
+        plain = [quality.run_policy(balanced, s, workload=quality.SEED_WORKLOAD) for s in seeds]
+        held = [SeedFlowRun(flow, s) for s in seeds]
+        results = [run.run() for run in held]
+    done = _mean([r.completed for r in results])
+    reference = _mean([r.completed for r in plain])
+    plain_p90 = _mean([percentile(r.ttft_s(), 0.9) for r in plain])
+    held_p90 = _mean([percentile(run.ttft_s(r), 0.9) for run, r in zip(held, results, strict=True)])
+    print(
+        f"seed experiment, seeds {seeds.start}-{seeds.stop - 1}: lora-balanced completes "
+        f"{reference:.0f} (TTFT p90 {plain_p90:.2f} s from the send); "
+        f"{arguments.combined_policy.stem} with flow control ({saturated}) completes {done:.0f} "
+        f"(TTFT p90 {held_p90:.2f} s from the send, time held included; peak held "
+        f"{max(run.peak_held for run in held)}), answered "
+        f"{_mean([run.answered for run in held]):.0f}"
+    )
+    print(
+        f"goal (issue 26): {done / reference:.1%} of lora-balanced's completed requests "
+        f"(goal >= 99%): {_verdict(done >= 0.99 * reference)}"
+    )

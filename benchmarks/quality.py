@@ -111,7 +111,8 @@ CRITICAL: Final = MappingProxyType({"x-gateway-inference-criticality": "critical
 POD_LABELS: Final = MappingProxyType({"app": "vllm"})
 SEED_WORKLOAD: Final = SeedWorkload()
 FIRST_POD_PORT: Final = 8000  # as `policyd sim --base-port 8000` would serve them
-FLOW_WORKLOADS: Final = ("overload", "tenants", "priorities")  # benchmarks/flow_quality.py
+# benchmarks/flow_quality.py: flow control's workloads, and the seed experiment with it
+FLOW_WORKLOADS: Final = ("overload", "tenants", "priorities", "seed-flow")
 
 
 def pod_from_view(
@@ -785,9 +786,12 @@ def main() -> None:
     if arguments.workload == "seed":
         main_seed(arguments)
     elif arguments.workload in FLOW_WORKLOADS:
-        from flow_quality import main_flow  # beside this script; it builds on this module
+        import flow_quality  # beside this script; it builds on this module
 
-        main_flow(arguments)
+        if arguments.workload == "seed-flow":
+            flow_quality.main_seed_flow(arguments)
+        else:
+            flow_quality.main_flow(arguments)
     else:
         main_open_loop(arguments)
 

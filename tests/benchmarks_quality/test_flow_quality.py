@@ -39,3 +39,16 @@ def test_a_short_run_over_capacity_holds_and_loses_nothing(
     none = flow_quality.run_one(field[0], tenants, 30.0, 20.0, 1)
     assert none.peak_held == 0 and none.total.refused == 0
     assert flow.classes["tenant-b"].ttft_p90 < none.classes["tenant-b"].ttft_p90 / 5
+
+
+def test_the_seed_experiment_runs_through_flow_control(
+    flow_quality: ModuleType, tmp_path: Path
+) -> None:
+    policy = flow_quality.flow_policy(
+        flow_quality.RULES / "lora-balanced.yaml", tmp_path, "pod.in_flight >= 10"
+    )
+    run = flow_quality.SeedFlowRun(policy, 1)
+    result = run.run()
+    assert run.peak_held > 0  # 100 connections over 6 pods of 10: some wait at the gateway
+    assert result.completed > 300
+    assert len(run.ttft_s(result)) == result.completed

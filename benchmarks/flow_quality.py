@@ -63,9 +63,9 @@ RULES: Final = quality.RULES
 # What the flow contenders add to their policy: a pod is saturated once requests
 # wait in its queue or its KV cache is nearly full, with headroom kept for critical
 # requests (a few may queue, the cache may fill further); tenants are flows.
-# Chosen on seed 100 among a handful of variants (benchmarks/RESULTS.md).
+# Chosen on seeds 100-101 among a handful of variants (benchmarks/RESULTS.md).
 SATURATED: Final = (
-    'pod.waiting_queue >= (request.criticality == "critical" ? 3 : 1) || '
+    'pod.waiting_queue >= (request.criticality == "critical" ? 5 : 1) || '
     'pod.kv_cache >= (request.criticality == "critical" ? 0.98 : 0.9)'
 )
 FLOW_SECTION: Final = """

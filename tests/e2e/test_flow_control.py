@@ -4,7 +4,9 @@ Two simulated pods, a policy whose pods are saturated at one request in
 flight each (``pod.in_flight >= 1``), so a third request is held by policyd
 (its reply to the request-body message waits, Envoy's timeout for it
 extended) until a pod frees. Tenants are flows (``x-tenant``); sheddable
-requests may wait 500 ms, then get a 429 with ``Retry-After``.
+requests may wait 500 ms, then get a 429 with ``Retry-After``. The last test
+holds a request the same way with Envoy's ext_proc filter shaped as gateways
+call an InferencePool's endpoint picker (FULL_DUPLEX_STREAMED bodies).
 """
 
 from __future__ import annotations
@@ -13,12 +15,24 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from e2e_rig import PolicydGateway, start_policyd_gateway, stop_policyd_gateway, until
+from e2e_rig import (
+    Gateway,
+    PolicydGateway,
+    start_gateway,
+    start_policyd_gateway,
+    stop_gateway,
+    stop_policyd_gateway,
+    until,
+)
 
+from policyd.extproc.envoy_config import EnvoyConfigOptions
+from policyd.policy import PolicyStore, Router
+from policyd.pool.pod import Pod
 from policyd.sim import L4_LLAMA2_7B
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -129,3 +143,49 @@ async def test_a_flood_from_one_tenant_does_not_stop_another(gateway: PolicydGat
     flood_done = sorted(result[2] for result in await asyncio.gather(*flood))
     assert sum(done > small_done for done in flood_done) >= 5  # most of the flood came later
     await asyncio.gather(*filling)
+
+
+@dataclass(frozen=True)
+class VersionedSnapshot:
+    version: int
+    candidates: tuple[Pod, ...]
+
+
+async def test_an_inference_pool_gateway_holds_and_dispatches_too(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    rig: Gateway = await start_gateway(
+        tmp_path_factory.mktemp("flow-epp"), EnvoyConfigOptions(ext_proc_mode="inference-pool")
+    )
+    try:
+        policy = tmp_path_factory.mktemp("epp-policy") / "held.yaml"
+        policy.write_text(POLICY)
+        # The scripted router picks; a real one says what flow control applies.
+        rig.router.admission = Router(PolicyStore.open(policy)).admission  # type: ignore[attr-defined]
+        rig.pool.snapshot = VersionedSnapshot(0, tuple(rig.pods.values()))  # type: ignore[assignment]
+        holding = rig.server.processor.holding
+        streams = [
+            asyncio.create_task(stream(rig, {"x-test-pick": name})) for name in ("pod-a", "pod-b")
+        ]
+        await until(lambda: sum(p.in_flight for p in rig.pods.values()) == 2, "both pods busy")
+        body = {"model": "m", "prompt": "p"}
+        waiting = asyncio.create_task(rig.client.post(rig.url + "/v1/completions", json=body))
+        await until(lambda: holding.control.held == 1, "the request to be held")
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        for upstream in rig.upstreams.values():
+            upstream.release_stream.set()  # the streams end: the pods free up
+        async with await asyncio.wait_for(waiting, 10) as response:
+            assert response.status == 200
+            assert (await response.json())["choices"]
+        await asyncio.gather(*streams)
+        assert holding.control.held == 0
+    finally:
+        await stop_gateway(rig)
+
+
+async def stream(rig: Gateway, headers: dict[str, str]) -> int:
+    body = {"model": "m", "prompt": "p", "stream": True}
+    async with rig.client.post(rig.url + "/v1/completions", json=body, headers=headers) as reply:
+        await reply.read()
+        return reply.status

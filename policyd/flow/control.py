@@ -42,8 +42,6 @@ from policyd.policy.router import Admission
 
 log = logging.getLogger("policyd.flow")
 
-OUTCOMES: Final = ("dispatched", "expired", "evicted", "refused", "abandoned")
-
 
 @dataclass(frozen=True, slots=True)
 class FlowAnswer:

@@ -61,6 +61,9 @@ the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 
     python benchmarks/quality.py --workload shared-prefix      # about two minutes
     python benchmarks/quality.py --workload multi-turn --seeds 2 --duration 150
+
+Flow control's workloads (``--workload overload``, ``tenants``, ``priorities``)
+are run by ``benchmarks/flow_quality.py``, whose docstring says how.
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ CRITICAL: Final = MappingProxyType({"x-gateway-inference-criticality": "critical
 POD_LABELS: Final = MappingProxyType({"app": "vllm"})
 SEED_WORKLOAD: Final = SeedWorkload()
 FIRST_POD_PORT: Final = 8000  # as `policyd sim --base-port 8000` would serve them
+# benchmarks/flow_quality.py: flow control's workloads, and the seed experiment with it
+FLOW_WORKLOADS: Final = ("overload", "tenants", "priorities", "seed-flow")
 
 
 def pod_from_view(
@@ -760,9 +765,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--workload",
-        choices=("seed", *OPEN_WORKLOADS),
+        choices=("seed", *OPEN_WORKLOADS, *FLOW_WORKLOADS),
         default="seed",
-        help="seed (the published experiment, the default) or an open-loop prefix workload",
+        help="seed (the published experiment, the default), an open-loop prefix workload, "
+        "or a flow-control workload (benchmarks/flow_quality.py)",
+    )
+    parser.add_argument(
+        "--multiples",
+        type=float,
+        nargs="+",
+        help="flow control: the multiples of the pool's capacity to offer instead of the "
+        "workload's",
+    )
+    parser.add_argument(
+        "--saturated",
+        help="flow control: the saturation predicate of the flow contenders instead of "
+        "flow_quality.SATURATED",
     )
     parser.add_argument(
         "--seeds", type=int, help="how many seeds (default 10 for seed, 3 for the others)"
@@ -840,6 +858,13 @@ def main() -> None:
         parser.error("--replicas must be at least 1")
     if arguments.workload == "seed":
         main_seed(arguments)
+    elif arguments.workload in FLOW_WORKLOADS:
+        import flow_quality  # beside this script; it builds on this module
+
+        if arguments.workload == "seed-flow":
+            flow_quality.main_seed_flow(arguments)
+        else:
+            flow_quality.main_flow(arguments)
     else:
         main_open_loop(arguments)
 

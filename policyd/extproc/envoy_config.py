@@ -45,6 +45,9 @@ What it sets up, and why:
   must fit real prompts.
 - no route timeout and a 5-minute stream idle timeout: generations can run for
   minutes, and queue for a while before the first token.
+- ``max_message_timeout`` of 120 s: how far policyd may extend its wait for
+  one reply while flow control holds a request (``override_message_timeout``;
+  a band's ``max_wait`` is under it).
 - the experimental runtime guard
   ``envoy.reloadable_features.ext_proc_graceful_grpc_close`` pinned off (its
   default): with it on, Envoy 1.40 crashed (segmentation fault in the ext_proc
@@ -86,6 +89,7 @@ import yaml
 from policyd.extproc.epp import SUBSET_NAMESPACE
 from policyd.extproc.health import READINESS
 from policyd.extproc.replies import DESTINATION_HEADER, LB_METADATA_NAMESPACE
+from policyd.policy.flow import MAX_HOLD_SECONDS
 
 MIB: Final = 1024 * 1024
 _TYPE: Final = "type.googleapis.com/"
@@ -103,6 +107,9 @@ RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request"
 EXT_PROC_MODES: Final = ("buffered", "inference-pool")
 # Envoy's wait for each policyd reply, by mode when not given: Istio's is 1000 s.
 DEFAULT_MESSAGE_TIMEOUT_MS: Final = {"buffered": 1000, "inference-pool": 1_000_000}
+# The longest policyd may extend one message's timeout (``override_message_timeout``)
+# while flow control holds a request: a band's max_wait stays under it.
+MAX_MESSAGE_TIMEOUT: Final = f"{MAX_HOLD_SECONDS:g}s"
 _NO_ROUTE_BODY: Final = (
     '{"error":{"message":"policyd did not route this request",'
     '"type":"service_unavailable","code":"no_destination"}}'
@@ -400,6 +407,7 @@ def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
         "status_on_error": {"code": 503},
         "allow_mode_override": False,
         "message_timeout": options.message_timeout,
+        "max_message_timeout": MAX_MESSAGE_TIMEOUT,
         "processing_mode": {
             "request_header_mode": "SEND",
             "request_body_mode": "BUFFERED",
@@ -427,6 +435,7 @@ def _inference_pool_ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
             "response_trailer_mode": "SEND",
         },
         "message_timeout": options.message_timeout,
+        "max_message_timeout": MAX_MESSAGE_TIMEOUT,
         "metadata_options": {
             "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
             "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE, SUBSET_NAMESPACE]},

@@ -59,6 +59,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import bodyless, epp, replies
 from policyd.extproc.errors import RequestError
+from policyd.extproc.holding import HeldReply, Holding
 from policyd.extproc.interfaces import (
     NULL_SPAN,
     RequestSpan,
@@ -69,12 +70,14 @@ from policyd.extproc.interfaces import (
 )
 from policyd.extproc.openai import (
     MAX_MODEL_BYTES,
+    InferenceBody,
     parse_body,
     request_without_body,
     rewrite_model,
 )
 from policyd.extproc.settlement import Settlement
 from policyd.extproc.usage import UsageReader
+from policyd.flow import FlowAnswer, Held
 from policyd.policy.decision import Decision, Outcome, ShadowReport
 from policyd.policy.request import Request
 from policyd.pool.pod import InFlight, Pod
@@ -87,9 +90,11 @@ _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _DUPLEX: Final = _BodyMode.FULL_DUPLEX_STREAMED
 
 # What ``Exchange.handle`` gives for one message: one reply; several, in order
-# (FULL_DUPLEX_STREAMED; none while a body is being gathered); or None, the
-# response's last message, answered by ending the stream (process_stream.py).
-Replies = bytes | tuple[bytes, ...] | list[bytes] | None
+# (FULL_DUPLEX_STREAMED; none while a body is being gathered); None, the
+# response's last message, answered by ending the stream (process_stream.py);
+# or a held request's ``HeldReply``, whose result is one of the others.
+Answer = bytes | tuple[bytes, ...] | list[bytes] | None
+Replies = Answer | HeldReply
 NO_REPLY: Final[tuple[bytes, ...]] = ()
 
 
@@ -251,6 +256,8 @@ class ServingContext(Protocol):
     def subsets(self) -> epp.Subsets: ...
     @property
     def prefix(self) -> PrefixLocator | None: ...
+    @property
+    def holding(self) -> Holding: ...
 
 
 class _TraceCarrier(Mapping[str, str]):
@@ -298,6 +305,7 @@ class State(enum.Enum):
 
     ::
 
+        READING <--dispatched-- HELD (flow control holds the request; or answers it)
         READING --decided--> DECIDED --reply out--> ROUTED --response headers--> RESPONDING
            |                    |                      |                              |
            |                    +-- not routed, or an error --> ANSWERED --reply out--> ENDED
@@ -312,6 +320,7 @@ class State(enum.Enum):
     """
 
     READING = "reading"  # the request's headers and body arrive; nothing decided yet
+    HELD = "held"  # the body is in; flow control holds it until a pod has room
     DECIDED = "decided"  # decided, the span open; the reply carrying it not out yet
     ROUTED = "routed"  # the routing reply is out; the response's headers not yet in
     RESPONDING = "responding"  # the response's headers came; its body passes through
@@ -345,6 +354,7 @@ class Exchange:
         "_first_body_at",
         "_headers",  # regular request headers: what policies see as request.headers
         "_held",  # bytes taken from the server's body budget
+        "_holding",  # while HELD: what dispatching needs (``_Hold``)
         "_load",
         "_metadata",
         "_method",
@@ -375,6 +385,7 @@ class Exchange:
         self._subset: tuple[str, ...] | None = None
         self._candidates: Sequence[Pod] = ()
         self._held = 0
+        self._holding: _Hold | None = None
         # The decision (set from DECIDED on) and the router that made it (None for
         # a body-less request), for its shadows; its span; the pod's in-flight count.
         self._decision: Decision | None = None
@@ -559,7 +570,8 @@ class Exchange:
             try:
                 return self._route(bytes(body))  # BUFFERED: one message, even with trailers
             finally:
-                self._let_go()
+                if self._holding is None:  # a held body stays counted until it goes
+                    self._let_go()
         if self._body_mode == _BodyMode.BUFFERED_PARTIAL:
             raise RequestError(
                 413, "the request body exceeds the proxy's buffer limit", "body_too_large"
@@ -575,7 +587,8 @@ class Exchange:
                 try:
                     return self._route(bytes(self._body), trailers=True)
                 finally:
-                    self._let_go()
+                    if self._holding is None:
+                        self._let_go()
             # A STREAMED body ended by trailers: a trailers reply cannot set the
             # destination, so the request cannot be routed.
             raise RequestError.bad_request(
@@ -593,21 +606,51 @@ class Exchange:
 
     def _route(self, document: bytes, *, trailers: bool = False) -> Replies:
         """Decide where the request goes; the routing reply (replies, FULL_DUPLEX_STREAMED,
-        ``trailers``: the body was ended by trailers, answered last)."""
+        ``trailers``: the body was ended by trailers, answered last), or a ``HeldReply``
+        when flow control holds the request."""
         body = parse_body(
             document, self._path, self._server.settings.max_model_bytes, headers=self._headers
         )
         if self._body:
             self._body = bytearray()  # gathered from several messages: let it go
+        candidates: Sequence[Pod] | None = None
+        router = self._server.routers()
+        # Test and benchmark routers may have no flow control at all.
+        admission_of = getattr(router, "admission", None)
+        admission = admission_of(body.request) if admission_of is not None else None
+        if admission is not None:
+            holding = self._server.holding
+            verdict = holding.control.arrive(admission, body.request, len(document), self)
+            if isinstance(verdict, FlowAnswer):
+                raise _flow_error(verdict)
+            if isinstance(verdict, Held):
+                self.state = State.HELD
+                reply = HeldReply(verdict.band.max_wait_s)
+                self._holding = _Hold(reply, verdict, body, document, trailers, time.perf_counter())
+                holding.held()
+                return reply
+            candidates = verdict.candidates
+        return self._decide_and_reply(body, document, trailers, candidates, router)
+
+    def _decide_and_reply(
+        self,
+        body: InferenceBody,
+        document: bytes,
+        trailers: bool,
+        candidates: Sequence[Pod] | None,
+        router: RouterLike,
+    ) -> Replies:
+        """Decide over ``candidates`` (None: the pool's) and build the routing reply."""
         request = body.request
         started = time.perf_counter()
-        candidates: Sequence[Pod] = ()
+        flow_controlled = candidates is not None
+        pods: Sequence[Pod] = ()
         try:
-            candidates = self._candidates_now()
-            router = self._router = self._server.routers()
+            pods = candidates if candidates is not None else self._candidates_now()
+            self._router = router
             locator = self._server.prefix
             prompt = locator.probe(body.turns) if locator is not None and body.turns else None
-            decision = self._checked(router.decide(request, candidates, prompt))
+            decision = self._checked(router.decide(request, pods, prompt))
             if prompt is not None and decision.best_prefix_match is not None:
                 # The policy matched the prompt: approximate mode remembers its blocks.
                 prompt.routed(decision.target_model, decision.endpoint)
@@ -617,8 +660,14 @@ class Exchange:
             log.exception("request %s: the router raised", request.id or "-")
             reason = f"the routing policy failed on this request ({type(error).__name__})"
             decision = Decision(Outcome.ERROR, "", "", request.model, reason=reason)
+        hold = self._holding
+        if hold is not None:
+            decision.held_seconds = started - hold.since
+            decision.queue_position = hold.held.position
         span = self._decided(request, decision, started)
-        self._claim(decision, candidates)
+        self._claim(decision, pods)
+        if flow_controlled:
+            self._server.holding.control.sent(decision.pod)
         settings = self._server.settings
         destination = replies.destination_value(
             decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
@@ -637,6 +686,42 @@ class Exchange:
         if trailers:
             return (routing, *sent_body, replies.REQUEST_TRAILERS_CONTINUE)
         return (routing, *sent_body)
+
+    # -- held by flow control (``policyd.flow``'s ``Waiter``) -------------------------
+
+    def dispatch(self, candidates: Sequence[Any]) -> str | None:
+        """Flow control dispatches the held request over ``candidates`` (the pods with
+        room): decide it now and hand the routing reply to the waiting stream."""
+        hold = self._holding
+        if hold is None or self.state is not State.HELD:
+            return None
+        self.state = State.READING
+        try:
+            reply = self._decide_and_reply(
+                hold.body, hold.document, hold.trailers, candidates, self._server.routers()
+            )
+        except RequestError as error:
+            reply = self._reject(error)
+        except Exception:
+            log.exception("request %s: internal error at dispatch", self._request_id)
+            self._report("internal", "dispatch")
+            reply = self._reject(RequestError.internal())
+        finally:
+            self._holding = None
+            self._let_go()
+        hold.reply.resolve(reply)
+        decision = self._decision
+        return decision.pod if decision is not None and self._load is not None else None
+
+    def answer(self, answer: FlowAnswer) -> None:
+        """Flow control answers the held request (expired, evicted, shutting down)."""
+        hold = self._holding
+        if hold is None or self.state is not State.HELD:
+            return
+        self._holding = None
+        self.state = State.READING
+        self._report("rejected", answer.code)
+        hold.reply.resolve(self._reject(_flow_error(answer)))
 
     def _route_without_body(self) -> bytes:
         """Send a body-less GET or HEAD to the least busy ready pod (``bodyless``)."""
@@ -683,6 +768,8 @@ class Exchange:
             return False
         self._load.count -= 1
         self._load = None
+        if self._decision is not None:
+            self._server.holding.finished(self._decision.pod)  # counted free: a slot
         self._report("expired", "no_response_headers")
         return True
 
@@ -789,6 +876,10 @@ class Exchange:
             return
         self._ended_at = time.perf_counter()
         self._let_go()
+        hold = self._holding
+        if hold is not None:  # the client went away while held: out of the queue at once
+            self._holding = None
+            self._server.holding.control.leave(hold.held)
         if end is State.ABORTED:
             self._report("aborted", "decided" if self._span is not None else "undecided")
         load = self._load
@@ -796,6 +887,8 @@ class Exchange:
             self._server.response_watch.forget(self)
             load.count -= 1
             self._load = None
+            if self._decision is not None:
+                self._server.holding.finished(self._decision.pod)  # a slot is free
         if end is State.ANSWERED and (before is State.ROUTED or before is State.RESPONDING):
             end = State.ENDED  # the decision's reply is out already: nothing waits for this one
         self.state = end
@@ -880,6 +973,24 @@ def _claim(decision: Decision, candidates: Sequence[Pod]) -> InFlight | None:
             pod.load.count += 1
             return pod.load
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """A held request: its pending reply, its place in the queue, what deciding it needs."""
+
+    reply: HeldReply
+    held: Held
+    body: InferenceBody
+    document: bytes
+    trailers: bool
+    since: float  # perf_counter when it was held
+
+
+def _flow_error(answer: FlowAnswer) -> RequestError:
+    return RequestError(
+        answer.status, answer.message, answer.code, retry_after=answer.retry_after_s
+    )
 
 
 def _value(header: Any) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -126,14 +127,21 @@ class ExtProcServer:
         return self.port
 
     async def stop(self, grace_seconds: float | None = None) -> None:
-        """Turn health NOT_SERVING, refuse new streams, let open ones finish."""
+        """Turn health NOT_SERVING, dispatch or answer the held requests, refuse new
+        streams, let open ones finish."""
         server = self._server
         if server is None:
             return
         self._server = None
         await self.health.shutdown()
         grace = self.options.grace_seconds if grace_seconds is None else grace_seconds
-        await server.stop(grace)
+        # Held requests get half the grace to be dispatched as pods free up (then
+        # 503), the rest of it to be served like any open stream.
+        started = time.monotonic()
+        holding = self.processor.holding
+        await holding.drain(grace / 2)
+        holding.stop()
+        await server.stop(max(0.0, grace - (time.monotonic() - started)))
         self.processor.settlement.flush()  # the last requests' spans and metrics
 
     async def run_until_signalled(self) -> None:

@@ -34,22 +34,25 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import AsyncIterator
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final, cast
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import epp, replies
 from policyd.extproc.exchange import (
+    Answer,
     BodyBudget,
     Exchange,
     ResponseWatch,
     ServingSettings,
     State,
 )
+from policyd.extproc.holding import HeldReply, Holding
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
 from policyd.extproc.settlement import Settlement
+from policyd.flow.control import AdmissionSource
 from policyd.prefix.probe import PrefixLocator
 
 log = logging.getLogger("policyd.extproc")
@@ -83,6 +86,11 @@ class ExternalProcessor:
         self.response_watch = ResponseWatch(settings.in_flight_expiry_seconds)
         self.subsets = epp.Subsets()
         self.prefix = prefix
+        # Flow control's metrics, where the telemetry has them (test doubles may not).
+        # The router's ``admission`` is asked only for a request whose policy has a
+        # ``flow`` section, which only a ``policyd.policy.Router`` serves.
+        admissions = cast(Callable[[], AdmissionSource], routers)
+        self.holding = Holding(admissions, snapshots, getattr(telemetry, "flow", None))
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -109,6 +117,9 @@ class ExternalProcessor:
                 # Not kept while the stream waits (a request body can be megabytes,
                 # and the next message may be a whole generation away).
                 del message
+                if isinstance(reply, HeldReply):  # flow control holds the request
+                    yield reply.extension  # Envoy: wait this long for the answer
+                    reply = cast(Answer, await reply.result)  # cancelled: the client left
                 if reply is None:  # the response's last message: the status OK answers it
                     return
                 if isinstance(reply, bytes):

@@ -47,6 +47,7 @@ from policyd.fields import PREFIX_POD_FIELDS
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
 from policyd.policy.document import PolicySpec
 from policyd.policy.evaluation import Evaluator, Needs, PodExpression
+from policyd.policy.flow import CompiledFlow, compile_flow
 from policyd.policy.kinds import PICKERS
 from policyd.policy.nodes import Node, NodeSpec
 from policyd.policy.pickers import Picker
@@ -126,6 +127,8 @@ class CompiledPolicy:
     # Some expression reads the prefix fields: the router computes each
     # request's prefix-cache match for this policy, and for no other.
     reads_prefix: bool = False
+    # Flow control (None: a saturated pool is routed to, or shed, as the tree says).
+    flow: CompiledFlow | None = None
 
     @property
     def summary(self) -> str:
@@ -139,6 +142,8 @@ class CompiledPolicy:
             f"pick {self.picker.name}"
             + (f" + {_count(self.fallbacks, 'fallback')}" if self.fallbacks else ""),
         ]
+        if self.flow is not None:
+            parts.append(f"flow control over {_count(len(self.flow.bands), 'band')}")
         if self.shadows:
             listed = ", ".join(f"'{s.name}' (version {s.version})" for s in self.shadows)
             parts.append(f"shadows {listed}")
@@ -209,6 +214,8 @@ class _Compiler:
         scorers = self._compile_scorers()
         self.reads.clear()
         nodes = self._compile_tree()
+        walk_key = _walk_key(self.reads)  # the tree's reads, before the flow's
+        flow = compile_flow(spec.flow, self, self.error) if spec.flow is not None else None
         self._check_models()
         picker = PICKERS[spec.pick_strategy]()
         self._check_pick(picker)
@@ -238,8 +245,9 @@ class _Compiler:
             warnings=tuple(sorted(self.diagnostics)),
             shadow_refs=tuple((ref.file, ref.node.at) for ref in spec.shadows),
             shadows_at=spec.shadows_node.at if spec.shadows_node is not None else None,
-            walk_key=_walk_key(self.reads),
+            walk_key=walk_key,
             reads_prefix=bool(self.every_read & _PREFIX_READS),
+            flow=flow,
         )
         return policy, self.diagnostics
 

@@ -113,6 +113,10 @@ class Decision:
     # match and the best any candidate offered (None: not computed).
     prefix_match: float | None = None
     best_prefix_match: float | None = None
+    # Flow control held the request before this decision (None: it was not held):
+    # for how long, and how many requests were held ahead of it when it came.
+    held_seconds: float | None = None
+    queue_position: int | None = None
 
     @property
     def candidate_count(self) -> int:

@@ -9,12 +9,12 @@ Schema in ``policy.schema.json`` describes the same shape for editors.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Final
 
 from policyd.cel.values import Duration
 from policyd.policy.diagnostics import Diagnostic
+from policyd.policy.flow import FlowSpec, read_flow
 from policyd.policy.kinds import NODE_KINDS, PICKERS, SCORER_KINDS
 from policyd.policy.nodes import NodeSpec
 from policyd.policy.reader import (
@@ -24,6 +24,7 @@ from policyd.policy.reader import (
     expression,
     is_int,
     is_number,
+    parse_duration,
     string_map,
     text,
 )
@@ -65,6 +66,7 @@ _TOP_LEVEL: Final = (
     "score",
     "pick",
     "shadows",
+    "flow",
 )
 
 
@@ -126,6 +128,7 @@ class PolicySpec:
     fallbacks: int
     shadows: tuple[ShadowRef, ...] = ()
     shadows_node: YScalar | None = None  # the `shadows` key, where nesting is reported
+    flow: FlowSpec | None = None  # flow control: hold requests while the pool is saturated
 
 
 def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
@@ -178,6 +181,7 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         fallbacks=fallbacks,
         shadows=_read_shadows(fields),
         shadows_node=fields.key("shadows"),
+        flow=read_flow(fields),
     )
     return spec, diagnostics
 
@@ -310,18 +314,6 @@ def _read_params(fields: Fields, broken: set[str]) -> tuple[ParamSpec, ...]:
     return tuple(specs)
 
 
-_DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|µs|ns|m|s)")
-_NANOS: Final = {
-    "h": 3_600_000_000_000,
-    "m": 60_000_000_000,
-    "s": 1_000_000_000,
-    "ms": 1_000_000,
-    "us": 1_000,
-    "µs": 1_000,
-    "ns": 1,
-}
-
-
 def _param_value(kind: str, node: YNode) -> tuple[object] | str:
     """``(value,)`` converted to the param's type, or why the value does not fit."""
     found = kind_name(node)
@@ -359,16 +351,6 @@ def _param_value(kind: str, node: YNode) -> tuple[object] | str:
             return f"'{value}' is not a duration like 250ms, 1.5s or 1m30s"
         return (Duration(nanos),)
     return f"the value is {found}"
-
-
-def parse_duration(text: str) -> int | None:
-    """Nanoseconds of a CEL duration string (``"1m30s"``, ``"-250ms"``), or None."""
-    sign = -1 if text.startswith("-") else 1
-    body = text.lstrip("-")
-    parts = _DURATION.findall(body)
-    if not body or "".join(number + unit for number, unit in parts) != body:
-        return None
-    return sign * round(sum(float(number) * _NANOS[unit] for number, unit in parts))
 
 
 def _read_variables(fields: Fields, broken: set[str]) -> tuple[VariableSpec, ...]:

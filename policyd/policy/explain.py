@@ -48,6 +48,7 @@ class Explanation:
     scores: tuple[ScoreDetail, ...]
     fallback_pods: tuple[str, ...]  # names of the decision's fallback endpoints
     shadows: tuple[ShadowResult, ...] = ()  # what each shadow policy would have decided
+    held: str = ""  # why flow control would hold the request ("": it would not)
 
 
 def explain(
@@ -55,6 +56,7 @@ def explain(
 ) -> Explanation:
     """Decide ``request`` over ``pods`` and gather the detail of every step."""
     router = Router(policies, rng=random.Random(seed))
+    held = would_hold(router, request, pods)
     decision = router.decide(request, pods)
     report = router.decide_shadows(decision)
     shadows = report.results if report is not None else ()
@@ -63,7 +65,9 @@ def explain(
     by_address = {pod.address: pod.name for pod in pods}
     fallback_pods = tuple(by_address.get(a, a) for a in decision.fallbacks)
     if policy is None:
-        return Explanation(decision, None, resolved, len(pods), (), (), fallback_pods, shadows)
+        return Explanation(
+            decision, None, resolved, len(pods), (), (), fallback_pods, shadows, held
+        )
     ev = Evaluation(resolved)
     by_name = {pod.name: pod for pod in pods}
     entering = in_pool(policy.pool_labels, pods)
@@ -87,7 +91,21 @@ def explain(
         if trace.branch == "on_success":
             entering = [by_name[name] for name in trace.kept]
     return Explanation(
-        decision, policy, resolved, len(pods), tuple(details), scores, fallback_pods, shadows
+        decision, policy, resolved, len(pods), tuple(details), scores, fallback_pods, shadows, held
+    )
+
+
+def would_hold(router: Router, request: Request, pods: Sequence[Any]) -> str:
+    """Why flow control would hold ``request`` over ``pods`` ("": it would not): every
+    pod of the policy's pool is saturated for it. (On the serving path a request is
+    also held while others of its policy are.)"""
+    admission = router.admission(request)
+    if admission is None or admission.room(pods):
+        return ""
+    band = admission.band
+    return (
+        f"would be held: every pod is saturated ({admission.flow.saturated.source}); "
+        f"band {band.name}, flow {admission.key}, for up to {band.max_wait_s:g}s"
     )
 
 
@@ -184,6 +202,8 @@ def render_text(explanation: Explanation) -> str:
                 + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
             )
     lines.append("")
+    if explanation.held:
+        lines.append(f"flow      {explanation.held}; once dispatched:")
     lines.append(_outcome_line(explanation))
     for shadow in explanation.shadows:
         lines.append(_shadow_line(shadow))
@@ -226,6 +246,7 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
         },
         "outcome": d.outcome.value,
         "status": d.outcome.http_status,
+        "held": explanation.held or None,
         "reason": d.reason,
         "pod": d.pod,
         "endpoint": d.endpoint,

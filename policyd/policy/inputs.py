@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 from policyd.cel import Duration
 from policyd.fields import POD_FIELDS, REQUEST_FIELDS, Field, dataclass_fields
 from policyd.policy.diagnostics import Diagnostic
-from policyd.policy.document import parse_duration
-from policyd.policy.reader import Fields, is_int, is_number
+from policyd.policy.reader import Fields, is_int, is_number, parse_duration
 from policyd.policy.request import Request
 from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name
 

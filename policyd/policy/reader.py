@@ -189,3 +189,25 @@ def reference(fields: Fields, key: str) -> Reference | None:
 def text(fields: Fields, key: str) -> str:
     node = fields.string(key)
     return str(node.value).strip() if node else ""
+
+
+_DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|µs|ns|m|s)")
+_NANOS: Final = {
+    "h": 3_600_000_000_000,
+    "m": 60_000_000_000,
+    "s": 1_000_000_000,
+    "ms": 1_000_000,
+    "us": 1_000,
+    "µs": 1_000,
+    "ns": 1,
+}
+
+
+def parse_duration(text: str) -> int | None:
+    """Nanoseconds of a CEL duration string (``"1m30s"``, ``"-250ms"``), or None."""
+    sign = -1 if text.startswith("-") else 1
+    body = text.lstrip("-")
+    parts = _DURATION.findall(body)
+    if not body or "".join(number + unit for number, unit in parts) != body:
+        return None
+    return sign * round(sum(float(number) * _NANOS[unit] for number, unit in parts))

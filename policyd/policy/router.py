@@ -58,6 +58,7 @@ from policyd.policy.decision import (
 )
 from policyd.policy.document import CRITICALITIES
 from policyd.policy.evaluation import Evaluation
+from policyd.policy.flow import Band, CompiledFlow
 from policyd.policy.nodes import pod_names
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
@@ -90,6 +91,27 @@ class _Walk:
     trace: tuple[NodeTrace, ...]
     outcome: Outcome | None  # NO_CAPACITY / SHED when the walk already decided, else None
     reason: str  # why, for those outcomes
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """How the flow control of the policy serving a request treats it (``Router.admission``).
+
+    ``request`` carries the criticality the policy decided; ``policy`` names
+    the policy, whose held requests share one queue.
+    """
+
+    flow: CompiledFlow
+    policy: str
+    band: Band
+    key: str
+    weight: float
+    request: Request
+    pool_labels: tuple[tuple[str, str], ...]
+
+    def room(self, candidates: Sequence[Any]) -> list[Any]:
+        """The candidates in the policy's pool that are not saturated for this request."""
+        return self.flow.room(in_pool(self.pool_labels, candidates), self.request)
 
 
 # The candidate tuple the walks were made over, and the walks by (policy, key).
@@ -139,6 +161,26 @@ class Router:
                 policy.shadows, request, candidates, picked, seen_in_flight, prompt
             )
         return decision
+
+    def admission(self, request: Request) -> Admission | None:
+        """The flow control that applies to ``request`` (None: its policy has none, or no
+        policy serves it). Read from the current policy set, so a reload applies to
+        a held request the next time it is asked about."""
+        policy = self._store.current.select(request.model, request.headers)
+        if policy is None or policy.flow is None:
+            return None
+        flow = policy.flow
+        resolved = request.decided(request.model, _criticality(policy, request))
+        key = flow.flow_of(resolved)
+        return Admission(
+            flow,
+            policy.name,
+            flow.band_of(resolved),
+            key,
+            flow.weight_of(key),
+            resolved,
+            policy.pool_labels,
+        )
 
     def decide_shadows(self, decision: Decision) -> ShadowReport | None:
         """What each of the live decision's shadow policies would have decided.
@@ -282,15 +324,8 @@ class Router:
         model's own, else the policy default. The caller's object is not changed.
         """
         rule = policy.models.get(request.model)
-        criticality = ""
-        if policy.criticality_header:
-            asked = request.headers.get(policy.criticality_header, "").strip().lower()
-            if asked in CRITICALITIES:
-                criticality = asked
-        if not criticality:
-            criticality = (rule.criticality if rule else None) or policy.criticality_default
         target = rule.target_for(request.model, rng.random) if rule else request.model
-        return request.decided(target, criticality)
+        return request.decided(target, _criticality(policy, request))
 
     @staticmethod
     def _answer(
@@ -313,6 +348,16 @@ class Router:
             candidates=candidates,
         )
         return decision, None
+
+
+def _criticality(policy: CompiledPolicy, request: Request) -> str:
+    """A valid value of the policy's criticality header, else the model's, else the default."""
+    if policy.criticality_header:
+        asked = request.headers.get(policy.criticality_header, "").strip().lower()
+        if asked in CRITICALITIES:
+            return asked
+    rule = policy.models.get(request.model)
+    return (rule.criticality if rule else None) or policy.criticality_default
 
 
 class _Prefixed:

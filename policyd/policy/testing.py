@@ -15,6 +15,7 @@ from typing import Final
 
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.diagnostics import Diagnostic, PolicyError
+from policyd.policy.explain import would_hold
 from policyd.policy.inputs import StaticPod, read_pods, read_request
 from policyd.policy.loader import TEST_SUFFIXES, load_policy_set, read_source
 from policyd.policy.policyset import PolicySet
@@ -23,7 +24,8 @@ from policyd.policy.request import Request
 from policyd.policy.router import Router
 from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name, parse_yaml
 
-_OUTCOMES: Final = tuple(outcome.value for outcome in Outcome)
+# ``held``: the policy's flow control would hold the request (every pod saturated).
+_OUTCOMES: Final = (*(outcome.value for outcome in Outcome), "held")
 _EXPECT_FIELDS: Final = (
     "outcome",
     "pick",
@@ -200,8 +202,10 @@ def run_case(policies: PolicySet, case: Case) -> CaseResult:
     wanted_outcome = expect.outcome or (
         Outcome.ROUTED.value if expect.pick or expect.picks or expect.fallbacks else None
     )
-    if wanted_outcome is not None and decision.outcome.value != wanted_outcome:
-        failures.append(f"expected outcome {wanted_outcome}, got {_describe(decision)}")
+    held = would_hold(router, case.request, case.pods)
+    got_outcome = "held" if held else decision.outcome.value
+    if wanted_outcome is not None and got_outcome != wanted_outcome:
+        failures.append(f"expected outcome {wanted_outcome}, got {held or _describe(decision)}")
     if expect.pick is not None and decision.pod not in expect.pick:
         wanted = expect.pick[0] if len(expect.pick) == 1 else f"one of {list(expect.pick)}"
         failures.append(f"expected pick {wanted}, got {decision.pod or _describe(decision)}")

@@ -203,3 +203,54 @@ class MultiTurn:
                 previous = len(requests) - 1
                 history.append(("assistant", prose(rng, reply)))
         return tuple(requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Classes:
+    """Short chat requests from several classes sharing the rate: tenants, or criticalities.
+
+    Each request belongs to one class (its ``group``), drawn by the classes'
+    shares of ``rate``; prompts of ``prompt_tokens`` and outputs of
+    ``output_tokens`` (uniform), the base model, no shared prefix: load, not
+    locality. Flow control's workloads (``benchmarks/quality.py --workload
+    overload|tenants|priorities``) are instances of it.
+    """
+
+    shares: tuple[tuple[str, float], ...] = (("all", 1.0),)
+    prompt_tokens: tuple[int, int] = (64, 512)
+    output_tokens: tuple[int, int] = (32, 256)
+
+    def __post_init__(self) -> None:
+        if not self.shares or any(share <= 0 for _, share in self.shares):
+            raise ValueError("classes need positive shares")
+        if not 1 <= self.prompt_tokens[0] <= self.prompt_tokens[1]:
+            raise ValueError("prompts need 1 <= min <= max tokens")
+        if not 1 <= self.output_tokens[0] <= self.output_tokens[1]:
+            raise ValueError("outputs need 1 <= min <= max tokens")
+
+    def requests(self, *, rate: float, duration_s: float, seed: int) -> tuple[OpenRequest, ...]:
+        rng = random.Random(f"classes-{seed}")
+        names = [name for name, _ in self.shares]
+        weights = [share for _, share in self.shares]
+        requests = []
+        for at in _arrivals(rng, rate, duration_s):
+            group = rng.choices(names, weights)[0]
+            question = prose(rng, rng.randint(*self.prompt_tokens))
+            output = rng.randint(*self.output_tokens)
+            requests.append(_request(at, None, [("user", question)], output, group=group))
+        return tuple(requests)
+
+
+def Overload() -> Classes:  # noqa: N802 - a workload named like the others
+    """One class of traffic: what flow control does for the pool as a whole."""
+    return Classes()
+
+
+def Tenants() -> Classes:  # noqa: N802
+    """Two tenants offering load 10:1 (``tenant-a`` the flood, ``tenant-b`` the small one)."""
+    return Classes((("tenant-a", 10.0), ("tenant-b", 1.0)))
+
+
+def Priorities() -> Classes:  # noqa: N802
+    """A mix of criticalities: 20% critical, 50% standard, 30% sheddable."""
+    return Classes((("critical", 0.2), ("standard", 0.5), ("sheddable", 0.3)))

@@ -54,6 +54,10 @@ DECISION_DURATION: Final = "policyd.decision.duration"
 # offered, for a policy that reads them: locality lost to load shows as a gap.
 PREFIX_MATCH: Final = "policyd.prefix.match"
 BEST_PREFIX_MATCH: Final = "policyd.prefix.best_match"
+# Flow control held the request before this decision: for how long (seconds), and how
+# many requests were held ahead of it (its band and above) when it came.
+FLOW_HELD: Final = "policyd.flow.held"
+FLOW_QUEUE_POSITION: Final = "policyd.flow.queue_position"
 SHADOWS: Final = "policyd.shadows"  # how many shadow policies were evaluated
 SHADOWS_AGREED: Final = "policyd.shadows.agreed"  # how many agreed with the live pick
 

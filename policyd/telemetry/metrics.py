@@ -61,6 +61,59 @@ class ReloadLike(Protocol):
     def error(self) -> object | None: ...
 
 
+FLOW_WAIT_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+MAX_FLOW_LABELS: Final = 100  # distinct flow names with series of their own; the rest: "other"
+
+
+class FlowMetrics:
+    """Flow control's held requests and what became of them (``policyd.flow``'s observer).
+
+    The flow key comes from requests (a tenant header, say), so only the first
+    ``MAX_FLOW_LABELS`` flow names seen get series of their own.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._held = Gauge(
+            "policyd_flow_held_requests",
+            "Requests flow control holds now, by band and flow.",
+            ["band", "flow"],
+            registry=registry,
+        )
+        self._outcomes = CounterTally(
+            "policyd_flow_requests",
+            "Requests that left flow control's queue, by band, flow and outcome "
+            "(dispatched, expired, evicted, refused, abandoned: the client went away).",
+            ["band", "flow", "outcome"],
+        )
+        self._wait = HistogramTally(
+            "policyd_flow_wait_seconds",
+            "How long a request was held, by band and outcome.",
+            ["band", "outcome"],
+            FLOW_WAIT_BUCKETS,
+        )
+        registry.register(TallyCollector([self._outcomes, self._wait]))
+        self._flows: set[str] = set()
+
+    def held(self, band: str, flow: str, change: int) -> None:
+        self._held.labels(band, self._label(flow)).inc(change)
+
+    def outcome(self, band: str, flow: str, outcome: str, waited_s: float) -> None:
+        self._outcomes.inc((band, self._label(flow), outcome))
+        if outcome != "refused":  # a refused request was never held
+            self._wait.observe((band, outcome), waited_s)
+
+    def _label(self, flow: str) -> str:
+        flows = self._flows
+        if flow in flows:
+            return flow
+        if len(flows) < MAX_FLOW_LABELS:
+            flows.add(flow)
+            return flow
+        return "other"
+
+
 class DecisionMetrics:
     """The metrics of the serving path, in their own registry.
 
@@ -174,6 +227,7 @@ class DecisionMetrics:
             registry=r,
         )
         self._last_reload_ok.set(1)
+        self.flow = FlowMetrics(r)
         # Tally increments per step of a reused walk, and per walk (its trace).
         self._step_counts: IdentityCache[NodeTrace, _StepCounts] = IdentityCache(_STEPS_KEPT)
         self._walk_counts: IdentityCache[tuple[NodeTrace, ...], _StepCounts] = IdentityCache(

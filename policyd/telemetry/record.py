@@ -47,7 +47,7 @@ from policyd.policy.decision import Decision, Outcome, ShadowReport, ShadowResul
 from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
 from policyd.telemetry.decision_log import DecisionLog
-from policyd.telemetry.metrics import DecisionMetrics
+from policyd.telemetry.metrics import DecisionMetrics, FlowMetrics
 from policyd.telemetry.tracing import DecisionTracer, StartedSpan
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,11 @@ class DecisionTelemetry:
     def stream_error(self, kind: str, code: str) -> None:
         if self.metrics is not None:
             self.metrics.stream_error(kind, code)
+
+    @property
+    def flow(self) -> FlowMetrics | None:
+        """Where flow control reports its held requests and their outcomes."""
+        return self.metrics.flow if self.metrics is not None else None
 
 
 class RequestRecord:
@@ -204,6 +209,9 @@ class RequestRecord:
             attributes[a.ERROR_TYPE] = decision.outcome.value
         if decision.best_prefix_match is not None:
             attributes[a.BEST_PREFIX_MATCH] = decision.best_prefix_match
+        if decision.held_seconds is not None:
+            attributes[a.FLOW_HELD] = decision.held_seconds
+            attributes[a.FLOW_QUEUE_POSITION] = decision.queue_position or 0
         if decision.scores:
             top = decision.scores[: a.MAX_LISTED_PODS]
             attributes[a.SCORED_PODS] = tuple([name for name, _ in top])

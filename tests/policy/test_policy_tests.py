@@ -115,7 +115,7 @@ def test_a_broken_test_file_is_reported_with_positions(
         "did you mean 'waiting_queue'?",
         "policy.test.yaml:4:3: case 'no expectation' needs an 'expect'",
         "policy.test.yaml:8:23: 'outcome' must be one of routed, shed, no-capacity, "
-        "unknown-model, error, not 'maybe'",
+        "unknown-model, error, held, not 'maybe'",
         "0 passed, 0 failed",
     ]
 

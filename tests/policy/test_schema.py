@@ -92,6 +92,22 @@ score:
 pick:
   strategy: weighted-random
   fallbacks: 1
+flow:
+  saturated: pod.waiting_queue >= params.limit || pod.in_flight >= 64
+  priority: 'request.headers["x-band"]'
+  bands:
+    gold: {max_wait: 60s, max_requests: 100, max_body_bytes: 1000000}
+    bronze: {max_wait: 1.5}
+  flows:
+    key: 'request.headers["x-tenant"]'
+    default: anonymous
+    weights: {big: 3, small: 0.5}
+  order: deadline
+  deadline_header: x-deadline-ms
+  max_requests: 1000
+  max_body_bytes: 100000000
+  when_full: refuse
+  answer: {status: 429, retry_after: 2s}
 """
 
 
@@ -130,6 +146,13 @@ def test_a_policy_using_every_field_is_valid_for_both(
         "pick: {strategy: best}\n",
         "pick: {fallbacks: -1}\n",
         "criticality: {default: urgent}\n",
+        "flow: {priority: request.criticality}\n",
+        "flow: {saturated: 'true', order: lifo}\n",
+        "flow: {saturated: 'true', when_full: drop}\n",
+        "flow: {saturated: 'true', answer: {status: 500}}\n",
+        "flow: {saturated: 'true', bands: {gold: {max_wait: soon}}}\n",
+        "flow: {saturated: 'true', flows: {weights: {a: 0}}}\n",
+        "flow: {saturated: 'true', max_requests: 0}\n",
     ],
 )
 def test_a_bad_shape_is_rejected_by_both_the_schema_and_the_loader(

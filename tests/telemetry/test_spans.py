@@ -372,3 +372,25 @@ def test_a_policy_without_prefix_fields_records_no_prefix_attributes(
     routed_end(record)
     attributes = dict(spans.only().attributes or {})
     assert not {a.PREFIX_MATCH, a.BEST_PREFIX_MATCH, a.CACHED_TOKENS} & set(attributes)
+
+
+def test_a_held_request_records_its_time_held_and_queue_position(
+    tmp_path: Path, spans: Spans
+) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
+    decision.held_seconds, decision.queue_position = 1.25, 7  # as flow control set them
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply(router.decide_shadows(decision))
+    routed_end(record)
+    attributes = dict(spans.only().attributes or {})
+    assert (attributes[a.FLOW_HELD], attributes[a.FLOW_QUEUE_POSITION]) == (1.25, 7)
+
+
+def test_a_request_never_held_records_no_flow_attributes(tmp_path: Path, spans: Spans) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
+    record = telemetry(spans).start(request(), decision, CARRIER, 0.001)
+    record.after_reply(router.decide_shadows(decision))
+    routed_end(record)
+    assert not {a.FLOW_HELD, a.FLOW_QUEUE_POSITION} & set(spans.only().attributes or {})

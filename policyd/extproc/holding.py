@@ -1,0 +1,114 @@
+"""Holding a request on the serving path: flow control over the event loop (``Holding``).
+
+An exchange whose policy has a ``flow`` section asks ``FlowControl``
+(``policyd.flow``) on its request body. Held, it answers that message with a
+``HeldReply``: the stream (``process_stream.py``) sends Envoy the message
+that extends its timeout for this message (``override_message_timeout``, up
+to the ``max_message_timeout`` policyd's Envoy configurations set), then
+awaits the future until the request is dispatched (its routing reply) or
+answered (an expired, evicted or shut-down request's error). Nothing blocks
+the event loop: the stream's coroutine simply waits.
+
+``Holding`` drives the flow control on the loop: a request ending on a pod
+(``finished``) and a new pool snapshot are the signals that can make room,
+and while anything is held a timer looks for a new snapshot and for the
+next expiry every ``tick_seconds``. ``drain`` dispatches what it can within
+a grace period on shutdown and answers the rest 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Final
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import duration_pb2
+
+from policyd.extproc.interfaces import SnapshotSource
+from policyd.flow import FlowAnswer, FlowControl
+from policyd.flow.control import AdmissionSource, FlowObserver
+from policyd.policy.flow import HOLD_MARGIN_SECONDS, MAX_HOLD_SECONDS
+
+log = logging.getLogger("policyd.extproc")
+
+TICK_SECONDS: Final = 0.02  # how often a held queue looks for a new snapshot and expiries
+SHUTDOWN: Final = FlowAnswer(
+    503, None, "flow_shutdown", "policyd is shutting down and no pod had room in time"
+)
+
+
+def timeout_extension(seconds: float) -> bytes:
+    """The reply that asks Envoy to wait up to ``seconds`` for this message's answer."""
+    seconds = min(seconds + HOLD_MARGIN_SECONDS, MAX_HOLD_SECONDS)
+    whole = int(seconds)
+    duration = duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+    reply: bytes = pb.ProcessingResponse(override_message_timeout=duration).SerializeToString()
+    return reply
+
+
+class HeldReply:
+    """The answer to a held request's message: first ``extension``, then, once
+    ``result`` is done, the replies it resolves to."""
+
+    __slots__ = ("extension", "result")
+
+    def __init__(self, wait_seconds: float) -> None:
+        self.extension = timeout_extension(wait_seconds)
+        self.result: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+
+    def resolve(self, replies: object) -> None:
+        if not self.result.done():
+            self.result.set_result(replies)
+
+
+class Holding:
+    """One server's flow control on its event loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        routers: Callable[[], AdmissionSource],
+        snapshots: SnapshotSource,
+        observer: FlowObserver | None = None,
+        *,
+        tick_seconds: float = TICK_SECONDS,
+    ) -> None:
+        self.control = FlowControl(routers, snapshots, time.monotonic, observer)
+        self._snapshots = snapshots
+        self._tick = tick_seconds
+        self._timer: asyncio.TimerHandle | None = None
+        self._version: int | None = None
+
+    def held(self) -> None:
+        """Something is held: keep the timer going."""
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._tick, self._look)
+
+    def finished(self, pod: str) -> None:
+        """A request ended on ``pod``: a slot may be free."""
+        self.control.finished(pod)
+
+    def _look(self) -> None:
+        self._timer = None
+        self.control.pump()  # new snapshot or not: expiries are due on time either way
+        if self.control.held:
+            self.held()
+
+    async def drain(self, grace_seconds: float) -> int:
+        """Dispatch held requests as pods free up for ``grace_seconds``, then answer
+        the rest 503; how many were answered so."""
+        deadline = time.monotonic() + grace_seconds
+        while self.control.held and time.monotonic() < deadline:
+            self.control.pump()
+            await asyncio.sleep(self._tick)
+        answered = self.control.close(SHUTDOWN)
+        if answered:
+            log.warning("%d held request(s) answered 503 at shutdown", answered)
+        return answered
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -1,0 +1,335 @@
+"""Flow control: hold requests while the pool is saturated, dispatch them as pods free up.
+
+``FlowControl`` sits in front of the router, for the policies that have a
+``flow`` section (``policyd.policy.flow``). It knows no clock and no event
+loop of its own: the serving path (``policyd.extproc``) and the simulator's
+benchmark each drive it with their own time and tell it when something
+changed.
+
+- ``arrive(request, size, waiter)``: a request under flow control. While
+  nothing of its policy is held and some pod has room, it is routed at once,
+  over the pods with room (``Pass``). Otherwise it is held (``Held``), or
+  refused at once when the queue is full and it is the one to go.
+- ``pump()``: something changed (a request ended on a pod, a scrape round, a
+  timer). Expired requests get the policy's answer; then, while some pod has
+  room for the next request of the queue, that request is dispatched
+  (``Waiter.dispatch``), one at a time.
+- ``leave(held)``: the request's client went away.
+- ``close()``: answer every held request (SIGTERM past the grace period).
+
+Late binding and no herding: a held request is decided when it is
+dispatched, on the snapshot of that moment, over only the pods with room for
+it, under the policy current then (``Router.admission`` again: a reload
+applies). Every request sent to a pod counts there at once: ``pod.in_flight``
+is policyd's own live count, and ``pod.waiting_queue`` reads as scraped plus
+the requests policyd sent to the pod since that scrape, less those that ended
+there (``sent`` / ``finished``; reset by each new snapshot). So one freed
+slot lets one request through, and a burst is never released on a stale
+reading.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from policyd.flow.queue import BandLimits, FlowQueue, Held, Limits
+from policyd.policy.flow import CompiledFlow
+from policyd.policy.request import Request
+from policyd.policy.router import Admission
+
+log = logging.getLogger("policyd.flow")
+
+
+@dataclass(frozen=True, slots=True)
+class FlowAnswer:
+    """What a request flow control will not dispatch gets: an HTTP error with a reason."""
+
+    status: int  # 429 or 503
+    retry_after_s: int | None
+    code: str  # flow_expired, flow_evicted, flow_refused, flow_shutdown
+    message: str
+
+
+class Waiter(Protocol):
+    """The request a held entry stands for, as its owner (an exchange) sees it."""
+
+    def dispatch(self, candidates: Sequence[Any]) -> str | None:
+        """Decide and send the request over ``candidates`` (the pods with room);
+        the name of the pod it went to (None: not routed after all)."""
+        ...
+
+    def answer(self, answer: FlowAnswer) -> None:
+        """Answer the request with ``answer`` instead: it leaves the queue."""
+        ...
+
+
+class Snapshot(Protocol):
+    @property
+    def version(self) -> int: ...
+    @property
+    def candidates(self) -> Sequence[Any]: ...
+
+
+class AdmissionSource(Protocol):
+    def admission(self, request: Request) -> Admission | None: ...
+
+
+class FlowObserver(Protocol):
+    """Where flow control reports (Prometheus: ``policyd.telemetry.metrics.FlowMetrics``)."""
+
+    def held(self, band: str, flow: str, change: int) -> None: ...
+    def outcome(self, band: str, flow: str, outcome: str, waited_s: float) -> None: ...
+
+
+class _NoObserver:
+    def held(self, band: str, flow: str, change: int) -> None:
+        return None
+
+    def outcome(self, band: str, flow: str, outcome: str, waited_s: float) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """Route the request now, over ``candidates`` (the pool's, or those of them with room)."""
+
+    candidates: Sequence[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What a held request carries: its request, its waiter, its policy and that
+    policy's flow control as it was when the request came (for its answer)."""
+
+    request: Request
+    waiter: Waiter
+    policy: str
+    flow: CompiledFlow
+
+
+class _Pending:
+    """A pod with what policyd saw since its metrics were scraped laid over its queue:
+    the requests it sent there, less those that ended there (never below 0)."""
+
+    __slots__ = ("_pod", "waiting_queue")
+
+    def __init__(self, pod: Any, change: int) -> None:
+        self._pod = pod
+        self.waiting_queue = max(0, pod.waiting_queue + change)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pod, name)
+
+    @property
+    def pod(self) -> Any:
+        return self._pod
+
+
+def unwrap(pod: Any) -> Any:
+    """The pool's own pod behind a candidate ``Pass`` or ``dispatch`` handed out."""
+    return pod.pod if isinstance(pod, _Pending) else pod
+
+
+class FlowControl:
+    """Held requests per policy, and their dispatch (see the module docstring)."""
+
+    def __init__(
+        self,
+        routers: Callable[[], AdmissionSource],
+        snapshots: Callable[[], Snapshot],
+        clock: Callable[[], float],
+        observer: FlowObserver | None = None,
+    ) -> None:
+        self._routers = routers
+        self._snapshots = snapshots
+        self._clock = clock
+        self._observer: FlowObserver = observer or _NoObserver()
+        self._queues: dict[str, FlowQueue] = {}
+        # pod name -> requests sent there less requests ended there since the snapshot
+        self._sent: dict[str, int] = {}
+        self._version: int | None = None
+        self.held = 0  # over every queue
+        self._pumping = False
+
+    # -- arrivals ---------------------------------------------------------------------
+
+    def arrive(
+        self, admission: Admission, request: Request, size: int, waiter: Waiter
+    ) -> Pass | Held | FlowAnswer:
+        """A request under ``admission`` (``Router.admission``; not None): route it now
+        (``Pass``), hold it (``Held``), or answer it at once (the queue is full)."""
+        queue = self._queues.get(admission.policy)
+        snapshot = self._fresh()
+        if not queue:
+            room = self._room(admission, snapshot)
+            if room:
+                return Pass(room)
+        if queue is None:
+            queue = self._queues[admission.policy] = FlowQueue()
+        flow = admission.flow
+        queue.limits = Limits(flow.max_requests, flow.max_body_bytes, flow.when_full == "evict")
+        now = self._clock()
+        band = admission.band
+        held = Held(
+            Entry(request, waiter, admission.policy, flow),
+            BandLimits(
+                band.name, band.rank, band.max_wait_s, band.max_requests, band.max_body_bytes
+            ),
+            admission.key,
+            weight=admission.weight,
+            size=size,
+            arrived=now,
+            deadline=flow.deadline_of(admission.request, now, band)
+            if flow.order == "deadline"
+            else None,
+        )
+        admitted, evicted = queue.push(held)
+        for victim in evicted:
+            self._gone(victim, -1)
+            self._answer(victim, "evicted", _EVICTED)
+        if not admitted:
+            self._observer.outcome(band.name, admission.key, "refused", 0.0)
+            return _answer(flow, "flow_refused", _REFUSED)
+        self.held += 1
+        self._observer.held(band.name, admission.key, 1)
+        self.pump()  # a pod may have room after all (the queue was not empty)
+        return held
+
+    def leave(self, held: Held) -> None:
+        """The request's client went away: out of the queue at once."""
+        queue = self._queue_of(held)
+        if queue is not None and queue.remove(held):
+            self._gone(held, -1)
+            self._observer.outcome(held.band.name, held.flow, "abandoned", self._waited(held))
+
+    def sent(self, pod: str) -> None:
+        """A request under flow control went to ``pod`` (counted until the next snapshot)."""
+        self._sent[pod] = self._sent.get(pod, 0) + 1
+
+    def finished(self, pod: str) -> None:
+        """A request ended on ``pod``: one fewer there since its scrape; dispatch what fits."""
+        self._sent[pod] = self._sent.get(pod, 0) - 1
+        self.pump()
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Answer the expired, then dispatch while a pod has room for the next request."""
+        if self._pumping or not self.held:
+            return  # a dispatch that ends a request at once calls back: one pump at a time
+        self._pumping = True
+        try:
+            now = self._clock()
+            for queue in self._queues.values():
+                for held in queue.expire(now):
+                    self._gone(held, -1)
+                    self._answer(held, "expired", _EXPIRED)
+            for queue in self._queues.values():
+                self._dispatch(queue)
+        finally:
+            self._pumping = False
+
+    def _dispatch(self, queue: FlowQueue) -> None:
+        routers = self._routers()
+        while queue:
+            held = queue.pop()
+            if held is None:
+                return
+            entry: Entry = held.payload
+            snapshot = self._fresh()
+            admission = routers.admission(entry.request)
+            if admission is None:  # reloaded without flow control: route as it comes
+                room: Sequence[Any] = snapshot.candidates
+            else:
+                room = self._room(admission, snapshot)
+                if not room:
+                    queue.unpop(held)
+                    return
+            self._gone(held, -1)
+            self._observer.outcome(held.band.name, held.flow, "dispatched", self._waited(held))
+            try:
+                pod = entry.waiter.dispatch(room)
+            except Exception:
+                log.exception("a held request failed at dispatch")
+                continue
+            if pod is not None:
+                self.sent(pod)
+
+    @property
+    def held_bytes(self) -> int:
+        """The body bytes held, over every queue."""
+        return sum(queue.bytes for queue in self._queues.values())
+
+    def next_expiry(self) -> float | None:
+        """When the next held request expires (None: nothing held)."""
+        times = [t for q in self._queues.values() if (t := q.next_expiry()) is not None]
+        return min(times) if times else None
+
+    def close(self, answer: FlowAnswer) -> int:
+        """Answer every held request with ``answer``; how many there were."""
+        count = 0
+        for queue in self._queues.values():
+            for held in list(queue):
+                queue.remove(held)
+                self._gone(held, -1)
+                self._observer.outcome(held.band.name, held.flow, "refused", self._waited(held))
+                count += 1
+                try:
+                    held.payload.waiter.answer(answer)
+                except Exception:
+                    log.exception("a held request failed to be answered")
+        return count
+
+    # -- the pods with room -----------------------------------------------------------
+
+    def _fresh(self) -> Snapshot:
+        snapshot = self._snapshots()
+        if snapshot.version != self._version:
+            self._version = snapshot.version
+            self._sent.clear()  # the new scrape saw them
+        return snapshot
+
+    def _room(self, admission: Admission, snapshot: Snapshot) -> Sequence[Any]:
+        """The pods with room for the request (the snapshot's own tuple when all have)."""
+        candidates = snapshot.candidates
+        sent = self._sent
+        if sent:
+            seen = [
+                _Pending(pod, count) if (count := sent.get(pod.name)) else pod for pod in candidates
+            ]
+            return admission.room(seen)
+        room = admission.room(candidates)
+        return candidates if len(room) == len(candidates) else room
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _queue_of(self, held: Held) -> FlowQueue | None:
+        return self._queues.get(held.payload.policy)
+
+    def _gone(self, held: Held, change: int) -> None:
+        self.held += change
+        self._observer.held(held.band.name, held.flow, change)
+
+    def _waited(self, held: Held) -> float:
+        return max(0.0, self._clock() - held.arrived)
+
+    def _answer(self, held: Held, outcome: str, message: str) -> None:
+        self._observer.outcome(held.band.name, held.flow, outcome, self._waited(held))
+        entry: Entry = held.payload
+        try:
+            entry.waiter.answer(_answer(entry.flow, f"flow_{outcome}", message))
+        except Exception:
+            log.exception("a held request failed to be answered")
+
+
+_EVICTED: Final = "evicted from the flow-control queue for a request of higher priority"
+_REFUSED: Final = "the flow-control queue is full"
+_EXPIRED: Final = "held past the maximum wait of its band: no pod had room for it"
+
+
+def _answer(flow: CompiledFlow, code: str, message: str) -> FlowAnswer:
+    retry = flow.retry_after_s if flow.status == 429 else None
+    return FlowAnswer(flow.status, retry, code, message)

@@ -1,0 +1,174 @@
+"""Flow control on the serving path, over a real gRPC channel: hold, extend, dispatch, answer."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest_asyncio
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from extproc_support import EnvoySide, error_of, request_body, request_headers, response_headers
+
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
+from policyd.policy import PolicyStore, Router
+from policyd.pool.pod import Pod
+
+POLICY = """
+name: held
+filters:
+  all:
+    keep: "true"
+flow:
+  saturated: pod.in_flight >= 1
+  bands:
+    critical: {max_wait: 30s}
+    standard: {max_wait: 30s}
+    sheddable: {max_wait: 300ms}
+  flows:
+    key: request.headers["x-tenant"]
+  answer: {status: 429, retry_after: 2s}
+"""
+BODY = {"model": "m", "prompt": "p"}
+
+
+@dataclass
+class Snapshot:
+    candidates: tuple[Pod, ...]
+    version: int = 0
+
+
+@dataclass
+class Rig:
+    server: ExtProcServer
+    envoy: EnvoySide
+    pods: tuple[Pod, ...]
+
+    @property
+    def held(self) -> int:
+        return self.server.processor.holding.control.held
+
+    async def routed(self, headers: dict[str, str] | None = None) -> Any:
+        """A request that is routed at once; its stream, left open (the response pending)."""
+        call = self.envoy.open()
+        await call.write(request_headers(headers))
+        await call.read()
+        await call.write(request_body(BODY))
+        reply = await call.read()
+        assert reply.WhichOneof("response") == "request_body", reply
+        return call
+
+    async def held_call(self, headers: dict[str, str] | None = None) -> Any:
+        """A request that is held: its stream, after Envoy was asked to wait longer."""
+        call = self.envoy.open()
+        await call.write(request_headers(headers))
+        await call.read()
+        await call.write(request_body(BODY))
+        extension = await call.read()
+        assert extension.HasField("override_message_timeout"), extension
+        assert extension.WhichOneof("response") is None
+        return call
+
+
+@pytest_asyncio.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    router = Router(PolicyStore.open(path), rng=random.Random(0))
+    pods = (Pod(name="p0", address="10.0.0.1:8000"),)
+    server = ExtProcServer(
+        lambda: router, lambda: Snapshot(pods), options=ServerOptions(port=0, grace_seconds=1)
+    )
+    port = await server.start()
+    envoy = EnvoySide(port)
+    try:
+        yield Rig(server, envoy, pods)
+    finally:
+        await envoy.close()
+        await server.stop(0.5)
+
+
+async def test_a_held_request_is_dispatched_when_its_pod_frees(rig: Rig) -> None:
+    first = await rig.routed()
+    held = await rig.held_call()
+    assert rig.held == 1 and rig.pods[0].in_flight == 1
+    reading = asyncio.ensure_future(held.read())
+    await asyncio.sleep(0.1)
+    assert not reading.done()  # no pod has room: still held
+    await first.write(response_headers(end_of_stream=True))  # the first request ends
+    reply: pb.ProcessingResponse = await asyncio.wait_for(reading, 2)
+    assert reply.WhichOneof("response") == "request_body"
+    assert rig.held == 0 and rig.pods[0].in_flight == 1  # the held one counts there now
+    first.cancel()
+    held.cancel()
+
+
+async def test_the_timeout_asked_of_envoy_covers_the_band_wait(rig: Rig) -> None:
+    first = await rig.routed()
+    call = rig.envoy.open()
+    await call.write(request_headers())
+    await call.read()
+    await call.write(request_body(BODY))
+    extension = await call.read()
+    assert extension.override_message_timeout.seconds == 31  # 30 s and a second's margin
+    first.cancel()
+    call.cancel()
+
+
+async def test_a_client_that_goes_away_leaves_the_queue(rig: Rig) -> None:
+    first = await rig.routed()
+    held = await rig.held_call()
+    assert rig.held == 1
+    held.cancel()  # Envoy resets the stream when the client disconnects
+    for _ in range(100):
+        if rig.held == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert rig.held == 0
+    assert rig.server.processor.body_budget.held == 0
+    first.cancel()
+
+
+async def test_the_max_wait_expires_into_the_configured_answer(rig: Rig) -> None:
+    first = await rig.routed()
+    held = await rig.held_call({"x-gateway-inference-criticality": "sheddable"})
+    reply = await asyncio.wait_for(held.read(), 2)
+    status, error = error_of(reply)
+    assert (status, error["code"]) == (429, "flow_expired")
+    headers = {
+        h.header.key: h.header.raw_value for h in reply.immediate_response.headers.set_headers
+    }
+    assert headers["retry-after"] == b"2"
+    assert rig.held == 0
+    first.cancel()
+
+
+async def test_a_flood_from_one_tenant_does_not_stop_another(rig: Rig) -> None:
+    """Five of the flood's requests are held before the small tenant's one; the small
+    one goes with the first slot that frees (a flow that held nothing goes first)."""
+    first = await rig.routed({"x-tenant": "flood"})
+    flood = [await rig.held_call({"x-tenant": "flood"}) for _ in range(5)]
+    small = await rig.held_call({"x-tenant": "small"})
+    small_reply = asyncio.ensure_future(small.read())
+    await first.write(response_headers(end_of_stream=True))  # one slot frees
+    reply = await asyncio.wait_for(small_reply, 2)
+    assert reply.WhichOneof("response") == "request_body"
+    assert rig.held == 5
+    for call in [first, small, *flood]:
+        call.cancel()
+
+
+async def test_shutdown_answers_what_no_pod_takes_within_the_grace_503(rig: Rig) -> None:
+    first = await rig.routed()
+    held = await rig.held_call()
+    reading = asyncio.ensure_future(held.read())
+    await rig.server.stop(0.4)
+    reply = await asyncio.wait_for(reading, 2)
+    status, error = error_of(reply)
+    assert (status, error["code"]) == (503, "flow_shutdown")
+    assert await held.read() is grpc.aio.EOF  # the answer ends the stream
+    first.cancel()

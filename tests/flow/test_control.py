@@ -1,0 +1,186 @@
+"""FlowControl: route or hold, dispatch one request per freed slot, late binding, answers."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from policyd.flow import FlowAnswer, FlowControl, Held, Pass, unwrap
+from policyd.policy import PolicyStore, Request, Router
+from policyd.pool.pod import Pod
+from tests.policy.helpers import pod, write
+
+POLICY = """
+name: held
+filters:
+  all:
+    keep: "true"
+flow:
+  saturated: pod.waiting_queue >= 2 || pod.in_flight >= 2
+  bands:
+    critical: {max_wait: 30s}
+    standard: {max_wait: 10s}
+  flows:
+    key: request.headers["x-tenant"]
+  answer: {status: 429, retry_after: 3s}
+"""
+
+
+@dataclass
+class Snapshot:
+    candidates: tuple[Pod, ...]
+    version: int = 0
+
+
+@dataclass
+class Client:
+    """A request's owner: sends it to a pod (counting it there) or takes the answer."""
+
+    name: str
+    router: Router
+    sent_to: str | None = None
+    answered: FlowAnswer | None = None
+    saw: list[str] = field(default_factory=list)
+
+    def dispatch(self, candidates: Sequence[Any]) -> str | None:
+        self.saw = [p.name for p in candidates]
+        decision = self.router.decide(Request("m"), candidates)
+        chosen: Pod = unwrap(decision.chosen)
+        chosen.load.count += 1
+        self.sent_to = chosen.name
+        return self.sent_to
+
+    def answer(self, answer: FlowAnswer) -> None:
+        self.answered = answer
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, text: str = POLICY, pods: int = 2) -> None:
+        self.path = write(tmp_path, text)
+        self.store = PolicyStore.open(self.path)
+        self.router = Router(self.store, rng=random.Random(1))
+        self.snapshot = Snapshot(tuple(pod(f"p{i}") for i in range(pods)))
+        self.now = 0.0
+        self.control = FlowControl(lambda: self.router, lambda: self.snapshot, lambda: self.now)
+
+    def arrive(self, name: str, **headers: str) -> tuple[Client, Pass | Held | FlowAnswer]:
+        request = Request("m", headers=headers)
+        client = Client(name, self.router)
+        admission = self.router.admission(request)
+        assert admission is not None
+        verdict = self.control.arrive(admission, request, 10, client)
+        if isinstance(verdict, Pass):
+            client.dispatch(verdict.candidates)
+            self.control.sent(client.sent_to or "")
+        return client, verdict
+
+    def end(self, client: Client) -> None:
+        """The request's response ended: its pod frees a slot."""
+        for p in self.snapshot.candidates:
+            if p.name == client.sent_to:
+                p.load.count -= 1
+        self.control.finished(client.sent_to or "")
+
+
+def test_requests_pass_while_a_pod_has_room_then_are_held(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    verdicts = [rig.arrive(f"r{i}")[1] for i in range(6)]
+    assert [type(v).__name__ for v in verdicts] == ["Pass"] * 4 + ["Held"] * 2
+    assert sorted(p.load.count for p in rig.snapshot.candidates) == [2, 2]  # spread, no herd
+    assert rig.control.held == 2
+
+
+def test_one_freed_slot_dispatches_one_held_request(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    passed = [rig.arrive(f"r{i}")[0] for i in range(4)]
+    held = [rig.arrive(f"h{i}")[0] for i in range(3)]
+    rig.end(passed[0])
+    assert [c.sent_to is not None for c in held] == [True, False, False]
+    assert held[0].saw == [passed[0].sent_to]  # late binding: only the pod with room
+    rig.end(passed[1])
+    assert [c.sent_to is not None for c in held] == [True, True, False]
+
+
+def test_a_stale_scrape_does_not_release_a_burst(tmp_path: Path) -> None:
+    """The predicate reads only the scraped queue: the requests sent since the scrape
+    count on their pod until the next snapshot, so a freed pod takes two, not all."""
+    text = POLICY.replace(" || pod.in_flight >= 2", "")
+    rig = Rig(tmp_path, text)
+    first = [rig.arrive(f"r{i}")[0] for i in range(4)]
+    assert all(c.sent_to for c in first)
+    held = [rig.arrive(f"h{i}")[0] for i in range(5)]
+    assert not any(c.sent_to for c in held)
+    # A new scrape: p0 still queues 2, p1 has drained.
+    rig.snapshot = Snapshot((pod("p0", waiting_queue=2), pod("p1", waiting_queue=0)), version=1)
+    rig.control.pump()
+    assert [c.sent_to for c in held] == ["p1", "p1", None, None, None]
+
+
+def test_a_small_tenant_goes_before_a_flood(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    passed = [rig.arrive(f"r{i}", **{"x-tenant": "flood"})[0] for i in range(4)]
+    flood = [rig.arrive(f"f{i}", **{"x-tenant": "flood"})[0] for i in range(10)]
+    small = rig.arrive("s", **{"x-tenant": "small"})[0]
+    rig.end(passed[0])
+    rig.end(passed[1])
+    assert small.sent_to is not None
+    assert sum(c.sent_to is not None for c in flood) == 1
+
+
+def test_critical_goes_first(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    passed = [rig.arrive(f"r{i}")[0] for i in range(4)]
+    standard = rig.arrive("std")[0]
+    critical = rig.arrive("crit", **{"x-gateway-inference-criticality": "critical"})[0]
+    rig.end(passed[0])
+    assert critical.sent_to is not None and standard.sent_to is None
+
+
+def test_expiry_answers_with_the_policy_status(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    for i in range(4):
+        rig.arrive(f"r{i}")
+    waiting, verdict = rig.arrive("w")
+    assert isinstance(verdict, Held) and rig.control.next_expiry() == 10.0
+    rig.now = 10.0
+    rig.control.pump()
+    assert waiting.answered == FlowAnswer(
+        429, 3, "flow_expired", "held past the maximum wait of its band: no pod had room for it"
+    )
+    assert rig.control.held == 0 and rig.control.next_expiry() is None
+
+
+def test_a_client_that_leaves_is_out_of_the_queue(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    passed = [rig.arrive(f"r{i}")[0] for i in range(4)]
+    gone, verdict = rig.arrive("gone")
+    stays = rig.arrive("stays")[0]
+    assert isinstance(verdict, Held)
+    rig.control.leave(verdict)
+    assert rig.control.held == 1
+    rig.end(passed[0])
+    assert gone.sent_to is None and stays.sent_to is not None
+
+
+def test_a_reload_applies_to_held_requests_at_dispatch(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    for i in range(4):
+        rig.arrive(f"r{i}")
+    held = [rig.arrive(f"h{i}")[0] for i in range(3)]
+    rig.path.write_text(POLICY.replace("pod.waiting_queue >= 2 || pod.in_flight >= 2", "false"))
+    assert rig.store.reload().changed
+    rig.control.pump()
+    assert all(c.sent_to for c in held)
+
+
+def test_close_answers_every_held_request(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    for i in range(4):
+        rig.arrive(f"r{i}")
+    held = [rig.arrive(f"h{i}")[0] for i in range(2)]
+    answer = FlowAnswer(503, None, "flow_shutdown", "policyd is shutting down")
+    assert rig.control.close(answer) == 2
+    assert [c.answered for c in held] == [answer, answer] and rig.control.held == 0

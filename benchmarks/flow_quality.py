@@ -138,6 +138,7 @@ class FlowRun(_OpenRun):
             timeout_s=120.0,
             kv_events=None,
             kv_event_delay_s=0.005,
+            on_done=None,
         )
         self.contender = contender
         self.router = Router(PolicyStore.open(contender.policy), rng=random.Random(f"p-{seed}"))

@@ -73,9 +73,9 @@ flow:
   saturated: >-
     {saturated}
   bands:
-    critical: {max_wait: 60s}
-    standard: {max_wait: 60s}
-    sheddable: {max_wait: 10s}
+    critical: {max_wait: {wait}}
+    standard: {max_wait: {wait}}
+    sheddable: {max_wait: {short_wait}}
   flows:
     key: request.headers["x-tenant"]
     default: anonymous
@@ -149,6 +149,7 @@ class FlowRun(_OpenRun):
         count = len(requests)
         self.arrived: list[float | None] = [None] * count
         self.answered: list[int | None] = [None] * count
+        self.waiters: list[_Waiter | None] = [None] * count  # flow control's keys
         self.version = 0
         self._pending = -1
         self._expiry: float | None = None
@@ -166,11 +167,12 @@ class FlowRun(_OpenRun):
             self._decide(index, request, self._snapshot().candidates)
             return
         size = len(self.requests[index].prompt) * 4  # about the body's bytes
-        verdict = self.control.arrive(admission, request, size, _Waiter(self, index, request))
+        waiter = self.waiters[index] = _Waiter(self, index, request)
+        verdict = self.control.arrive(admission, request, size, waiter)
         if isinstance(verdict, Pass):
             pod = self._decide(index, request, verdict.candidates)
             if pod is not None:
-                self.control.sent(pod)
+                self.control.sent(pod, waiter)
         elif isinstance(verdict, FlowAnswer):
             self.refuse(index, verdict.status)
         else:
@@ -256,7 +258,7 @@ class FlowRun(_OpenRun):
         pod = self.pod_of[index]
         super()._resolve(index)
         if pod is not None:
-            self.control.finished(self.pods[pod].name)
+            self.control.finished(self.pods[pod].name, self.waiters[index])
             self._arm()
 
     def outcome(self) -> FlowResult:
@@ -346,10 +348,15 @@ def figures_of(run: FlowResult, duration_s: float) -> RunFigures:
     )
 
 
-def flow_policy(base: Path, directory: Path, saturated: str) -> Path:
-    """``base`` with the benchmark's flow section, written to ``directory``."""
+def flow_policy(base: Path, directory: Path, saturated: str, time_scale: float = 1.0) -> Path:
+    """``base`` with the benchmark's flow section, written to ``directory``; its waits
+    (60 s, sheddable 10 s) divided by ``time_scale`` (pods that run that much faster)."""
     path = directory / f"{base.stem}-flow.yaml"
-    section = FLOW_SECTION.replace("{saturated}", saturated)
+    section = (
+        FLOW_SECTION.replace("{saturated}", saturated)
+        .replace("{wait}", f"{60 / time_scale:g}s")
+        .replace("{short_wait}", f"{10 / time_scale:g}s")
+    )
     path.write_text(base.read_text().rstrip("\n") + "\n" + section)
     return path
 
@@ -569,6 +576,7 @@ class SeedFlowRun(_Run):
         self.answered = 0
         self.peak_held = 0
         self.connected: list[float | None] = [None] * self.workload.requests
+        self.waiters: list[_SeedWaiter | None] = [None] * self.workload.requests
         self._expiry: float | None = None
 
     def ttft_s(self, result: Any) -> list[float]:
@@ -598,11 +606,12 @@ class SeedFlowRun(_Run):
             if admission is None:
                 self._decide(index, request, self._snapshot().candidates)
                 continue
-            verdict = self.control.arrive(admission, request, 0, _SeedWaiter(self, index, request))
+            waiter = self.waiters[index] = _SeedWaiter(self, index, request)
+            verdict = self.control.arrive(admission, request, 0, waiter)
             if isinstance(verdict, Pass):
                 pod = self._decide(index, request, verdict.candidates)
                 if pod is not None:
-                    self.control.sent(pod)
+                    self.control.sent(pod, waiter)
             elif isinstance(verdict, FlowAnswer):
                 self._refuse(index)
             else:
@@ -650,7 +659,7 @@ class SeedFlowRun(_Run):
         pod = self.pod_of[index]
         super()._resolve(index)
         if pod is not None:
-            self.control.finished(self.pods[pod].name)
+            self.control.finished(self.pods[pod].name, self.waiters[index])
             self._arm()
 
     def _arm(self) -> None:

@@ -666,8 +666,8 @@ class Exchange:
             decision.queue_position = hold.held.position
         span = self._decided(request, decision, started)
         self._claim(decision, pods)
-        if flow_controlled:
-            self._server.holding.control.sent(decision.pod)
+        if flow_controlled and hold is None:  # a dispatched one, flow control counts itself
+            self._server.holding.control.sent(decision.pod, self)
         settings = self._server.settings
         destination = replies.destination_value(
             decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
@@ -769,7 +769,7 @@ class Exchange:
         self._load.count -= 1
         self._load = None
         if self._decision is not None:
-            self._server.holding.finished(self._decision.pod)  # counted free: a slot
+            self._server.holding.finished(self._decision.pod, self)  # counted free: a slot
         self._report("expired", "no_response_headers")
         return True
 
@@ -888,7 +888,7 @@ class Exchange:
             load.count -= 1
             self._load = None
             if self._decision is not None:
-                self._server.holding.finished(self._decision.pod)  # a slot is free
+                self._server.holding.finished(self._decision.pod, self)  # a slot is free
         if end is State.ANSWERED and (before is State.ROUTED or before is State.RESPONDING):
             end = State.ENDED  # the decision's reply is out already: nothing waits for this one
         self.state = end

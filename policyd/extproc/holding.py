@@ -86,9 +86,9 @@ class Holding:
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._tick, self._look)
 
-    def finished(self, pod: str) -> None:
-        """A request ended on ``pod``: a slot may be free."""
-        self.control.finished(pod)
+    def finished(self, pod: str, key: object = None) -> None:
+        """A request ended on ``pod`` (``key``: its exchange): a slot may be free."""
+        self.control.finished(pod, key)
 
     def _look(self) -> None:
         self._timer = None

@@ -8,8 +8,9 @@ changed.
 
 - ``arrive(request, size, waiter)``: a request under flow control. While
   nothing of its policy is held and some pod has room, it is routed at once,
-  over the pods with room (``Pass``). Otherwise it is held (``Held``), or
-  refused at once when the queue is full and it is the one to go.
+  over the pods with room (``Pass``). Otherwise it is queued and the queue
+  pumped: it passes if it is dispatched right then, else it is held
+  (``Held``), or refused at once when the queue is full and it is the one to go.
 - ``pump()``: something changed (a request ended on a pod, a scrape round, a
   timer). Expired requests get the policy's answer; then, while some pod has
   room for the next request of the queue, that request is dispatched
@@ -26,6 +27,22 @@ the requests policyd sent to the pod since that scrape, less those that ended
 there (``sent`` / ``finished``; reset by each new snapshot). So one freed
 slot lets one request through, and a burst is never released on a stale
 reading.
+
+Pacing by KV cache: a pod's ``kv_cache`` reading lags what it has been sent.
+A request's prompt takes its blocks when it is admitted, and its output then
+grows for seconds, so a pool filled to a threshold on the reading overshoots
+it and sits above it until those requests end, holding everything meanwhile.
+So, where the pod publishes its cache size (``kv_cache_blocks`` x
+``kv_block_size``), ``pod.kv_cache`` reads as the larger of the scrape and
+policyd's own estimate: the footprint, over the pod's cache, of the requests
+under flow control in flight there, each counted as its prompt plus half its
+``max_tokens`` (what it holds on average over its life). A client asking for
+far more tokens than it gets makes the estimate high and the pacing
+cautious. The estimate paces only flows at or over their share: a request
+whose flow has fewer requests in flight than its weight's share of its
+policy's (over the flows in flight) sees the pods as scraped, so the room
+between the estimate and the reading is a reserve that keeps a small flow's
+wait short while a flood fills the pool.
 """
 
 from __future__ import annotations
@@ -111,14 +128,18 @@ class Entry:
 
 
 class _Pending:
-    """A pod with what policyd saw since its metrics were scraped laid over its queue:
-    the requests it sent there, less those that ended there (never below 0)."""
+    """A pod with what policyd knows past its scrape laid over it: in its queue the
+    requests sent there since, less those that ended there (never below 0); in its
+    KV cache the estimate of ``tokens`` (see the module docstring), where larger."""
 
-    __slots__ = ("_pod", "waiting_queue")
+    __slots__ = ("_pod", "kv_cache", "waiting_queue")
 
-    def __init__(self, pod: Any, change: int) -> None:
+    def __init__(self, pod: Any, change: int, tokens: int = 0) -> None:
         self._pod = pod
         self.waiting_queue = max(0, pod.waiting_queue + change)
+        capacity = pod.kv_cache_blocks * pod.kv_block_size
+        kv_cache: float = pod.kv_cache
+        self.kv_cache = max(kv_cache, tokens / capacity) if tokens and capacity > 0 else kv_cache
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pod, name)
@@ -151,6 +172,16 @@ class FlowControl:
         # pod name -> requests sent there less requests ended there since the snapshot
         self._sent: dict[str, int] = {}
         self._version: int | None = None
+        # What is in flight under flow control, for the KV estimate and the flows' shares:
+        # by key (the waiter) its pod, (policy, flow) and tokens; per pod the tokens; per
+        # (policy, flow) the count and weight; per policy the count and the flows' weights.
+        self._flight: dict[object, tuple[str, tuple[str, str], int]] = {}
+        self._tokens: dict[str, int] = {}
+        self._flows: dict[tuple[str, str], list[float]] = {}  # [count, weight]
+        self._policies: dict[str, list[float]] = {}  # [count, sum of weights in flight]
+        self._passed: tuple[object, Admission] | None = None  # the last Pass, until sent
+        self._arriving: Held | None = None  # the request ``arrive`` is pumping for
+        self._arrived_room: Sequence[Any] | None = None  # the room pumping found for it
         self.held = 0  # over every queue
         self._pumping = False
 
@@ -166,6 +197,7 @@ class FlowControl:
         if not queue:
             room = self._room(admission, snapshot)
             if room:
+                self._passed = (waiter, admission)
                 return Pass(room)
         if queue is None:
             queue = self._queues[admission.policy] = FlowQueue()
@@ -195,8 +227,15 @@ class FlowControl:
             return _answer(flow, "flow_refused", _REFUSED)
         self.held += 1
         self._observer.held(band.name, admission.key, 1)
-        self.pump()  # a pod may have room after all (the queue was not empty)
-        return held
+        # A pod may have room after all (the queue was not empty), maybe for this very
+        # request: then it passes here, as its owner does not hold it yet.
+        self._arriving = held
+        try:
+            self.pump()
+        finally:
+            self._arriving = None
+        passing, self._arrived_room = self._arrived_room, None
+        return held if passing is None else Pass(passing)
 
     def leave(self, held: Held) -> None:
         """The request's client went away: out of the queue at once."""
@@ -205,13 +244,24 @@ class FlowControl:
             self._gone(held, -1)
             self._observer.outcome(held.band.name, held.flow, "abandoned", self._waited(held))
 
-    def sent(self, pod: str) -> None:
-        """A request under flow control went to ``pod`` (counted until the next snapshot)."""
+    def sent(self, pod: str, key: object = None) -> None:
+        """A request under flow control went to ``pod`` (counted in its queue until the
+        next snapshot). ``key`` is the waiter ``arrive`` was handed: the request that
+        ``arrive`` just let ``Pass`` (decided and sent right after, with no await
+        between) is then counted in flight until ``finished`` with the same key."""
         self._sent[pod] = self._sent.get(pod, 0) + 1
+        passed = self._passed
+        if passed is not None and key is not None and passed[0] is key:
+            self._passed = None
+            if pod:
+                self._fly(key, pod, passed[1])
 
-    def finished(self, pod: str) -> None:
-        """A request ended on ``pod``: one fewer there since its scrape; dispatch what fits."""
+    def finished(self, pod: str, key: object = None) -> None:
+        """A request ended on ``pod``: one fewer there since its scrape (and, by its
+        ``key``, no longer in flight); dispatch what fits."""
         self._sent[pod] = self._sent.get(pod, 0) - 1
+        if key is not None:
+            self._land(key)
         self.pump()
 
     # -- dispatch ---------------------------------------------------------------------
@@ -250,6 +300,11 @@ class FlowControl:
                     return
             self._gone(held, -1)
             self._observer.outcome(held.band.name, held.flow, "dispatched", self._waited(held))
+            if held is self._arriving:  # ``arrive`` lets it pass: the rest at the next signal
+                self._arrived_room = room
+                if admission is not None:
+                    self._passed = (entry.waiter, admission)
+                return
             try:
                 pod = entry.waiter.dispatch(room)
             except Exception:
@@ -257,6 +312,8 @@ class FlowControl:
                 continue
             if pod is not None:
                 self.sent(pod)
+                if admission is not None:
+                    self._fly(entry.waiter, pod, admission)
 
     @property
     def held_bytes(self) -> int:
@@ -296,6 +353,12 @@ class FlowControl:
         """The pods with room for the request (the snapshot's own tuple when all have)."""
         candidates = snapshot.candidates
         sent = self._sent
+        tokens = self._tokens if self._tokens and not self._under_share(admission) else None
+        if tokens:
+            seen = [
+                _Pending(pod, sent.get(pod.name, 0), tokens.get(pod.name, 0)) for pod in candidates
+            ]
+            return admission.room(seen)
         if sent:
             seen = [
                 _Pending(pod, count) if (count := sent.get(pod.name)) else pod for pod in candidates
@@ -303,6 +366,55 @@ class FlowControl:
             return admission.room(seen)
         room = admission.room(candidates)
         return candidates if len(room) == len(candidates) else room
+
+    def _under_share(self, admission: Admission) -> bool:
+        """Whether the request's flow has fewer requests in flight than its weight's share
+        of its policy's, over the flows in flight and its own."""
+        policy = self._policies.get(admission.policy)
+        if policy is None:
+            return True
+        counted = self._flows.get((admission.policy, admission.key))
+        if counted is None:
+            return True  # nothing of its flow in flight: under any share of a busy policy
+        return counted[0] < policy[0] * counted[1] / policy[1]
+
+    # -- what is in flight ------------------------------------------------------------
+
+    def _fly(self, key: object, pod: str, admission: Admission) -> None:
+        request = admission.request
+        tokens = max(0, request.prompt_tokens) + max(0, request.max_tokens) // 2
+        flow = (admission.policy, admission.key)
+        self._land(key)  # a key is in flight once
+        self._flight[key] = (pod, flow, tokens)
+        self._tokens[pod] = self._tokens.get(pod, 0) + tokens
+        counted = self._flows.get(flow)
+        policy = self._policies.setdefault(admission.policy, [0.0, 0.0])
+        if counted is None:
+            self._flows[flow] = [1.0, admission.weight]
+            policy[1] += admission.weight
+        else:
+            counted[0] += 1
+        policy[0] += 1
+
+    def _land(self, key: object) -> None:
+        flight = self._flight.pop(key, None)
+        if flight is None:
+            return
+        pod, flow, tokens = flight
+        left = self._tokens[pod] - tokens
+        if left:
+            self._tokens[pod] = left
+        else:
+            del self._tokens[pod]
+        counted = self._flows[flow]
+        policy = self._policies[flow[0]]
+        counted[0] -= 1
+        policy[0] -= 1
+        if not counted[0]:
+            del self._flows[flow]
+            policy[1] -= counted[1]
+        if not policy[0]:
+            del self._policies[flow[0]]
 
     # -- bookkeeping ------------------------------------------------------------------
 

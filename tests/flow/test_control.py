@@ -35,7 +35,7 @@ class Snapshot:
     version: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Client:
     """A request's owner: sends it to a pod (counting it there) or takes the answer."""
 
@@ -66,15 +66,18 @@ class Rig:
         self.now = 0.0
         self.control = FlowControl(lambda: self.router, lambda: self.snapshot, lambda: self.now)
 
-    def arrive(self, name: str, **headers: str) -> tuple[Client, Pass | Held | FlowAnswer]:
-        request = Request("m", headers=headers)
+    def arrive(
+        self, name: str, tokens: tuple[int, int] = (0, 0), /, **headers: str
+    ) -> tuple[Client, Pass | Held | FlowAnswer]:
+        """A request (``tokens``: its prompt and max_tokens) arrives; routed when it passes."""
+        request = Request("m", headers=headers, prompt_tokens=tokens[0], max_tokens=tokens[1])
         client = Client(name, self.router)
         admission = self.router.admission(request)
         assert admission is not None
         verdict = self.control.arrive(admission, request, 10, client)
         if isinstance(verdict, Pass):
             client.dispatch(verdict.candidates)
-            self.control.sent(client.sent_to or "")
+            self.control.sent(client.sent_to or "", client)
         return client, verdict
 
     def end(self, client: Client) -> None:
@@ -82,7 +85,7 @@ class Rig:
         for p in self.snapshot.candidates:
             if p.name == client.sent_to:
                 p.load.count -= 1
-        self.control.finished(client.sent_to or "")
+        self.control.finished(client.sent_to or "", client)
 
 
 def test_requests_pass_while_a_pod_has_room_then_are_held(tmp_path: Path) -> None:
@@ -184,3 +187,55 @@ def test_close_answers_every_held_request(tmp_path: Path) -> None:
     answer = FlowAnswer(503, None, "flow_shutdown", "policyd is shutting down")
     assert rig.control.close(answer) == 2
     assert [c.answered for c in held] == [answer, answer] and rig.control.held == 0
+
+
+def test_a_request_the_queue_would_dispatch_as_it_arrives_passes(tmp_path: Path) -> None:
+    """Room appeared with no signal yet: the arriving request's own pump dispatches what
+    was held first, then lets the new one pass (its owner does not hold it yet)."""
+    rig = Rig(tmp_path)
+    for i in range(4):
+        rig.arrive(f"r{i}")
+    held = [rig.arrive(f"h{i}")[0] for i in range(2)]
+    # A new scrape: every request ended, and no signal told flow control so far.
+    rig.snapshot = Snapshot((pod("p0"), pod("p1")), version=1)
+    late, verdict = rig.arrive("late")
+    assert all(c.sent_to for c in held)
+    assert isinstance(verdict, Pass) and late.sent_to is not None
+    assert rig.control.held == 0
+
+
+KV_POLICY = POLICY.replace("pod.waiting_queue >= 2 || pod.in_flight >= 2", "pod.kv_cache >= 0.5")
+
+
+def kv_rig(tmp_path: Path) -> Rig:
+    """Two pods of 1000 tokens of KV cache each, empty as scraped."""
+    rig = Rig(tmp_path, KV_POLICY)
+    rig.snapshot = Snapshot(
+        tuple(pod(f"p{i}", kv_cache_blocks=100, kv_block_size=10) for i in range(2))
+    )
+    return rig
+
+
+def test_the_kv_estimate_paces_what_the_scrape_has_not_seen(tmp_path: Path) -> None:
+    """Each request counts its prompt plus half its max_tokens (300 of 1000 tokens)
+    on its pod: two fit under 0.5 per pod, though the scrape still reads 0."""
+    rig = kv_rig(tmp_path)
+    first = [rig.arrive(f"r{i}", (200, 200)) for i in range(5)]
+    assert [type(v).__name__ for _, v in first] == ["Pass"] * 4 + ["Held"]
+    assert sorted(c.sent_to or "" for c, _ in first[:4]) == ["p0", "p0", "p1", "p1"]
+    rig.end(first[0][0])  # its tokens leave the estimate: the held request fits
+    assert first[4][0].sent_to == first[0][0].sent_to
+
+
+def test_a_flow_under_its_share_sees_the_pods_as_scraped(tmp_path: Path) -> None:
+    """The flood is paced by the estimate; the small tenant, with nothing in flight,
+    is held only by what the pods report."""
+    rig = kv_rig(tmp_path)
+    flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"}) for i in range(6)]
+    assert [type(v).__name__ for _, v in flood] == ["Pass"] * 4 + ["Held"] * 2
+    small, verdict = rig.arrive("s", (200, 200), **{"x-tenant": "small"})
+    assert isinstance(verdict, Pass) and small.sent_to is not None
+    # Under its half of what is in flight (1 of 5, 2 of 6, 3 of 7) it passes; at 4 of 8
+    # it is paced by the estimate too.
+    more = [rig.arrive(f"s{i}", (200, 200), **{"x-tenant": "small"})[1] for i in range(4)]
+    assert [type(v).__name__ for v in more] == ["Pass"] * 3 + ["Held"]

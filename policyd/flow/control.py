@@ -260,7 +260,7 @@ class FlowControl:
         """A request ended on ``pod``: one fewer there since its scrape (and, by its
         ``key``, no longer in flight); dispatch what fits."""
         self._sent[pod] = self._sent.get(pod, 0) - 1
-        if key is not None:
+        if key is not None and self._flight:
             self._land(key)
         self.pump()
 

@@ -1,6 +1,6 @@
 """Flow control live through the real Envoy: two tenants 10:1 over capacity (issue 26).
 
-    python benchmarks/flow_live.py [--seconds 30] [--time-scale 2] [--multiple 3]
+    python benchmarks/flow_live.py [--seconds 30] [--time-scale 3] [--multiple 3] [--logs DIR]
 
 Everything runs on loopback as separate processes: six simulated vLLM pods
 (``policyd sim --time-scale``: simulated time runs that many times faster, so
@@ -411,7 +411,7 @@ async def main_async(arguments: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="wall seconds of arrivals")
-    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument("--time-scale", type=float, default=3.0)
     parser.add_argument("--multiple", type=float, default=3.0, help="of the capacity")
     parser.add_argument("--capacity", type=float, default=CAPACITY, help="req/s, simulated")
     parser.add_argument("--seed", type=int, default=100)

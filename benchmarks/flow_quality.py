@@ -121,7 +121,47 @@ class FlowResult:
     peak_held_bytes: int
 
 
-class FlowRun(_OpenRun):
+class _FlowSignals:
+    """What flow control hears from a simulated run: a scrape round, a request
+    ending on a pod, a held request's expiry (``pump`` dispatches on each).
+
+    Mixed into both runs (open loop and the seed experiment's closed loop),
+    which carry ``loop``, ``pods``, ``pod_of``, ``_views``, ``control``,
+    ``waiters``, ``version`` and ``_expiry``.
+    """
+
+    def _snapshot(self) -> Snapshot:
+        views = self._views(self.loop.now)
+        return Snapshot(self.version, tuple(quality.pod_from_view(view) for view in views))
+
+    def _scrape(self) -> None:
+        super()._scrape()
+        self.version += 1
+        self.control.pump()
+        self._arm()
+
+    def _resolve(self, index: int) -> None:
+        pod = self.pod_of[index]
+        super()._resolve(index)
+        if pod is not None:
+            self.control.finished(self.pods[pod].name, self.waiters[index])
+            self._arm()
+
+    def _arm(self) -> None:
+        """A timer for the next expiry, while anything is held."""
+        due = self.control.next_expiry()
+        if due is None or (self._expiry is not None and self._expiry <= due):
+            return
+        self._expiry = due
+        self.loop.call_at(due, self._expired)
+
+    def _expired(self) -> None:
+        self._expiry = None
+        self.control.pump()
+        self._arm()
+
+
+class FlowRun(_FlowSignals, _OpenRun):
     """An open-loop run whose requests pass a gateway with (or without) flow control.
 
     ``_send`` is the request's arrival at the gateway; ``dispatch`` sends it to
@@ -230,38 +270,6 @@ class FlowRun(_OpenRun):
         self.peak_held = max(self.peak_held, self.control.held)
         self.peak_held_bytes = max(self.peak_held_bytes, self.control.held_bytes)
         self._arm()
-
-    def _arm(self) -> None:
-        """A timer for the next expiry, while anything is held."""
-        due = self.control.next_expiry()
-        if due is None or (self._expiry is not None and self._expiry <= due):
-            return
-        self._expiry = due
-        self.loop.call_at(due, self._expired)
-
-    def _expired(self) -> None:
-        self._expiry = None
-        self.control.pump()
-        self._arm()
-
-    # -- signals ---------------------------------------------------------------------
-
-    def _snapshot(self) -> Snapshot:
-        views = self._views(self.loop.now)
-        return Snapshot(self.version, tuple(quality.pod_from_view(view) for view in views))
-
-    def _scrape(self) -> None:
-        super()._scrape()
-        self.version += 1
-        self.control.pump()
-        self._arm()
-
-    def _resolve(self, index: int) -> None:
-        pod = self.pod_of[index]
-        super()._resolve(index)
-        if pod is not None:
-            self.control.finished(self.pods[pod].name, self.waiters[index])
-            self._arm()
 
     def outcome(self) -> FlowResult:
         result = self.run()
@@ -553,7 +561,7 @@ def goals(
 # --- the seed experiment: does late binding pay? ------------------------------------
 
 
-class SeedFlowRun(_Run):
+class SeedFlowRun(_FlowSignals, _Run):
     """The seed experiment (closed loop: 100 connections) through a gateway with flow control.
 
     A request holds its client's connection from the moment it is sent to the
@@ -646,35 +654,6 @@ class SeedFlowRun(_Run):
         self.unresolved -= 1
         self.last_resolution = self.loop.now
         self.free_connections += 1
-
-    def _snapshot(self) -> Snapshot:
-        views = self._views(self.loop.now)
-        return Snapshot(self.version, tuple(quality.pod_from_view(view) for view in views))
-
-    def _scrape(self) -> None:
-        super()._scrape()
-        self.version += 1
-        self.control.pump()
-        self._arm()
-
-    def _resolve(self, index: int) -> None:
-        pod = self.pod_of[index]
-        super()._resolve(index)
-        if pod is not None:
-            self.control.finished(self.pods[pod].name, self.waiters[index])
-            self._arm()
-
-    def _arm(self) -> None:
-        due = self.control.next_expiry()
-        if due is None or (self._expiry is not None and self._expiry <= due):
-            return
-        self._expiry = due
-        self.loop.call_at(due, self._expired)
-
-    def _expired(self) -> None:
-        self._expiry = None
-        self.control.pump()
-        self._arm()
 
 
 class _SeedWaiter:

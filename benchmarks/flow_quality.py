@@ -283,7 +283,7 @@ class _Waiter:
 
     __slots__ = ("index", "request", "run")
 
-    def __init__(self, run: FlowRun, index: int, request: Request) -> None:
+    def __init__(self, run: FlowRun | SeedFlowRun, index: int, request: Request) -> None:
         self.run = run
         self.index = index
         self.request = request
@@ -586,7 +586,7 @@ class SeedFlowRun(_FlowSignals, _Run):
         self.answered = 0
         self.peak_held = 0
         self.connected: list[float | None] = [None] * self.workload.requests
-        self.waiters: list[_SeedWaiter | None] = [None] * self.workload.requests
+        self.waiters: list[_Waiter | None] = [None] * self.workload.requests
         self._expiry: float | None = None
 
     def ttft_s(self, result: Any) -> list[float]:
@@ -616,14 +616,14 @@ class SeedFlowRun(_FlowSignals, _Run):
             if admission is None:
                 self._decide(index, request, self._snapshot().candidates)
                 continue
-            waiter = self.waiters[index] = _SeedWaiter(self, index, request)
+            waiter = self.waiters[index] = _Waiter(self, index, request)
             verdict = self.control.arrive(admission, request, 0, waiter)
             if isinstance(verdict, Pass):
                 pod = self._decide(index, request, verdict.candidates)
                 if pod is not None:
                     self.control.sent(pod, waiter)
             elif isinstance(verdict, FlowAnswer):
-                self._refuse(index)
+                self.refuse(index, verdict.status)
             else:
                 self.peak_held = max(self.peak_held, self.control.held)
                 self._arm()
@@ -632,7 +632,7 @@ class SeedFlowRun(_FlowSignals, _Run):
         probe = self.locator.probe(self.turns)
         decision = self.router.decide(request, candidates, probe)
         if decision.outcome is not Outcome.ROUTED:
-            self._refuse(index)
+            self.refuse(index, decision.outcome.http_status)
             return None
         pod = unwrap(decision.chosen)
         probe.routed(decision.target_model, pod.address)
@@ -645,7 +645,8 @@ class SeedFlowRun(_FlowSignals, _Run):
     def _chosen_pod(self, *_: object) -> int:
         return self._pending_pod
 
-    def _refuse(self, index: int) -> None:
+    def refuse(self, index: int, status: int) -> None:
+        """An answer instead of a pod (the seed experiment counts them, whatever the status)."""
         self.answered += 1
         timer = self.timers[index]
         if timer is not None:
@@ -654,21 +655,6 @@ class SeedFlowRun(_FlowSignals, _Run):
         self.unresolved -= 1
         self.last_resolution = self.loop.now
         self.free_connections += 1
-
-
-class _SeedWaiter:
-    __slots__ = ("index", "request", "run")
-
-    def __init__(self, run: SeedFlowRun, index: int, request: Request) -> None:
-        self.run = run
-        self.index = index
-        self.request = request
-
-    def dispatch(self, candidates: Sequence[Any]) -> str | None:
-        return self.run._decide(self.index, self.request, candidates)
-
-    def answer(self, answer: FlowAnswer) -> None:
-        self.run._refuse(self.index)
 
 
 def main_seed_flow(arguments: argparse.Namespace) -> None:

@@ -31,6 +31,7 @@ from policyd.extproc.assembly import Policyd
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyProcess, start_envoy
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
+from policyd.extproc.prefix_matching import KV_EVENTS_PORT_LABEL, KV_REPLAY_PORT_LABEL
 from policyd.policy import PolicyStore, Reload
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.pool.pod import Pod
@@ -142,10 +143,12 @@ class PolicydGateway:
 def _labels(server: SimServer) -> str:
     """The pod's labels in the pods file: its role, and its KV-event ports when it has them."""
     labels = ["role: serving"]
-    if server.kv_events_port is not None:
-        labels.append(f"policyd/kv-events-port: '{server.kv_events_port}'")
-    if server.kv_replay_port is not None:
-        labels.append(f"policyd/kv-events-replay-port: '{server.kv_replay_port}'")
+    for label, port in (
+        (KV_EVENTS_PORT_LABEL, server.kv_events_port),
+        (KV_REPLAY_PORT_LABEL, server.kv_replay_port),
+    ):
+        if port is not None:
+            labels.append(f"'{label}': '{port}'")
     return ", ".join(labels)
 
 

@@ -44,9 +44,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,7 +59,7 @@ import yaml
 from flow_quality import SATURATED, flow_policy
 
 from policyd.extproc.envoy_config import EnvoyConfigOptions
-from policyd.extproc.envoy_process import EnvoyProcess, free_port, start_envoy
+from policyd.extproc.envoy_process import EnvoyProcess, free_port, free_port_range, start_envoy
 from policyd.sim.experiment import percentile
 from policyd.sim.open_loop import OpenRequest
 from policyd.sim.profile import L4_LLAMA2_7B
@@ -132,7 +130,7 @@ class Stack:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
     async def start(self) -> None:
-        base = free_range(PODS)
+        base = free_port_range(PODS)
         self.pod_ports = list(range(base, base + PODS))
         self.sim = self._spawn(
             "sim",
@@ -360,20 +358,6 @@ def throughput(run: Phase, window_s: float, scale: float) -> float:
     """Requests completed while requests arrived, per simulated second."""
     done = sum(1 for o in run.outcomes if o.done is not None and o.done <= window_s)
     return done / (window_s * scale)
-
-
-def free_range(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports."""
-    for _ in range(200):
-        base = random.randint(20000, 40000)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 async def main_async(arguments: argparse.Namespace) -> None:

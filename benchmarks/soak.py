@@ -48,7 +48,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,33 +61,12 @@ import aiohttp
 import yaml
 
 from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG, EnvoyConfigOptions, bootstrap
-from policyd.extproc.envoy_process import envoy_binary
+from policyd.extproc.envoy_process import envoy_binary, free_port, free_port_range
 
 REPO = Path(__file__).resolve().parents[1]
 PODS = 6
 ADAPTERS = 12
 PROMPT = "the model writes SQL for an analyst summarising the quarterly sales figures"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def free_range(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports."""
-    for _ in range(200):
-        base = random.randint(20000, 40000)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 def resident_bytes(pid: int) -> int:
@@ -115,7 +93,7 @@ class Stack:
     def __init__(self, arguments: argparse.Namespace, directory: Path) -> None:
         self.arguments = arguments
         self.directory = directory
-        self.pod_base = free_range(PODS)
+        self.pod_base = free_port_range(PODS)
         self.policyd_port = free_port()
         self.monitoring_port = free_port()
         self.listen_port = free_port()

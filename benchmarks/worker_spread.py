@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,27 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.demo.stack import warm_up
 from policyd.extproc.envoy_config import EnvoyConfigOptions
-from policyd.extproc.envoy_process import free_port, start_envoy
+from policyd.extproc.envoy_process import free_port, free_port_range, start_envoy
 from policyd.sim import SimPool
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_ports(count: int) -> int:
-    """A port P such that P .. P+count-1 are free now (the workers' monitoring ports)."""
-    for _ in range(100):
-        first = free_port()
-        probes = [socket.socket() for _ in range(count - 1)]
-        try:
-            for offset, probe in enumerate(probes, start=1):
-                probe.bind(("127.0.0.1", first + offset))
-        except OSError:
-            continue
-        finally:
-            for probe in probes:
-                probe.close()
-        return first
-    raise RuntimeError(f"no {count} adjacent free ports")
 
 
 def decisions(text: str) -> float:
@@ -64,7 +46,7 @@ def decisions(text: str) -> float:
 
 async def spread(pods_file: Path, cap: int, concurrency: int, arguments: argparse.Namespace) -> str:
     """Decisions per worker for one cap and one concurrency, as ``a / b / ...``."""
-    port, monitoring = free_port(), free_ports(arguments.workers)
+    port, monitoring = free_port(), free_port_range(arguments.workers)
     command = [
         sys.executable, "-m", "policyd", "serve",
         "--policy", str(REPO / "rules" / "default.yaml"), "--pods", str(pods_file),

@@ -49,6 +49,21 @@ def free_port() -> int:
         return port
 
 
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports free right now (several
+    simulated pods or workers on adjacent ports)."""
+    for _ in range(200):
+        first = free_port()
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} adjacent free loopback ports")
+
+
 async def start_envoy(
     directory: Path,
     options: EnvoyConfigOptions,

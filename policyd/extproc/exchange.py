@@ -888,7 +888,8 @@ class Exchange:
             load.count -= 1
             self._load = None
             if self._decision is not None:
-                self._server.holding.finished(self._decision.pod, self)  # a slot is free
+                usage = self._usage if end is State.ENDED else None
+                self._server.holding.finished(self._decision.pod, self, usage)  # a slot is free
         if end is State.ANSWERED and (before is State.ROUTED or before is State.RESPONDING):
             end = State.ENDED  # the decision's reply is out already: nothing waits for this one
         self.state = end

@@ -28,6 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
 
 from policyd.extproc.interfaces import SnapshotSource
+from policyd.extproc.usage import UsageReader
 from policyd.flow import FlowAnswer, FlowControl
 from policyd.flow.control import AdmissionSource, FlowObserver
 from policyd.policy.flow import HOLD_MARGIN_SECONDS, MAX_HOLD_SECONDS
@@ -86,9 +87,16 @@ class Holding:
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._tick, self._look)
 
-    def finished(self, pod: str, key: object = None) -> None:
-        """A request ended on ``pod`` (``key``: its exchange): a slot may be free."""
-        self.control.finished(pod, key)
+    def finished(self, pod: str, key: object = None, usage: UsageReader | None = None) -> None:
+        """A request ended on ``pod`` (``key``: its exchange): a slot may be free. The
+        ``usage`` its pod reported teaches flow control what requests hold, if it was
+        one under flow control (only then is the answer's usage decoded here)."""
+        reported = None
+        if usage is not None and self.control.flying(key):
+            counted = usage.finish()
+            if counted is not None:
+                reported = (counted.prompt_tokens, counted.completion_tokens)
+        self.control.finished(pod, key, reported)
 
     def _look(self) -> None:
         self._timer = None

@@ -36,9 +36,10 @@ So, where the pod publishes its cache size (``kv_cache_blocks`` x
 ``kv_block_size``), ``pod.kv_cache`` reads as the larger of the scrape and
 policyd's own estimate: the footprint, over the pod's cache, of the requests
 under flow control in flight there, each counted as its prompt plus half its
-``max_tokens`` (what it holds on average over its life). A client asking for
-far more tokens than it gets makes the estimate high and the pacing
-cautious. The estimate paces only flows at or over their share: a request
+``max_tokens`` (what it holds on average over its life). Both parts are scaled
+by what the pods reported for earlier requests (``footprint.py``): policyd's
+prompt count against the model's tokenizer, and the output a budget really
+brings. The estimate paces only flows at or over their share: a request
 whose flow has fewer requests in flight than its weight's share of its
 policy's (over the flows in flight) sees the pods as scraped, so the room
 between the estimate and the reading is a reserve that keeps a small flow's
@@ -52,6 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from policyd.flow.footprint import Footprint
 from policyd.flow.queue import BandLimits, FlowQueue, Held, Limits
 from policyd.policy.flow import CompiledFlow
 from policyd.policy.request import Request
@@ -173,9 +175,11 @@ class FlowControl:
         self._sent: dict[str, int] = {}
         self._version: int | None = None
         # What is in flight under flow control, for the KV estimate and the flows' shares:
-        # by key (the waiter) its pod, (policy, flow) and tokens; per pod the tokens; per
-        # (policy, flow) the count and weight; per policy the count and the flows' weights.
-        self._flight: dict[object, tuple[str, tuple[str, str], int]] = {}
+        # by key (the waiter) its pod, (policy, flow), tokens and request; per pod the
+        # tokens; per (policy, flow) the count and weight; per policy the count and the
+        # flows' weights.
+        self.footprint = Footprint()
+        self._flight: dict[object, tuple[str, tuple[str, str], int, Request]] = {}
         self._tokens: dict[str, int] = {}
         self._flows: dict[tuple[str, str], list[float]] = {}  # [count, weight]
         self._policies: dict[str, list[float]] = {}  # [count, sum of weights in flight]
@@ -256,12 +260,21 @@ class FlowControl:
             if pod:
                 self._fly(key, pod, passed[1])
 
-    def finished(self, pod: str, key: object = None) -> None:
+    def flying(self, key: object) -> bool:
+        """Whether the request of ``key`` is in flight under flow control."""
+        return key in self._flight
+
+    def finished(
+        self, pod: str, key: object = None, reported: tuple[int, int] | None = None
+    ) -> None:
         """A request ended on ``pod``: one fewer there since its scrape (and, by its
-        ``key``, no longer in flight); dispatch what fits."""
+        ``key``, no longer in flight); dispatch what fits. ``reported``: the prompt and
+        completion tokens the pod counted for it, where it said."""
         self._sent[pod] = self._sent.get(pod, 0) - 1
         if key is not None and self._flight:
-            self._land(key)
+            request = self._land(key)
+            if request is not None and reported is not None:
+                self.footprint.learn(request.prompt_tokens, request.max_tokens, *reported)
         self.pump()
 
     # -- dispatch ---------------------------------------------------------------------
@@ -382,10 +395,10 @@ class FlowControl:
 
     def _fly(self, key: object, pod: str, admission: Admission) -> None:
         request = admission.request
-        tokens = max(0, request.prompt_tokens) + max(0, request.max_tokens) // 2
+        tokens = self.footprint.tokens(request.prompt_tokens, request.max_tokens)
         flow = (admission.policy, admission.key)
         self._land(key)  # a key is in flight once
-        self._flight[key] = (pod, flow, tokens)
+        self._flight[key] = (pod, flow, tokens, request)
         self._tokens[pod] = self._tokens.get(pod, 0) + tokens
         counted = self._flows.get(flow)
         policy = self._policies.setdefault(admission.policy, [0.0, 0.0])
@@ -396,11 +409,12 @@ class FlowControl:
             counted[0] += 1
         policy[0] += 1
 
-    def _land(self, key: object) -> None:
+    def _land(self, key: object) -> Request | None:
+        """The request of ``key`` is no longer in flight (None: it was not)."""
         flight = self._flight.pop(key, None)
         if flight is None:
-            return
-        pod, flow, tokens = flight
+            return None
+        pod, flow, tokens, request = flight
         left = self._tokens[pod] - tokens
         if left:
             self._tokens[pod] = left
@@ -415,6 +429,7 @@ class FlowControl:
             policy[1] -= counted[1]
         if not policy[0]:
             del self._policies[flow[0]]
+        return request
 
     # -- bookkeeping ------------------------------------------------------------------
 

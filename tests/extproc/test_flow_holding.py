@@ -12,7 +12,14 @@ from typing import Any
 import grpc
 import pytest_asyncio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from extproc_support import EnvoySide, error_of, request_body, request_headers, response_headers
+from extproc_support import (
+    EnvoySide,
+    error_of,
+    request_body,
+    request_headers,
+    response_body,
+    response_headers,
+)
 
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Router
@@ -105,6 +112,25 @@ async def test_a_held_request_is_dispatched_when_its_pod_frees(rig: Rig) -> None
     assert rig.held == 0 and rig.pods[0].in_flight == 1  # the held one counts there now
     first.cancel()
     held.cancel()
+
+
+async def test_the_usage_a_pod_reports_teaches_the_kv_estimate(rig: Rig) -> None:
+    """The pod counts 3 prompt tokens where policyd estimated 1 and generates 40 without
+    a budget: flow control's estimate of a request follows, once the answer ends."""
+    footprint = rig.server.processor.holding.control.footprint
+    assert footprint.tokens(100, 0) == 100
+    call = await rig.routed()
+    await call.write(response_headers())
+    await call.read()
+    usage = b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":40}}'
+    await call.write(response_body(usage, end_of_stream=True))
+    await call.read()
+    for _ in range(100):
+        if footprint.tokens(100, 0) != 100:
+            break
+        await asyncio.sleep(0.01)
+    assert footprint.tokens(100, 0) == 300 + 20
+    call.cancel()
 
 
 async def test_the_timeout_asked_of_envoy_covers_the_band_wait(rig: Rig) -> None:

@@ -80,12 +80,13 @@ class Rig:
             self.control.sent(client.sent_to or "", client)
         return client, verdict
 
-    def end(self, client: Client) -> None:
-        """The request's response ended: its pod frees a slot."""
+    def end(self, client: Client, reported: tuple[int, int] | None = None) -> None:
+        """The request's response ended (``reported``: the usage its pod counted):
+        its pod frees a slot."""
         for p in self.snapshot.candidates:
             if p.name == client.sent_to:
                 p.load.count -= 1
-        self.control.finished(client.sent_to or "", client)
+        self.control.finished(client.sent_to or "", client, reported)
 
 
 def test_requests_pass_while_a_pod_has_room_then_are_held(tmp_path: Path) -> None:
@@ -239,3 +240,25 @@ def test_a_flow_under_its_share_sees_the_pods_as_scraped(tmp_path: Path) -> None
     # it is paced by the estimate too.
     more = [rig.arrive(f"s{i}", (200, 200), **{"x-tenant": "small"})[1] for i in range(4)]
     assert [type(v).__name__ for v in more] == ["Pass"] * 3 + ["Held"]
+
+
+def test_the_estimate_learns_what_the_pods_report(tmp_path: Path) -> None:
+    """The pods count half the prompt policyd estimates and generate half the budget:
+    once they have said so, a request costs 150 tokens, not 300, and four fit per pod."""
+    rig = kv_rig(tmp_path)
+    for i in range(30):
+        client, verdict = rig.arrive(f"w{i}", (200, 200))
+        assert isinstance(verdict, Pass)
+        rig.end(client, (100, 100))
+    verdicts = [rig.arrive(f"r{i}", (200, 200))[1] for i in range(9)]
+    assert [type(v).__name__ for v in verdicts] == ["Pass"] * 8 + ["Held"]
+
+
+def test_only_requests_under_flow_control_teach_it(tmp_path: Path) -> None:
+    """A report for a request flow control never saw in flight changes nothing."""
+    rig = kv_rig(tmp_path)
+    stranger = Client("stranger", rig.router)
+    for _ in range(30):
+        rig.control.finished("p0", stranger, (1, 1))
+    verdicts = [rig.arrive(f"r{i}", (200, 200))[1] for i in range(5)]
+    assert [type(v).__name__ for v in verdicts] == ["Pass"] * 4 + ["Held"]

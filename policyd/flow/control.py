@@ -41,9 +41,12 @@ by what the pods reported for earlier requests (``footprint.py``): policyd's
 prompt count against the model's tokenizer, and the output a budget really
 brings. The estimate paces only flows at or over their share: a request
 whose flow has fewer requests in flight than its weight's share of its
-policy's (over the flows in flight) sees the pods as scraped, so the room
-between the estimate and the reading is a reserve that keeps a small flow's
-wait short while a flood fills the pool.
+policy's (over the flows in flight) reads each pod's cache as scraped, moved
+by what the estimate says changed since (requests sent there and ended there
+after the snapshot): fresher than the scrape, and lower than the estimate
+while requests early in their life hold less than the average it counts. The
+room between the two readings is a reserve that keeps a small flow's wait
+short while a flood fills the pool, and a request ending frees it at once.
 """
 
 from __future__ import annotations
@@ -132,16 +135,23 @@ class Entry:
 class _Pending:
     """A pod with what policyd knows past its scrape laid over it: in its queue the
     requests sent there since, less those that ended there (never below 0); in its
-    KV cache the estimate of ``tokens`` (see the module docstring), where larger."""
+    KV cache the estimate of ``tokens`` where larger, or, given the estimate when the
+    snapshot came (``since``), the scrape moved by the estimate's change since (see
+    the module docstring)."""
 
     __slots__ = ("_pod", "kv_cache", "waiting_queue")
 
-    def __init__(self, pod: Any, change: int, tokens: int = 0) -> None:
+    def __init__(self, pod: Any, change: int, tokens: int = 0, since: int | None = None) -> None:
         self._pod = pod
         self.waiting_queue = max(0, pod.waiting_queue + change)
         capacity = pod.kv_cache_blocks * pod.kv_block_size
         kv_cache: float = pod.kv_cache
-        self.kv_cache = max(kv_cache, tokens / capacity) if tokens and capacity > 0 else kv_cache
+        if capacity <= 0:
+            self.kv_cache = kv_cache
+        elif since is not None:
+            self.kv_cache = max(0.0, kv_cache + (tokens - since) / capacity)
+        else:
+            self.kv_cache = max(kv_cache, tokens / capacity) if tokens else kv_cache
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pod, name)
@@ -181,6 +191,7 @@ class FlowControl:
         self.footprint = Footprint()
         self._flight: dict[object, tuple[str, tuple[str, str], int, Request]] = {}
         self._tokens: dict[str, int] = {}
+        self._scraped_tokens: dict[str, int] = {}  # ``_tokens`` when the snapshot was taken
         self._flows: dict[tuple[str, str], list[float]] = {}  # [count, weight]
         self._policies: dict[str, list[float]] = {}  # [count, sum of weights in flight]
         self._passed: tuple[object, Admission] | None = None  # the last Pass, until sent
@@ -360,16 +371,25 @@ class FlowControl:
         if snapshot.version != self._version:
             self._version = snapshot.version
             self._sent.clear()  # the new scrape saw them
+            self._scraped_tokens = dict(self._tokens)
         return snapshot
 
     def _room(self, admission: Admission, snapshot: Snapshot) -> Sequence[Any]:
         """The pods with room for the request (the snapshot's own tuple when all have)."""
         candidates = snapshot.candidates
         sent = self._sent
-        tokens = self._tokens if self._tokens and not self._under_share(admission) else None
+        tokens = self._tokens
         if tokens:
+            # A flow under its share reads the scrape moved by the estimate's change since.
+            since = self._scraped_tokens if self._under_share(admission) else None
             seen = [
-                _Pending(pod, sent.get(pod.name, 0), tokens.get(pod.name, 0)) for pod in candidates
+                _Pending(
+                    pod,
+                    sent.get(pod.name, 0),
+                    tokens.get(pod.name, 0),
+                    None if since is None else since.get(pod.name, 0),
+                )
+                for pod in candidates
             ]
             return admission.room(seen)
         if sent:

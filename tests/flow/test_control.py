@@ -228,18 +228,46 @@ def test_the_kv_estimate_paces_what_the_scrape_has_not_seen(tmp_path: Path) -> N
     assert first[4][0].sent_to == first[0][0].sent_to
 
 
-def test_a_flow_under_its_share_sees_the_pods_as_scraped(tmp_path: Path) -> None:
-    """The flood is paced by the estimate; the small tenant, with nothing in flight,
-    is held only by what the pods report."""
+def rescrape(rig: Rig, kv_cache: float) -> None:
+    """A new snapshot: both pods read ``kv_cache``, and keep the requests they serve."""
+    loads = [p.load.count for p in rig.snapshot.candidates]
+    pods = tuple(
+        pod(f"p{i}", kv_cache=kv_cache, kv_cache_blocks=100, kv_block_size=10) for i in range(2)
+    )
+    for p, load in zip(pods, loads, strict=True):
+        p.load.count = load
+    rig.snapshot = Snapshot(pods, version=rig.snapshot.version + 1)
+
+
+def test_a_flow_under_its_share_reads_the_scrape_and_what_changed_since(tmp_path: Path) -> None:
+    """The flood is paced by the estimate (0.6 a pod); requests early in their life hold
+    less than that (the scrape reads 0.3), and the small tenant, with nothing in flight,
+    reads the scrape: it passes while the flood is held."""
     rig = kv_rig(tmp_path)
     flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"}) for i in range(6)]
     assert [type(v).__name__ for _, v in flood] == ["Pass"] * 4 + ["Held"] * 2
+    rescrape(rig, 0.3)
     small, verdict = rig.arrive("s", (200, 200), **{"x-tenant": "small"})
     assert isinstance(verdict, Pass) and small.sent_to is not None
-    # Under its half of what is in flight (1 of 5, 2 of 6, 3 of 7) it passes; at 4 of 8
-    # it is paced by the estimate too.
-    more = [rig.arrive(f"s{i}", (200, 200), **{"x-tenant": "small"})[1] for i in range(4)]
-    assert [type(v).__name__ for v in more] == ["Pass"] * 3 + ["Held"]
+    # What it sends counts on its pod as the scrape has not seen it: the next small
+    # request goes to the other pod, and once both read 0.6 it is held.
+    second, verdict = rig.arrive("s2", (200, 200), **{"x-tenant": "small"})
+    assert isinstance(verdict, Pass) and second.sent_to not in (None, small.sent_to)
+    assert isinstance(rig.arrive("s3", (200, 200), **{"x-tenant": "small"})[1], Held)
+
+
+def test_a_request_ending_frees_room_for_a_flow_under_its_share_at_once(tmp_path: Path) -> None:
+    """The scrape reads both pods at 0.6; a flood request ends on p0. The flood still
+    reads p0 at the scrape's 0.6 (the larger reading); the small tenant reads the scrape
+    less what ended since (0.3) and goes there."""
+    rig = kv_rig(tmp_path)
+    flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"})[0] for i in range(4)]
+    rescrape(rig, 0.6)
+    assert isinstance(rig.arrive("f4", (200, 200), **{"x-tenant": "flood"})[1], Held)
+    rig.end(next(c for c in flood if c.sent_to == "p0"))
+    assert rig.control.held == 1  # the flood's held request still reads p0 at 0.6
+    small, verdict = rig.arrive("s", (200, 200), **{"x-tenant": "small"})
+    assert isinstance(verdict, Pass) and small.sent_to == "p0"
 
 
 def test_the_estimate_learns_what_the_pods_report(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ class Held:
         self.key = arrived if deadline is None else deadline
         self.seq = 0
         self.position = 0  # requests held ahead of it (its band and above) when it came
-        self.gone = False
+        self.gone = True  # not in a queue: until pushed, and once popped, evicted or removed
 
     def __lt__(self, other: Held) -> bool:  # heap order: key, then arrival
         return (self.key, self.seq) < (other.key, other.seq)
@@ -279,6 +279,7 @@ class FlowQueue:
             if victim is None:
                 return False, victims
             self._take(victim, victims)
+        held.gone = False
         held.seq = next(self._seq)
         held.position = sum(b.count for b in self._order if b.limits.rank <= held.band.rank)
         band.push(held)

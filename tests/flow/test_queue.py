@@ -193,3 +193,14 @@ def test_a_request_put_back_is_next_again() -> None:
     assert first is not None
     queue.unpop(first)
     assert queue.pop() is first and len(queue) == 2
+
+
+def test_a_refused_request_is_not_in_the_queue_to_remove() -> None:
+    """A request refused at a full queue, whose client then goes away, takes nothing out."""
+    queue = FlowQueue(Limits(max_requests=1))
+    kept = held(flow="a", at=0.0)
+    refused = held(flow="a", at=1.0)
+    assert queue.push(kept) == (True, [])
+    assert queue.push(refused) == (False, [])
+    assert not queue.remove(refused)
+    assert len(queue) == 1 and queue.pop() is kept

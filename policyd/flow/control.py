@@ -39,14 +39,16 @@ under flow control in flight there, each counted as its prompt plus half its
 ``max_tokens`` (what it holds on average over its life). Both parts are scaled
 by what the pods reported for earlier requests (``footprint.py``): policyd's
 prompt count against the model's tokenizer, and the output a budget really
-brings. The estimate paces only flows at or over their share: a request
-whose flow has fewer requests in flight than its weight's share of its
-policy's (over the flows in flight) reads each pod's cache as scraped, moved
+brings (``flight.py`` keeps the count). The estimate paces only flows at
+or over their share: a request whose flow has fewer requests in flight than
+its weight's share of its policy's reads each pod's cache as scraped, moved
 by what the estimate says changed since (requests sent there and ended there
 after the snapshot): fresher than the scrape, and lower than the estimate
-while requests early in their life hold less than the average it counts. The
-room between the two readings is a reserve that keeps a small flow's wait
-short while a flood fills the pool, and a request ending frees it at once.
+while requests early in their life hold less than the average it counts.
+And a request that another could go before (a higher band in flight, or
+another flow while its own is at or over its share) leaves room on each pod
+for one average request. So a flood, or a lower band, paced to the limit
+still leaves the small tenant's or the critical request room at once.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from policyd.flow.footprint import Footprint
+from policyd.flow.flight import Flight
 from policyd.flow.queue import BandLimits, FlowQueue, Held, Limits
 from policyd.policy.flow import CompiledFlow
 from policyd.policy.request import Request
@@ -141,7 +143,9 @@ class _Pending:
 
     __slots__ = ("_pod", "kv_cache", "waiting_queue")
 
-    def __init__(self, pod: Any, change: int, tokens: int = 0, since: int | None = None) -> None:
+    def __init__(
+        self, pod: Any, change: int, tokens: int = 0, since: int | None = None, reserve: float = 0.0
+    ) -> None:
         self._pod = pod
         self.waiting_queue = max(0, pod.waiting_queue + change)
         capacity = pod.kv_cache_blocks * pod.kv_block_size
@@ -151,7 +155,7 @@ class _Pending:
         elif since is not None:
             self.kv_cache = max(0.0, kv_cache + (tokens - since) / capacity)
         else:
-            self.kv_cache = max(kv_cache, tokens / capacity) if tokens else kv_cache
+            self.kv_cache = max(kv_cache, tokens / capacity) + reserve / capacity
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pod, name)
@@ -184,16 +188,7 @@ class FlowControl:
         # pod name -> requests sent there less requests ended there since the snapshot
         self._sent: dict[str, int] = {}
         self._version: int | None = None
-        # What is in flight under flow control, for the KV estimate and the flows' shares:
-        # by key (the waiter) its pod, (policy, flow), tokens and request; per pod the
-        # tokens; per (policy, flow) the count and weight; per policy the count and the
-        # flows' weights.
-        self.footprint = Footprint()
-        self._flight: dict[object, tuple[str, tuple[str, str], int, Request]] = {}
-        self._tokens: dict[str, int] = {}
-        self._scraped_tokens: dict[str, int] = {}  # ``_tokens`` when the snapshot was taken
-        self._flows: dict[tuple[str, str], list[float]] = {}  # [count, weight]
-        self._policies: dict[str, list[float]] = {}  # [count, sum of weights in flight]
+        self.flight = Flight()  # what is in flight under flow control, and where
         self._passed: tuple[object, Admission] | None = None  # the last Pass, until sent
         self._arriving: Held | None = None  # the request ``arrive`` is pumping for
         self._arrived_room: Sequence[Any] | None = None  # the room pumping found for it
@@ -269,11 +264,11 @@ class FlowControl:
         if passed is not None and key is not None and passed[0] is key:
             self._passed = None
             if pod:
-                self._fly(key, pod, passed[1])
+                self.flight.fly(key, pod, passed[1])
 
     def flying(self, key: object) -> bool:
         """Whether the request of ``key`` is in flight under flow control."""
-        return key in self._flight
+        return key in self.flight
 
     def finished(
         self, pod: str, key: object = None, reported: tuple[int, int] | None = None
@@ -282,10 +277,10 @@ class FlowControl:
         ``key``, no longer in flight); dispatch what fits. ``reported``: the prompt and
         completion tokens the pod counted for it, where it said."""
         self._sent[pod] = self._sent.get(pod, 0) - 1
-        if key is not None and self._flight:
-            request = self._land(key)
+        if key is not None and self.flight:
+            request = self.flight.land(key)
             if request is not None and reported is not None:
-                self.footprint.learn(request.prompt_tokens, request.max_tokens, *reported)
+                self.flight.footprint.learn(request.prompt_tokens, request.max_tokens, *reported)
         self.pump()
 
     # -- dispatch ---------------------------------------------------------------------
@@ -337,7 +332,7 @@ class FlowControl:
             if pod is not None:
                 self.sent(pod)
                 if admission is not None:
-                    self._fly(entry.waiter, pod, admission)
+                    self.flight.fly(entry.waiter, pod, admission)
 
     @property
     def held_bytes(self) -> int:
@@ -371,23 +366,26 @@ class FlowControl:
         if snapshot.version != self._version:
             self._version = snapshot.version
             self._sent.clear()  # the new scrape saw them
-            self._scraped_tokens = dict(self._tokens)
+            self.flight.snapshot_came()
         return snapshot
 
     def _room(self, admission: Admission, snapshot: Snapshot) -> Sequence[Any]:
         """The pods with room for the request (the snapshot's own tuple when all have)."""
         candidates = snapshot.candidates
         sent = self._sent
-        tokens = self._tokens
+        flight = self.flight
+        tokens = flight.tokens
         if tokens:
-            # A flow under its share reads the scrape moved by the estimate's change since.
-            since = self._scraped_tokens if self._under_share(admission) else None
+            under, reserving = flight.standing(admission)
+            since = flight.scraped if under else None
+            reserve = flight.reserve if reserving else 0.0
             seen = [
                 _Pending(
                     pod,
                     sent.get(pod.name, 0),
                     tokens.get(pod.name, 0),
                     None if since is None else since.get(pod.name, 0),
+                    reserve,
                 )
                 for pod in candidates
             ]
@@ -399,57 +397,6 @@ class FlowControl:
             return admission.room(seen)
         room = admission.room(candidates)
         return candidates if len(room) == len(candidates) else room
-
-    def _under_share(self, admission: Admission) -> bool:
-        """Whether the request's flow has fewer requests in flight than its weight's share
-        of its policy's, over the flows in flight and its own."""
-        policy = self._policies.get(admission.policy)
-        if policy is None:
-            return True
-        counted = self._flows.get((admission.policy, admission.key))
-        if counted is None:
-            return True  # nothing of its flow in flight: under any share of a busy policy
-        return counted[0] < policy[0] * counted[1] / policy[1]
-
-    # -- what is in flight ------------------------------------------------------------
-
-    def _fly(self, key: object, pod: str, admission: Admission) -> None:
-        request = admission.request
-        tokens = self.footprint.tokens(request.prompt_tokens, request.max_tokens)
-        flow = (admission.policy, admission.key)
-        self._land(key)  # a key is in flight once
-        self._flight[key] = (pod, flow, tokens, request)
-        self._tokens[pod] = self._tokens.get(pod, 0) + tokens
-        counted = self._flows.get(flow)
-        policy = self._policies.setdefault(admission.policy, [0.0, 0.0])
-        if counted is None:
-            self._flows[flow] = [1.0, admission.weight]
-            policy[1] += admission.weight
-        else:
-            counted[0] += 1
-        policy[0] += 1
-
-    def _land(self, key: object) -> Request | None:
-        """The request of ``key`` is no longer in flight (None: it was not)."""
-        flight = self._flight.pop(key, None)
-        if flight is None:
-            return None
-        pod, flow, tokens, request = flight
-        left = self._tokens[pod] - tokens
-        if left:
-            self._tokens[pod] = left
-        else:
-            del self._tokens[pod]
-        counted = self._flows[flow]
-        policy = self._policies[flow[0]]
-        counted[0] -= 1
-        policy[0] -= 1
-        if not counted[0]:
-            del self._flows[flow]
-            policy[1] -= counted[1]
-        if not policy[0]:
-            del self._policies[flow[0]]
-        return request
 
     # -- bookkeeping ------------------------------------------------------------------
 

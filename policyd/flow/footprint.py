@@ -27,7 +27,7 @@ DECAY: Final = 0.02  # each report's weight against the decayed sums: a memory o
 PROMPT_SCALE_BOUNDS: Final = (0.25, 4.0)  # a report further off the rule counts as this far
 
 
-class _Ratio:
+class DecayedRatio:
     """A ratio of exponentially decayed sums; ``default`` until the first sample."""
 
     __slots__ = ("_denominator", "_numerator", "default")
@@ -56,9 +56,9 @@ class Footprint:
     __slots__ = ("_budgeted", "_prompt", "_unbudgeted")
 
     def __init__(self) -> None:
-        self._prompt = _Ratio(1.0)  # tokens counted by the pods per token estimated
-        self._budgeted = _Ratio(1.0)  # tokens generated per token of max_tokens
-        self._unbudgeted = _Ratio(0.0)  # tokens generated per request without a budget
+        self._prompt = DecayedRatio(1.0)  # tokens counted by the pods per token estimated
+        self._budgeted = DecayedRatio(1.0)  # tokens generated per token of max_tokens
+        self._unbudgeted = DecayedRatio(0.0)  # tokens generated per request without a budget
 
     def tokens(self, prompt_estimate: int, max_tokens: int) -> int:
         """What the request holds on average over its life: its prompt, half its output."""

@@ -117,7 +117,7 @@ async def test_a_held_request_is_dispatched_when_its_pod_frees(rig: Rig) -> None
 async def test_the_usage_a_pod_reports_teaches_the_kv_estimate(rig: Rig) -> None:
     """The pod counts 3 prompt tokens where policyd estimated 1 and generates 40 without
     a budget: flow control's estimate of a request follows, once the answer ends."""
-    footprint = rig.server.processor.holding.control.footprint
+    footprint = rig.server.processor.holding.control.flight.footprint
     assert footprint.tokens(100, 0) == 100
     call = await rig.routed()
     await call.write(response_headers())

@@ -290,3 +290,29 @@ def test_only_requests_under_flow_control_teach_it(tmp_path: Path) -> None:
         rig.control.finished("p0", stranger, (1, 1))
     verdicts = [rig.arrive(f"r{i}", (200, 200))[1] for i in range(5)]
     assert [type(v).__name__ for v in verdicts] == ["Pass"] * 4 + ["Held"]
+
+
+def test_a_lower_band_leaves_room_for_a_higher_one_in_flight(tmp_path: Path) -> None:
+    """With a critical request in flight, a standard request keeps one average request
+    (300 tokens) free on each pod: the second standard request is held, while a
+    critical one still finds room."""
+    rig = kv_rig(tmp_path)
+    critical = {"x-gateway-inference-criticality": "critical"}
+    first, verdict = rig.arrive("c0", (200, 200), **critical)
+    assert isinstance(verdict, Pass)
+    standard, verdict = rig.arrive("s0", (200, 200))
+    assert isinstance(verdict, Pass) and standard.sent_to != first.sent_to
+    assert isinstance(rig.arrive("s1", (200, 200))[1], Held)
+    assert isinstance(rig.arrive("c1", (200, 200), **critical)[1], Pass)
+
+
+def test_a_flood_leaves_room_for_another_flow_in_flight(tmp_path: Path) -> None:
+    """The small tenant has a request in flight; the flood, over its share, keeps one
+    average request free on each pod, which the small tenant's next request takes."""
+    rig = kv_rig(tmp_path)
+    rig.arrive("s0", (200, 200), **{"x-tenant": "small"})
+    flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"})[1] for i in range(3)]
+    # Without the reserve all three pass and fill both pods (two requests each).
+    assert isinstance(flood[-1], Held)
+    _, verdict = rig.arrive("s1", (200, 200), **{"x-tenant": "small"})
+    assert isinstance(verdict, Pass)

@@ -1,0 +1,138 @@
+"""What is in flight under flow control: per pod its KV estimate, per flow and band its count.
+
+``FlowControl`` (``control.py``) reads a pod through this: the tokens the
+requests it sent there hold (``Footprint``), and what changed since the
+pool's last snapshot. It also tells where a request stands:
+
+- **Under its share**: its flow has fewer requests in flight than its
+  weight's share of its policy's, over the flows in flight and its own. Such
+  a request reads a pod's cache as scraped, moved by the estimate's change
+  since, not as the larger of the two.
+- **Keeping a reserve**: a request leaves room on each pod for one average
+  request (the decayed mean of the estimates) when one could go before it: a
+  request of a higher band of its policy is in flight, or it is at or over
+  its share while another flow is in flight. So a pod paced to the
+  saturation limit by a flood or by lower bands still has room for the
+  next critical request or the small tenant's, and they do not wait for a
+  request to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policyd.flow.footprint import DecayedRatio, Footprint
+from policyd.policy.request import Request
+from policyd.policy.router import Admission
+
+
+@dataclass(frozen=True, slots=True)
+class _Flying:
+    pod: str
+    flow: tuple[str, str]  # (policy, flow key)
+    rank: int  # the band's
+    tokens: int
+    request: Request
+
+
+class _Policy:
+    """One policy's requests in flight: their count, the weights of its flows in
+    flight, and the count per band rank."""
+
+    __slots__ = ("count", "ranks", "weights")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.weights = 0.0
+        self.ranks: dict[int, int] = {}
+
+
+class Flight:
+    """The requests under flow control in flight (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.footprint = Footprint()
+        self.tokens: dict[str, int] = {}  # per pod
+        self.scraped: dict[str, int] = {}  # ``tokens`` when the snapshot came
+        self._mean = DecayedRatio(0.0)  # tokens per request dispatched
+        self._flying: dict[object, _Flying] = {}
+        self._flows: dict[tuple[str, str], list[float]] = {}  # [count, weight]
+        self._policies: dict[str, _Policy] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._flying
+
+    def __bool__(self) -> bool:
+        return bool(self._flying)
+
+    @property
+    def reserve(self) -> float:
+        """The room a request keeps for one that could go before it: the mean estimate."""
+        return self._mean.value
+
+    def snapshot_came(self) -> None:
+        """A new snapshot: what changed since is counted from now."""
+        self.scraped = dict(self.tokens)
+
+    def fly(self, key: object, pod: str, admission: Admission) -> None:
+        """The request of ``key`` (under ``admission``) went to ``pod``."""
+        request = admission.request
+        tokens = self.footprint.tokens(request.prompt_tokens, request.max_tokens)
+        self._mean.add(tokens, 1)
+        flow = (admission.policy, admission.key)
+        self.land(key)  # a key is in flight once
+        rank = admission.band.rank
+        self._flying[key] = _Flying(pod, flow, rank, tokens, request)
+        self.tokens[pod] = self.tokens.get(pod, 0) + tokens
+        policy = self._policies.get(admission.policy)
+        if policy is None:
+            policy = self._policies[admission.policy] = _Policy()
+        counted = self._flows.get(flow)
+        if counted is None:
+            self._flows[flow] = [1.0, admission.weight]
+            policy.weights += admission.weight
+        else:
+            counted[0] += 1
+        policy.count += 1
+        policy.ranks[rank] = policy.ranks.get(rank, 0) + 1
+
+    def land(self, key: object) -> Request | None:
+        """The request of ``key`` is no longer in flight; it (None: it was not)."""
+        flying = self._flying.pop(key, None)
+        if flying is None:
+            return None
+        pod, flow = flying.pod, flying.flow
+        left = self.tokens[pod] - flying.tokens
+        if left:
+            self.tokens[pod] = left
+        else:
+            del self.tokens[pod]
+        counted = self._flows[flow]
+        policy = self._policies[flow[0]]
+        counted[0] -= 1
+        if not counted[0]:
+            del self._flows[flow]
+            policy.weights -= counted[1]
+        policy.count -= 1
+        if not policy.count:
+            del self._policies[flow[0]]
+        else:
+            ranks = policy.ranks
+            ranks[flying.rank] -= 1
+            if not ranks[flying.rank]:
+                del ranks[flying.rank]
+        return flying.request
+
+    def standing(self, admission: Admission) -> tuple[bool, bool]:
+        """Whether the request is under its flow's share, and whether it keeps the
+        reserve (see the module docstring)."""
+        policy = self._policies.get(admission.policy)
+        if policy is None:
+            return True, False
+        rank = admission.band.rank
+        higher = any(other < rank for other in policy.ranks)
+        counted = self._flows.get((admission.policy, admission.key))
+        if counted is None:
+            return True, higher  # nothing of its flow in flight: under any share
+        under = counted[0] < policy.count * counted[1] / policy.weights
+        return under, higher or (not under and policy.weights > counted[1])

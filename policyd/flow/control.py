@@ -138,8 +138,8 @@ class _Pending:
     """A pod with what policyd knows past its scrape laid over it: in its queue the
     requests sent there since, less those that ended there (never below 0); in its
     KV cache the estimate of ``tokens`` where larger, or, given the estimate when the
-    snapshot came (``since``), the scrape moved by the estimate's change since (see
-    the module docstring)."""
+    snapshot came (``since``), the scrape moved by the estimate's change since; and on
+    either, the ``reserve`` it keeps (see the module docstring)."""
 
     __slots__ = ("_pod", "kv_cache", "waiting_queue")
 
@@ -152,10 +152,12 @@ class _Pending:
         kv_cache: float = pod.kv_cache
         if capacity <= 0:
             self.kv_cache = kv_cache
-        elif since is not None:
-            self.kv_cache = max(0.0, kv_cache + (tokens - since) / capacity)
+            return
+        if since is not None:
+            kv_cache = max(0.0, kv_cache + (tokens - since) / capacity)
         else:
-            self.kv_cache = max(kv_cache, tokens / capacity) + reserve / capacity
+            kv_cache = max(kv_cache, tokens / capacity)
+        self.kv_cache = kv_cache + reserve / capacity
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pod, name)

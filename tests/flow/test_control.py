@@ -316,3 +316,16 @@ def test_a_flood_leaves_room_for_another_flow_in_flight(tmp_path: Path) -> None:
     assert isinstance(flood[-1], Held)
     _, verdict = rig.arrive("s1", (200, 200), **{"x-tenant": "small"})
     assert isinstance(verdict, Pass)
+
+
+def test_a_flow_under_its_share_keeps_the_reserve_for_a_higher_band(tmp_path: Path) -> None:
+    """The small tenant has nothing in flight (under any share), yet a critical request
+    is: its standard request keeps one average request (300 tokens) free on each pod
+    too, so only the empty pod has room for it."""
+    rig = kv_rig(tmp_path)
+    critical = {"x-gateway-inference-criticality": "critical", "x-tenant": "flood"}
+    first, verdict = rig.arrive("c0", (200, 200), **critical)
+    assert isinstance(verdict, Pass)
+    small, verdict = rig.arrive("s0", (100, 100), **{"x-tenant": "small"})
+    assert isinstance(verdict, Pass)
+    assert small.saw == [p.name for p in rig.snapshot.candidates if p.name != first.sent_to]

@@ -51,8 +51,9 @@ from typing import Any, Final
 
 import quality
 
-from policyd.flow import FlowAnswer, FlowControl, Held, Pass, unwrap
+from policyd.flow import FlowAnswer, FlowControl, Pass, unwrap
 from policyd.policy import Outcome, PolicyStore, Request, Router
+from policyd.policy.router import Admission
 from policyd.pool.pod import Pod
 from policyd.prefix.probe import PrefixLocator
 from policyd.sim.experiment import _Run, percentile
@@ -127,12 +128,14 @@ class FlowResult:
 
 
 class _FlowSignals:
-    """What flow control hears from a simulated run: a scrape round, a request
-    ending on a pod, a held request's expiry (``pump`` dispatches on each).
+    """What flow control hears from a simulated run: a request's arrival, a scrape
+    round, a request ending on a pod, a held request's expiry (``pump``
+    dispatches on each).
 
     Mixed into both runs (open loop and the seed experiment's closed loop),
     which carry ``loop``, ``pods``, ``pod_of``, ``_views``, ``control``,
-    ``waiters``, ``version`` and ``_expiry``.
+    ``waiters``, ``version``, ``_expiry``, ``peak_held(_bytes)``, ``_decide``
+    and ``refuse``.
     """
 
     def _snapshot(self) -> Snapshot:
@@ -150,6 +153,22 @@ class _FlowSignals:
         super()._resolve(index)
         if pod is not None:
             self.control.finished(self.pods[pod].name, self.waiters[index])
+            self._arm()
+
+    def _arrive(self, index: int, request: Request, admission: Admission, size: int) -> None:
+        """Request ``index`` (of ``size`` body bytes) meets flow control: routed now,
+        answered, or held (its peak recorded, the expiry timer armed)."""
+        waiter = self.waiters[index] = _Waiter(self, index, request)
+        verdict = self.control.arrive(admission, request, size, waiter)
+        if isinstance(verdict, Pass):
+            pod = self._decide(index, request, verdict.candidates)
+            if pod is not None:
+                self.control.sent(pod, waiter)
+        elif isinstance(verdict, FlowAnswer):
+            self.refuse(index, verdict.status)
+        else:
+            self.peak_held = max(self.peak_held, self.control.held)
+            self.peak_held_bytes = max(self.peak_held_bytes, self.control.held_bytes)
             self._arm()
 
     def _arm(self) -> None:
@@ -213,17 +232,7 @@ class FlowRun(_FlowSignals, _OpenRun):
         if admission is None:
             self._decide(index, request, self._snapshot().candidates)
             return
-        size = len(self.requests[index].prompt) * 4  # about the body's bytes
-        waiter = self.waiters[index] = _Waiter(self, index, request)
-        verdict = self.control.arrive(admission, request, size, waiter)
-        if isinstance(verdict, Pass):
-            pod = self._decide(index, request, verdict.candidates)
-            if pod is not None:
-                self.control.sent(pod, waiter)
-        elif isinstance(verdict, FlowAnswer):
-            self.refuse(index, verdict.status)
-        else:
-            self._held(verdict)
+        self._arrive(index, request, admission, len(self.requests[index].prompt) * 4)
 
     def _request(self, index: int) -> Request:
         item = self.requests[index]
@@ -270,11 +279,6 @@ class FlowRun(_FlowSignals, _OpenRun):
         self.answered[index] = status
         self.unresolved -= 1
         self.last_resolution = self.loop.now
-
-    def _held(self, held: Held) -> None:
-        self.peak_held = max(self.peak_held, self.control.held)
-        self.peak_held_bytes = max(self.peak_held_bytes, self.control.held_bytes)
-        self._arm()
 
     def outcome(self) -> FlowResult:
         result = self.run()
@@ -590,6 +594,7 @@ class SeedFlowRun(_FlowSignals, _Run):
         self._pending_pod = -1
         self.answered = 0
         self.peak_held = 0
+        self.peak_held_bytes = 0
         self.connected: list[float | None] = [None] * self.workload.requests
         self.waiters: list[_Waiter | None] = [None] * self.workload.requests
         self._expiry: float | None = None
@@ -621,17 +626,7 @@ class SeedFlowRun(_FlowSignals, _Run):
             if admission is None:
                 self._decide(index, request, self._snapshot().candidates)
                 continue
-            waiter = self.waiters[index] = _Waiter(self, index, request)
-            verdict = self.control.arrive(admission, request, 0, waiter)
-            if isinstance(verdict, Pass):
-                pod = self._decide(index, request, verdict.candidates)
-                if pod is not None:
-                    self.control.sent(pod, waiter)
-            elif isinstance(verdict, FlowAnswer):
-                self.refuse(index, verdict.status)
-            else:
-                self.peak_held = max(self.peak_held, self.control.held)
-                self._arm()
+            self._arrive(index, request, admission, 0)
 
     def _decide(self, index: int, request: Request, candidates: Sequence[Any]) -> str | None:
         probe = self.locator.probe(self.turns)

@@ -56,7 +56,7 @@ from policyd.policy import Outcome, PolicyStore, Request, Router
 from policyd.policy.router import Admission
 from policyd.pool.pod import Pod
 from policyd.prefix.probe import PrefixLocator
-from policyd.sim.experiment import _Run, percentile
+from policyd.sim.experiment import SEED_PROMPT_TEXT, _Run, percentile
 from policyd.sim.open_loop import OpenLoopResult, OpenRequest, Turn, _OpenRun
 from policyd.sim.workloads import Classes, Overload, Priorities, Tenants
 
@@ -587,8 +587,8 @@ class SeedFlowRun(_FlowSignals, _Run):
             scrape_interval_s=0.1,
         )
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
-        self.locator = quality.prefix_locator(quality.APPROXIMATE)
-        self.turns = (Turn(None, token_ids=quality.SEED_WORKLOAD.prompt),)
+        self.locator = quality.prefix_locator(quality.APPROXIMATE, quality.SERVING_TOKENIZER)
+        self.turns = (Turn(None, texts=(SEED_PROMPT_TEXT,)),)
         self.control = FlowControl(lambda: self.router, self._snapshot, lambda: self.loop.now)
         self.version = 0
         self._pending_pod = -1

@@ -86,10 +86,12 @@ from policyd.policy import Decision, Outcome, PolicyStore, Request, Router
 from policyd.pool.pod import InFlight, Pod
 from policyd.prefix.events import decode_batch
 from policyd.prefix.index import ApproximateIndex, PreciseIndex
+from policyd.prefix.options import PrefixSettings
 from policyd.prefix.probe import PrefixLocator, PrefixProbe
 from policyd.prefix.tokenizers import tokenizer_from_spec
 from policyd.sim.blocks import KvEvent
 from policyd.sim.experiment import (
+    SEED_PROMPT_TEXT,
     ExperimentResult,
     PodView,
     RoutedRequest,
@@ -172,9 +174,10 @@ class PolicyRouting:
     Loads the policy afresh (a round-robin turn is state of the loaded policy,
     so each run starts from the same turn) and seeds the router's generator
     from the experiment's seed, so a run is repeatable. With a ``locator`` the
-    router gets each request's prompt (the seed prompt, as token ids), so a
-    policy reading prefix fields sees them (approximate mode: the seed
-    experiment publishes no KV events).
+    router gets each request's prompt as its client sends it (the seed prompt's
+    text), tokenized as the locator's tokenizer does, so a policy reading prefix
+    fields sees what it sees behind ``policyd serve`` (approximate mode: the
+    seed experiment publishes no KV events).
     """
 
     def __init__(
@@ -185,13 +188,13 @@ class PolicyRouting:
         headers: Mapping[str, str] = CRITICAL,
         prefix: str | None = None,
         locator: PrefixLocator | None = None,
-        prompt: tuple[int, ...] = SEED_WORKLOAD.prompt,
+        prompt: str = SEED_PROMPT_TEXT,
     ) -> None:
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
         self.headers = headers
         self.prefix = prefix
         self.locator = locator
-        self.turns = (Turn(None, token_ids=prompt),)
+        self.turns = (Turn(None, texts=(prompt,)),)
         self.decisions = 0
 
     def __call__(self, request: RoutedRequest, views: Sequence[PodView], rng: random.Random) -> int:
@@ -239,7 +242,9 @@ def run_policy(
     policy: Path, seed: int, *, workload: SeedWorkload, prefix: str | None = None
 ) -> ExperimentResult:
     """One virtual run of ``workload`` routed by ``policy``."""
-    routing = PolicyRouting(policy, seed=seed, prefix=prefix, locator=prefix_locator(APPROXIMATE))
+    routing = PolicyRouting(
+        policy, seed=seed, prefix=prefix, locator=prefix_locator(APPROXIMATE, SERVING_TOKENIZER)
+    )
     return run_experiment(routing, workload=workload, seed=seed)
 
 
@@ -253,6 +258,9 @@ LORA_IDS: Final = MappingProxyType(
     {name: i + 1 for i, name in enumerate(adapter_names(SEED_WORKLOAD.adapters))}
 )
 ORACLE: Final = "oracle"
+# What `policyd serve` tokenizes prompts with unless told otherwise: the seed
+# experiment's routing sees the prompt as a live policyd would.
+SERVING_TOKENIZER: Final = PrefixSettings().tokenizer
 PREFIX_POLICY: Final = RULES / "prefix-aware.yaml"
 COMBINED_POLICY: Final = RULES / "lora-prefix.yaml"
 

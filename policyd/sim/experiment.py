@@ -1,8 +1,8 @@
 """The seed experiment in virtual time, with a pluggable routing function.
 
 The published experiment: 1000 requests fired at once through a client pool of
-100 connections, each naming one of 12 LoRA adapters at random, a 17-token
-prompt and ``max_tokens`` 750, each given 300 s counted from its start
+100 connections, each naming one of 12 LoRA adapters at random, the same
+short prompt (``SEED_PROMPT_TEXT``) and ``max_tokens`` 750, each given 300 s counted from its start
 (waiting for a connection included), over 6 vLLM pods. A request is routed
 when it gets a connection; the routing function sees what a router in front of
 the pods would: every pod's metrics as last scraped (every 100 ms by default,
@@ -26,10 +26,13 @@ from functools import partial
 from policyd.sim.engine import EngineSnapshot, RequestState, SimRequest
 from policyd.sim.names import adapter_names, pod_name
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
+from policyd.sim.tokenizer import tokenize
 from policyd.sim.virtual import Timer, VirtualLoop, VirtualPod
 
-# The seed experiment's prompt: 17 tokens (a beginning-of-sequence token and 16 words).
-SEED_PROMPT = (1, *range(3000, 3016))
+# The published experiment's prompt, the same for every request, and its token ids
+# as a simulated pod counts them (a beginning-of-sequence token and 11 words).
+SEED_PROMPT_TEXT = "Is the Necronomicon in the movie: Army of Darkness?"
+SEED_PROMPT = tuple(tokenize(SEED_PROMPT_TEXT))
 
 
 @dataclass(frozen=True, slots=True)

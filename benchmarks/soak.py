@@ -36,6 +36,13 @@ first wave and starts it again 5 s later (what a crash does to generations
 streaming). Traffic goes to 127.0.0.1 only; every wait is bounded.
 ``benchmarks/leak_soak.py`` measures memory per request at thousands of
 requests a second against a no-op ext_proc, the floor.
+
+``--versus REF`` runs a second stack beside the first, under the same load at
+the same moments: policyd as it was at the git revision REF (checked out in a
+scratch worktree and run from there) with the Envoy settings of that time,
+the guard on and ext_proc fail-closed. A crash of the old configuration in the
+same run shows that the load is the shape that crashes it, on this machine
+and this Envoy, while the configuration as generated now takes it.
 """
 
 from __future__ import annotations
@@ -88,11 +95,21 @@ class Tally:
 
 
 class Stack:
-    """Pods, policyd and Envoy as processes, on loopback ports chosen here."""
+    """Pods, policyd and Envoy as processes, on loopback ports chosen here.
 
-    def __init__(self, arguments: argparse.Namespace, directory: Path) -> None:
+    ``source`` is a checkout of an older policyd to serve with instead of this
+    one (``--versus``), with the Envoy settings it shipped with.
+    """
+
+    def __init__(
+        self, arguments: argparse.Namespace, directory: Path, source: Path | None = None
+    ) -> None:
         self.arguments = arguments
         self.directory = directory
+        self.source = source
+        self.graceful_close = arguments.graceful_close or source is not None
+        self.fail_closed = arguments.fail_closed or source is not None
+        self.tally = Tally()
         self.pod_base = free_port_range(PODS)
         self.policyd_port = free_port()
         self.monitoring_port = free_port()
@@ -104,12 +121,20 @@ class Stack:
         self.envoy_starts = 0
 
     @property
+    def name(self) -> str:
+        return "old configuration" if self.source is not None else "as generated now"
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.listen_port}"
 
     def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
         log = (self.directory / f"{name}.log").open("ab")
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        tree = self.source or REPO
+        environment = {**os.environ, "PYTHONPATH": str(tree)}
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=environment
+        )
 
     def start_pods(self) -> None:
         policyd = str(Path(sys.executable).parent / "policyd")
@@ -124,10 +149,11 @@ class Stack:
         (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
 
     def start_policyd(self) -> None:
-        policyd = str(Path(sys.executable).parent / "policyd")
+        policyd = [sys.executable, "-m", "policyd"]
+        tree = self.source or REPO
         self.policyd = self._spawn(
             "policyd",
-            [policyd, "serve", "--policy", str(REPO / "rules" / "default.yaml"),
+            [*policyd, "serve", "--policy", str(tree / "rules" / "default.yaml"),
              "--pods", str(self.directory / "pods.yaml"), "--host", "127.0.0.1",
              "--port", str(self.policyd_port), "--monitoring-port", str(self.monitoring_port),
              "--grace-seconds", "1", "--log-level", "warning"],
@@ -138,9 +164,9 @@ class Stack:
             port=self.listen_port, admin_port=self.admin_port, policyd_port=self.policyd_port
         )
         config = bootstrap(options)
-        if self.arguments.graceful_close:
+        if self.graceful_close:
             config["layered_runtime"]["layers"][0]["static_layer"][GRACEFUL_CLOSE_FLAG] = True
-        if self.arguments.fail_closed:
+        if self.fail_closed:
             manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
             for http_filter in manager["typed_config"]["http_filters"]:
                 if http_filter["name"] == "envoy.filters.http.ext_proc":
@@ -247,7 +273,7 @@ def error_code(body: bytes) -> str:
         return "-"
 
 
-async def wave(stack: Stack, tally: Tally, arguments: argparse.Namespace, seed: int) -> None:
+async def wave(stack: Stack, arguments: argparse.Namespace, seed: int) -> None:
     """``--wave`` long requests over ``--connections`` connections, all at once."""
     rng = random.Random(seed)
     connector = aiohttp.TCPConnector(limit=arguments.connections)
@@ -255,10 +281,10 @@ async def wave(stack: Stack, tally: Tally, arguments: argparse.Namespace, seed: 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         bodies = [request_body(rng, arguments.max_tokens) for _ in range(arguments.wave)]
         results = await asyncio.gather(*(one(session, stack.url, b) for b in bodies))
-    tally.outcomes.update(f"long {r}" for r in results)
+    stack.tally.outcomes.update(f"long {r}" for r in results)
 
 
-async def held(stack: Stack, tally: Tally, arguments: argparse.Namespace) -> None:
+async def held(stack: Stack, arguments: argparse.Namespace) -> None:
     """``--held`` requests with a partial body, held, then all closed at once."""
     body = json.dumps({"model": "adapter-1", "prompt": PROMPT * 20, "max_tokens": 10}).encode()
     head = (
@@ -278,10 +304,10 @@ async def held(stack: Stack, tally: Tally, arguments: argparse.Namespace) -> Non
     finally:
         for writer in writers:
             writer.transport.abort()  # all at once
-        tally.outcomes["held closed"] += len(writers)
+        stack.tally.outcomes["held closed"] += len(writers)
 
 
-async def fast(stack: Stack, tally: Tally, seconds: float) -> None:
+async def fast(stack: Stack, seconds: float) -> None:
     """One-token requests at concurrency 32 for ``seconds``."""
     rng = random.Random(7)
     deadline = time.monotonic() + seconds
@@ -294,20 +320,21 @@ async def fast(stack: Stack, tally: Tally, seconds: float) -> None:
             while time.monotonic() < deadline:
                 body = request_body(rng, 1)
                 body["stream"] = False
-                tally.outcomes[f"fast {await one(session, stack.url, body)}"] += 1
+                stack.tally.outcomes[f"fast {await one(session, stack.url, body)}"] += 1
 
         await asyncio.gather(*(worker() for _ in range(32)))
 
 
-async def watch(stack: Stack, tally: Tally, started: float) -> None:
+async def watch(stack: Stack, started: float) -> None:
     """Sample policyd's memory every 5 s; restart Envoy when it dies."""
+    tally = stack.tally
     while True:
         await asyncio.sleep(1.0)
         died = stack.envoy_died()
         if died is not None:
             moment = time.monotonic() - started
             tally.crashes.append(f"{moment:.0f}s: {died}")
-            print(f"  Envoy died at {moment:.0f}s ({died}); starting it again", flush=True)
+            print(f"  {stack.name}: Envoy died at {moment:.0f}s ({died}); starting it again")
             stack.start_envoy()
             await wait_served(stack, 30)
         if stack.policyd is not None and stack.policyd.poll() is None:
@@ -356,59 +383,88 @@ def bytes_per_request(samples: list[tuple[float, int, int]], after: float) -> fl
 async def soak(arguments: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="policyd-soak-") as temporary:
         directory = Path(arguments.keep or temporary)
-        directory.mkdir(parents=True, exist_ok=True)
-        stack = Stack(arguments, directory)
-        tally = Tally()
-        watcher: asyncio.Task[None] | None = None
+        stacks = [Stack(arguments, _folder(directory, "now"))]
+        if arguments.versus:
+            old = _checkout(arguments.versus, directory / "old-tree")
+            stacks.append(Stack(arguments, _folder(directory, "old"), source=old))
+        watchers: list[asyncio.Task[None]] = []
         try:
-            stack.start_pods()
+            for stack in stacks:
+                stack.start_pods()
             await asyncio.sleep(2)
-            stack.start_policyd()
+            for stack in stacks:
+                stack.start_policyd()
             await asyncio.sleep(3)
-            stack.start_envoy()
-            await wait_served(stack, 60)
+            for stack in stacks:
+                stack.start_envoy()
+            await asyncio.gather(*(wait_served(stack, 60) for stack in stacks))
             started = time.monotonic()
-            watcher = asyncio.create_task(watch(stack, tally, started))
+            watchers = [asyncio.create_task(watch(stack, started)) for stack in stacks]
             deadline = started + arguments.minutes * 60
             cycle = 0
             first_cycle_end = 0.0
             while time.monotonic() < deadline:
                 cycle += 1
                 print(f"cycle {cycle} at {time.monotonic() - started:.0f}s", flush=True)
-                shapes = [wave(stack, tally, arguments, seed=cycle)]
-                if arguments.held:
-                    shapes.append(held(stack, tally, arguments))
-                if arguments.kill_policyd_at and cycle == 1:
-                    shapes.append(kill_policyd(stack, arguments.kill_policyd_at))
+                shapes = []
+                for stack in stacks:
+                    shapes.append(wave(stack, arguments, seed=cycle))
+                    if arguments.held:
+                        shapes.append(held(stack, arguments))
+                    if arguments.kill_policyd_at and cycle == 1:
+                        shapes.append(kill_policyd(stack, arguments.kill_policyd_at))
                 await asyncio.wait_for(
                     asyncio.gather(*shapes), arguments.request_timeout + arguments.hold_seconds
                 )
                 if arguments.fast_seconds:
-                    await fast(stack, tally, arguments.fast_seconds)
+                    await asyncio.gather(*(fast(stack, arguments.fast_seconds) for stack in stacks))
                 if cycle == 1:
                     first_cycle_end = time.monotonic() - started
-                print(f"  {dict(sorted(tally.outcomes.items()))}", flush=True)
+                for stack in stacks:
+                    print(f"  {stack.name}: {dict(sorted(stack.tally.outcomes.items()))}")
             await asyncio.sleep(6)  # a last memory sample
-            errors = await stack.stream_errors()
-            report(arguments, stack, tally, errors, time.monotonic() - started, first_cycle_end)
+            for stack in stacks:
+                errors = await stack.stream_errors()
+                report(stack, errors, time.monotonic() - started, first_cycle_end)
         finally:
-            if watcher is not None:
+            for watcher in watchers:
                 watcher.cancel()
-            stack.stop()
+            for stack in stacks:
+                stack.stop()
+            if arguments.versus:
+                _remove_checkout(directory / "old-tree")
 
 
-def report(  # noqa: PLR0917
-    arguments: argparse.Namespace,
-    stack: Stack,
-    tally: Tally,
-    errors: dict[str, float],
-    seconds: float,
-    warm: float,
-) -> None:
-    guard = "on" if arguments.graceful_close else "off"
-    mode = "false" if arguments.fail_closed else "true"
+def _folder(directory: Path, name: str) -> Path:
+    folder = directory / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _checkout(revision: str, where: Path) -> Path:
+    """policyd as it was at ``revision``, in a scratch worktree of this repository."""
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), revision],
+        check=True,
+        capture_output=True,
+    )
+    return where
+
+
+def _remove_checkout(where: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(where)],
+        check=False,
+        capture_output=True,
+    )
+
+
+def report(stack: Stack, errors: dict[str, float], seconds: float, warm: float) -> None:
+    tally = stack.tally
+    guard = "on" if stack.graceful_close else "off"
+    mode = "false" if stack.fail_closed else "true"
     print(
-        f"\n{seconds / 60:.1f} min; Envoy {arguments.envoy or envoy_binary()}; "
+        f"\n{stack.name}: {seconds / 60:.1f} min; Envoy {stack.arguments.envoy or envoy_binary()}; "
         f"graceful close {guard}; failure_mode_allow {mode}"
     )
     print(f"Envoy crashes: {len(tally.crashes)}  {tally.crashes}")
@@ -442,6 +498,12 @@ def main() -> None:
     parser.add_argument("--fail-closed", action="store_true", help="failure_mode_allow: false")
     parser.add_argument("--kill-policyd-at", type=float, default=0.0)
     parser.add_argument("--keep", help="keep logs and configs in this directory")
+    parser.add_argument(
+        "--versus",
+        metavar="REF",
+        help="also soak policyd at git revision REF with its Envoy settings (guard on, "
+        "fail-closed) beside this one, under the same load",
+    )
     arguments = parser.parse_args()
     asyncio.run(soak(arguments))
 

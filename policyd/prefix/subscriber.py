@@ -25,8 +25,10 @@ replay applied as it arrives (never collected), asked for at most
 socket that does not answer is left alone for ``REPLAY_BACKOFF_S``. The index
 caps each pod's blocks (``PreciseIndex.max_blocks_per_pod``).
 
-ZMQ reconnects a dropped connection by itself; a monitor socket reports
-connections and drops, which are logged. Batches are applied on the event loop
+A monitor socket reports connections and drops, which are logged; after a
+drop the subscriber connects anew (libzmq reconnects after a connection
+error by itself, but not after a protocol error such as an oversized
+message), waiting longer the more drops come before a message. Batches are applied on the event loop
 in calls of at most 256 blocks, and the subscriber yields to the loop whenever
 its work has run for half a millisecond, so a burst (a backlog of queued
 messages, a replay of thousands of batches) never holds the loop for long.
@@ -124,6 +126,7 @@ class _Feed:
     stats: FeedStats = field(default_factory=FeedStats)
     expected: int | None = None  # the next sequence number; None before the first message
     dropped: bool = False  # the connection dropped since the last message
+    drops_in_a_row: int = 0  # connection drops since the last message
     replay_paused_until: float = 0.0  # loop time before which the replay socket is not asked
     malformed_logged_at: float | None = None  # loop time of the last malformed warning
     malformed_unlogged: int = 0  # malformed messages and events since that warning
@@ -237,7 +240,7 @@ class KvEventSubscriber:
         seq = int.from_bytes(seq_bytes, "big")
         model = base_model_of(topic) or (self._model(feed.pod) if self._model else None)
         expected, dropped = feed.expected, feed.dropped
-        feed.dropped = False
+        feed.dropped, feed.drops_in_a_row = False, 0
         feed.expected = seq + 1
         if expected is not None and seq == expected:
             pass
@@ -430,4 +433,19 @@ async def _watch_connection(feed: _Feed) -> None:
         elif event == zmq.EVENT_DISCONNECTED:
             feed.stats.disconnects += 1
             feed.dropped = True
-            _log.warning("KV events of %s: connection to %s dropped", feed.pod, feed.endpoint)
+            feed.drops_in_a_row += 1
+            delay_ms = min(_RECONNECT_IVL_MAX_MS, _RECONNECT_IVL_MS << min(feed.drops_in_a_row, 16))
+            _log.warning(
+                "KV events of %s: connection to %s dropped; reconnecting in %d ms",
+                feed.pod,
+                feed.endpoint,
+                delay_ms,
+            )
+            # libzmq reconnects after a connection error, but a protocol error (a
+            # message over MAXMSGSIZE) ends the connection for good: connect anew.
+            # The delay grows with each drop before a message, so a pod that keeps
+            # sending what drops the connection is not reconnected in a tight loop.
+            await asyncio.sleep(delay_ms / 1000)
+            with contextlib.suppress(zmq.ZMQError):  # already gone after a protocol error
+                feed.socket.disconnect(feed.endpoint)
+            feed.socket.connect(feed.endpoint)

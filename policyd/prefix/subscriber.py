@@ -74,7 +74,10 @@ QUEUE_MESSAGES: Final = 100
 # The most batches a replay asks for: vLLM's default replay buffer (buffer_steps). A gap
 # longer than this is not bridged (the pod no longer holds it): the pod is cleared.
 REPLAY_BATCHES: Final = 10_000
-REPLAY_IDLE_S: Final = 2.0  # without a reply for this long, the replay socket is done
+REPLAY_IDLE_S: Final = 2.0  # without a first reply for this long, the replay socket is silent
+# A ROUTER sends a whole answer at once and drops what exceeds its high-water mark, the
+# end marker with it: a pause this long after replies began means the rest is lost.
+REPLAY_PAUSE_S: Final = 0.25
 REPLAY_DEADLINE_S: Final = 30.0  # one replay in all, however its replies trickle in
 # A replay socket that did not answer is not asked again for this long: each
 # gap meanwhile clears the pod at once instead of waiting REPLAY_IDLE_S.
@@ -347,7 +350,8 @@ class KvEventSubscriber:
             async with asyncio.timeout_at(min(deadline, loop.time() + REPLAY_IDLE_S)):
                 await dealer.send_multipart((b"", start.to_bytes(_SEQ_BYTES, "big")))
             while wanted < end:
-                async with asyncio.timeout_at(min(deadline, loop.time() + REPLAY_IDLE_S)):
+                idle = REPLAY_PAUSE_S if answered else REPLAY_IDLE_S
+                async with asyncio.timeout_at(min(deadline, loop.time() + idle)):
                     frames = await dealer.recv_multipart()
                 answered = True
                 if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES or frames[1] == _END_SEQ:

@@ -18,7 +18,7 @@ import zmq.asyncio
 from policyd.prefix.index import PreciseIndex
 from policyd.prefix.keys import block_keys
 from policyd.prefix.subscriber import KvEventSubscriber
-from policyd.sim.blocks import BlocksStored
+from policyd.sim.blocks import BlocksRemoved, BlocksStored
 from policyd.sim.kv_events import KvEventPublisher, encode_batch
 from policyd.sim.profile import L4_LLAMA2_7B
 from policyd.sim.server import SimServer
@@ -357,3 +357,54 @@ async def test_a_long_replay_is_applied_without_holding_the_event_loop() -> None
         await publisher.close()
     # Applying 50,000 blocks in one go holds the loop ~0.1 s; in slices, a few milliseconds.
     assert longest < 0.05
+
+
+async def test_a_replay_longer_than_the_routers_high_water_mark_is_asked_again_where_it_broke() -> (
+    None
+):
+    # vLLM's replay ROUTER keeps the default high-water mark (1,000 messages) and sends
+    # its whole buffer at once, dropping what does not fit; the subscriber queues 100
+    # messages of a replay, so it reads a run, and asks again from the first one lost.
+    context = zmq.asyncio.Context.instance()
+    xpub = context.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    router = context.socket(zmq.ROUTER)
+    router.set_hwm(1_000)
+    endpoint = f"tcp://127.0.0.1:{xpub.bind_to_random_port('tcp://127.0.0.1')}"
+    replay = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    # Each batch stores 2 blocks and names 1,000 blocks the pod never had (~9 KB): more
+    # than the TCP buffers between the two sockets hold at once.
+    texts = [words(f"r{n}_", 40) for n in range(3000)]
+    padding = BlocksRemoved(tuple(range(2**60, 2**60 + 1000)))
+    buffered = [
+        (n, encode_batch([stored(text), padding], 1.0, 16, {})) for n, text in enumerate(texts)
+    ]
+
+    async def serve_replay() -> None:
+        while True:
+            client, _, start = await router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in buffered[first:]:  # no yield in between, as vLLM's thread
+                await router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            await router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    serving = asyncio.create_task(serve_replay())
+    index = PreciseIndex()
+    try:
+        async with following(index, {"pod-a": endpoint}, {endpoint: replay}) as subscriber:
+            async with asyncio.timeout(WAIT_S):
+                while (await xpub.recv())[:1] != b"\x01":  # the subscription arrived
+                    pass
+            last = encode_batch([stored(words("last", 40))], 1.0, 16, {})
+            topic = f"kv@pod-a@{BASE}".encode()
+            await xpub.send_multipart((topic, len(texts).to_bytes(8, "big"), last))
+            await eventually(lambda: index.blocks("pod-a") == 2 * len(texts) + 2, "replayed")
+            stats = subscriber.stats("pod-a")
+            assert stats is not None and stats.replayed == len(texts) and stats.clears == 0
+            assert stats.replay_requests > 1
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        router.close(linger=0)
+        xpub.close(linger=0)

@@ -121,9 +121,11 @@ def traced() -> Iterator[None]:
         tracemalloc.stop()
 
 
-@pytest.mark.parametrize("how", ["first message", "gap"])
+@pytest.mark.parametrize(
+    ("how", "seq"), [("first message", 5_000_000), ("first message", 10**12), ("gap", 5_000_000)]
+)
 async def test_a_sequence_number_in_the_millions_allocates_nothing_in_proportion(
-    how: str, monkeypatch: pytest.MonkeyPatch, traced: None
+    how: str, seq: int, monkeypatch: pytest.MonkeyPatch, traced: None
 ) -> None:
     publisher = await KvEventPublisher.open(
         host="127.0.0.1", port=0, replay_port=0, topic=TOPIC.decode(), block_size=16, lora_ids={}
@@ -131,13 +133,13 @@ async def test_a_sequence_number_in_the_millions_allocates_nothing_in_proportion
     index = PreciseIndex()
     try:
         if how == "first message":  # a pod serving for weeks when policyd starts
-            monkeypatch.setattr(publisher, "_seq", 5_000_000)
+            monkeypatch.setattr(publisher, "_seq", seq)
             publisher.publish([stored(words("early", 40))], 1.0)
         async with following(index, publisher.endpoint, publisher.replay_endpoint) as sub:
             tracemalloc.reset_peak()
             await received_probe(sub, publisher)
             if how == "gap":  # five million batches lost on the way
-                monkeypatch.setattr(publisher, "_seq", publisher.next_seq + 5_000_000)
+                monkeypatch.setattr(publisher, "_seq", publisher.next_seq + seq)
             publisher.publish([stored(words("late", 40))], 2.0)
             await eventually(lambda: matched(index, words("late", 40)) == 2, "the late batch")
             peak = peak_since_reset()

@@ -237,7 +237,7 @@ class KvEventSubscriber:
     async def _on_message(self, feed: _Feed, frames: Sequence[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
             feed.stats.malformed += 1
-            self._malformed(feed, f"a message of {len(frames)} frames skipped")
+            self._malformed(feed, f"a message of {len(frames)} frames")
             return
         topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
@@ -313,12 +313,11 @@ class KvEventSubscriber:
             wanted = reached
         if wanted < end and (wanted > start or not cleared):
             _log.warning(
-                "KV events of %s: replay gave batches %d..%d of %d..%d",
+                "KV events of %s: the replay of batches %d..%d stopped before %d",
                 feed.pod,
                 start,
-                wanted - 1,
-                start,
                 end - 1,
+                wanted,
             )
         return wanted >= end
 

@@ -29,7 +29,7 @@ Printed: request latency p50 / p99 without and with the load and their ratio; th
 index match alone (keys precomputed, in-call time); the blocks applied per second;
 the CPU this process spends per 1,000 block events (CPU with load minus CPU without,
 over the block events applied); gaps and clears (a subscriber that falls behind
-drops nothing: the sockets queue up to 100,000 messages).
+drops nothing: a backlog waits at each publisher, up to 100,000 messages).
 """
 
 from __future__ import annotations

@@ -9,21 +9,23 @@ trailing defaults, so any length from the tag and five fields on is accepted:
 (``extra_keys``, ``group_idx``, ...). Hashes are unsigned 64-bit integers, or
 bytes when the pod runs with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
 
-Decoding never raises: a payload or an event that does not have this shape is
-logged and skipped, and the rest of its batch is kept.
+Decoding never raises: a payload that is no batch decodes to None, an event of
+another shape is skipped (counted in ``EventBatch.skipped``) and the rest of its
+batch is kept. Nothing here logs: the subscriber logs per pod, rate-limited and
+without the payload's contents (token ids are prompt text). What decoding
+allocates is bounded by the payload's length (msgpack's own limits: no
+container or string longer than the payload), at most a few dozen bytes of
+Python objects per payload byte.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgpack
 
 EngineHash = int | bytes  # the pod's name for a block; policyd keys are recomputed from tokens
-
-_log = logging.getLogger(__name__)
 
 _STORED_MIN_FIELDS: Final = 6  # the tag and block_hashes .. lora_id
 _REMOVED_MIN_FIELDS: Final = 2
@@ -75,6 +77,7 @@ class EventBatch:
 
     ts: float
     events: tuple[KvEvent, ...]
+    skipped: int = 0  # events of an unknown tag or wrong fields, left out of ``events``
 
 
 def base_model_of(topic: bytes) -> str | None:
@@ -86,14 +89,13 @@ def base_model_of(topic: bytes) -> str | None:
 
 
 def decode_batch(payload: bytes, base_model: str | None = None) -> EventBatch | None:
-    """A ``KVEventBatch`` payload's events; None (logged) when the payload is not one.
+    """A ``KVEventBatch`` payload's events; None when the payload is not one.
 
     ``base_model`` is what the pod serves without an adapter (from its topic).
     """
     try:
         batch = msgpack.unpackb(payload, use_list=False, strict_map_key=False)
-    except Exception as error:  # msgpack raises several unrelated types on bad input
-        _log.warning("undecodable KV-event payload (%d bytes): %s", len(payload), error)
+    except Exception:  # msgpack raises several unrelated types on bad input
         return None
     if (
         not isinstance(batch, tuple)
@@ -101,16 +103,13 @@ def decode_batch(payload: bytes, base_model: str | None = None) -> EventBatch | 
         or not isinstance(batch[0], int | float)
         or not isinstance(batch[1], tuple)
     ):
-        _log.warning("a KV-event payload that is not [ts, events, ...]: %.200r", batch)
         return None
     events: list[KvEvent] = []
     for raw in batch[1]:
         event = decode_event(raw, base_model)
-        if event is None:
-            _log.warning("skipped a malformed KV event: %.200r", raw)
-        else:
+        if event is not None:
             events.append(event)
-    return EventBatch(float(batch[0]), tuple(events))
+    return EventBatch(float(batch[0]), tuple(events), len(batch[1]) - len(events))
 
 
 def decode_event(raw: Any, base_model: str | None = None) -> KvEvent | None:

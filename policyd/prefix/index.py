@@ -38,6 +38,11 @@ from policyd.prefix.keys import chain_key, root_key
 _log = logging.getLogger(__name__)
 
 _GPU: Final = "GPU"
+# Blocks indexed per pod at most, whatever a pod announces (~140 bytes each, so
+# ~75 MB): twice the largest GPU KV caches in blocks of 16 tokens (a sub-1B
+# model on an 80 GB GPU holds ~250,000), so only a pod announcing more blocks
+# than it can hold reaches it.
+MAX_BLOCKS_PER_POD: Final = 1 << 19
 
 
 class PrefixIndex(Protocol):
@@ -193,11 +198,13 @@ class PreciseIndex(_Holders):
     seeded with the adapter's name, else the base model's, for a sequence's
     first block) over each ``block_size`` token ids. A block whose parent the
     index never saw cannot be named by a request's keys and is not indexed
-    (counted in ``skipped``), nor is a block in another medium than the GPU.
+    (counted in ``skipped``), nor is a block in another medium than the GPU,
+    nor a block past ``max_blocks_per_pod`` while the pod holds that many.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks_per_pod: int = MAX_BLOCKS_PER_POD) -> None:
         super().__init__()
+        self.max_blocks_per_pod = max_blocks_per_pod
         self._pods: dict[str, _PodBlocks] = {}
         self._sizes: Counter[int] = Counter()  # announced block size -> pods announcing it
 
@@ -288,6 +295,9 @@ class PreciseIndex(_Holders):
         for i, engine_hash in enumerate(event.block_hashes):
             key = chain_key(parent, tokens[i * size : (i + 1) * size])
             if engine_hash not in keys:  # a replayed batch repeats what is already here
+                if len(keys) >= (cap := self.max_blocks_per_pod):  # the rest chain from it
+                    _skip(pod, state, f"over the cap of {cap} blocks", count - i)
+                    return
                 keys[engine_hash] = key
                 if self._holds(key, bit):
                     state.extra_refs[key] = state.extra_refs.get(key, 0) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import tracemalloc
 
 import msgpack
 import pytest
@@ -60,7 +61,7 @@ def test_older_and_newer_block_stored_shapes_decode() -> None:
     assert removed == BlockRemoved((1,), None)
 
 
-def test_malformed_events_are_skipped_and_logged_the_rest_kept(
+def test_malformed_events_are_skipped_and_counted_the_rest_kept(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     good = ["BlockRemoved", [7], "GPU"]
@@ -74,44 +75,150 @@ def test_malformed_events_are_skipped_and_logged_the_rest_kept(
         "AllBlocksCleared",
         [],
     ]
-    with caplog.at_level(logging.WARNING, "policyd.prefix.events"):
+    with caplog.at_level(logging.DEBUG, "policyd.prefix"):
         batch = decode_batch(payload(*bad, good))
     assert batch is not None and batch.events == (BlockRemoved((7,), "GPU"),)
-    assert len(caplog.records) == len(bad)
+    assert batch.skipped == len(bad)
+    assert not caplog.records  # the subscriber logs per pod, without the contents
 
 
 @pytest.mark.parametrize(
     "raw",
     [b"", b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0]), msgpack.packb(["t", []])],
 )
-def test_a_payload_that_is_no_batch_is_none(raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "policyd.prefix.events"):
-        assert decode_batch(raw) is None
-    assert caplog.records
+def test_a_payload_that_is_no_batch_is_none(raw: bytes) -> None:
+    assert decode_batch(raw) is None
 
 
 MSGPACK_VALUES = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
     | st.text(max_size=5)
     | st.binary(),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=3), inner),
     max_leaves=30,
 )
+# msgpack items that cost the most Python objects per payload byte: a tuple per byte of
+# nested one-element arrays, a new str per 3 bytes, a new int per 2, a float per 5.
+COSTLY_ITEMS = st.sampled_from(
+    [b"\x91" * depth + b"\x01" for depth in (1, 2, 8, 64)]
+    + [b"\xa2ab", b"\xcc\xff", b"\xcd\x10\x00", b"\xca\x3f\xc0\x00\x00", b"\x80", b"\xc4\x01x"]
+)
+# Python objects decoding may allocate per payload byte, at most (measured worst, nested
+# one-element arrays: ~38), and a constant for the decoder's own frames.
+BYTES_PER_PAYLOAD_BYTE = 64
+ALLOCATION_SLACK = 16_384
+
+
+def allocated_by_decoding(raw: bytes) -> int:
+    """Peak bytes of Python objects ``decode_batch(raw)`` allocates (tracemalloc)."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        decode_batch(raw, "model")
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+
+
+def within_bound(raw: bytes) -> bool:
+    return allocated_by_decoding(raw) <= BYTES_PER_PAYLOAD_BYTE * len(raw) + ALLOCATION_SLACK
 
 
 @settings(max_examples=300, deadline=None)
-@given(raw=st.binary(max_size=64) | MSGPACK_VALUES.map(msgpack.packb))
-def test_decoding_never_raises(raw: bytes) -> None:
-    decode_batch(raw)
+@given(raw=st.binary(max_size=256) | MSGPACK_VALUES.map(msgpack.packb))
+def test_decoding_any_bytes_never_raises_nor_allocates_beyond_a_bound(raw: bytes) -> None:
+    assert within_bound(raw)
 
 
 @settings(max_examples=300, deadline=None)
 @given(events=st.lists(MSGPACK_VALUES, max_size=5))
 def test_decoding_any_events_never_raises(events: list[object]) -> None:
     batch = decode_batch(msgpack.packb([1.0, events, 0]))
-    assert batch is not None and len(batch.events) <= len(events)
+    assert batch is not None and len(batch.events) + batch.skipped == len(events)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    items=st.lists(COSTLY_ITEMS, min_size=1, max_size=20_000),
+    claimed=st.integers(0, 2**32 - 1),
+    where=st.sampled_from(["events", "event", "tokens"]),
+)
+def test_costly_or_lying_payloads_allocate_in_proportion_to_their_length(
+    items: list[bytes], claimed: int, where: str
+) -> None:
+    # An array of costly items, in each place the decoder walks; a second array claims
+    # any length (up to 2**32) over the same bytes, which msgpack refuses to believe.
+    array = b"\xdd" + len(items).to_bytes(4, "big") + b"".join(items)
+    lying = b"\xdd" + claimed.to_bytes(4, "big") + b"".join(items)
+    for body in (array, lying):
+        if where == "events":
+            raw = b"\x93\xcb" + b"\0" * 8 + body + b"\x00"
+        elif where == "event":
+            raw = b"\x93\x00\x91" + body + b"\x00"
+        else:
+            head = msgpack.packb(["BlockStored", [1], None])
+            raw = b"\x93\x00\x91\x96" + head[1:] + body + b"\x10\xc0\x00"
+        assert within_bound(raw)
+
+
+HASHES = st.integers(0, 2**64 - 1)
+
+
+@st.composite
+def sim_events(draw: st.DrawFn) -> list[KvEvent]:
+    events: list[KvEvent] = []
+    for kind in draw(st.lists(st.sampled_from(["stored", "removed", "cleared"]), max_size=6)):
+        if kind == "stored":
+            hashes = draw(st.lists(HASHES, min_size=1, max_size=4))
+            tokens = draw(
+                st.lists(
+                    st.integers(0, 2**31 - 1), min_size=16 * len(hashes), max_size=16 * len(hashes)
+                )
+            )
+            parent = draw(st.none() | HASHES)
+            adapter = draw(st.none() | st.sampled_from(["adapter-1", "adapter-2"]))
+            events.append(BlocksStored(tuple(hashes), parent, tuple(tokens), adapter))
+        elif kind == "removed":
+            events.append(BlocksRemoved(tuple(draw(st.lists(HASHES, max_size=4)))))
+        else:
+            events.append(SimCleared())
+    return events
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=sim_events(), ts=st.floats(0, 2e9))
+def test_well_formed_batches_round_trip(events: list[KvEvent], ts: float) -> None:
+    lora_ids = {"adapter-1": 1, "adapter-2": 2}
+    batch = decode_batch(encode_batch(events, ts, 16, lora_ids), "base")
+    assert batch is not None and batch.ts == ts and batch.skipped == 0
+    expected: list[object] = []
+    for event in events:
+        if isinstance(event, BlocksStored):
+            lora_id = None if event.adapter is None else lora_ids[event.adapter]
+            expected.append(
+                BlockStored(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    16,
+                    lora_id,
+                    "GPU",
+                    event.adapter,
+                    "base",
+                )
+            )
+        elif isinstance(event, BlocksRemoved):
+            expected.append(BlockRemoved(event.block_hashes, "GPU"))
+        else:
+            expected.append(AllBlocksCleared())
+    assert list(batch.events) == expected
 
 
 def test_the_topic_names_the_base_model_in_llm_d_convention() -> None:

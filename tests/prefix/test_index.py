@@ -234,3 +234,15 @@ def test_precise_replays_are_idempotent_and_shared_keys_are_counted() -> None:
     # Another medium's removal does not touch the GPU blocks.
     index.apply("a", [event, BlockRemoved(event.block_hashes, "CPU")])
     assert index.match(keys(prompt(1)), ["a"]) == [6]
+
+
+def test_precise_caps_each_pods_blocks_and_indexes_again_once_some_leave() -> None:
+    index = PreciseIndex(max_blocks_per_pod=7)
+    index.apply("a", [stored(prompt(1)), stored(prompt(2))])  # 4 shared blocks, 2 each
+    index.apply("b", [stored(prompt(2))])
+    # The second prompt's last block is past the cap: not indexed.
+    assert index.blocks("a") == 7 and index.match(keys(prompt(2)), ["a", "b"]) == [5, 6]
+    assert index.skipped("a") == {"over the cap of 7 blocks": 1}
+    own = block_hashes(prompt(1), 16, BASE)[4:]
+    index.apply("a", [BlockRemoved(tuple(own), "GPU"), stored(prompt(3))])
+    assert index.blocks("a") == 7 and index.match(keys(prompt(3)), ["a"]) == [6]

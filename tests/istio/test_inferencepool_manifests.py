@@ -108,3 +108,12 @@ def test_what_both_paths_share_is_the_same() -> None:
     assert [a for a in theirs["args"] if a not in pod_source] == [
         a for a in mine["args"] if not a.startswith("--inference-pool=")
     ]
+
+
+def test_the_pool_fails_closed_and_the_chart_does_too() -> None:
+    """No policyd answering: the gateway fails the request instead of sending it on
+    past shedding and flow control (docs/deployment.md, "Failure mode")."""
+    picker = one("InferencePool")["spec"]["endpointPickerRef"]
+    assert picker["failureMode"] == "FailClose"
+    values = yaml.safe_load((ISTIO / "helm" / "policyd" / "values.yaml").read_text())
+    assert values["inferencePool"]["failureMode"] == picker["failureMode"]

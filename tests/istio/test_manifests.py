@@ -20,6 +20,7 @@ enforcing the NetworkPolicy.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -39,7 +40,9 @@ from e2e_support import ScriptedRouter, SwappablePool, TestUpstream
 
 from policyd.cli import build_parser
 from policyd.extproc.envoy_config import (
+    CREDENTIAL_HEADERS,
     GRACEFUL_CLOSE_FLAG,
+    PRIORITY_HEADERS,
     RUNTIME_FLAGS,
     EnvoyConfigOptions,
     bootstrap,
@@ -318,21 +321,51 @@ def test_the_ext_proc_filter_and_clusters_are_those_envoy_config_generates() -> 
     }
 
 
-def early_header_mutations() -> list[dict[str, Any]]:
+def manager_patch() -> dict[str, Any]:
+    """What the EnvoyFilter merges into the gateway's connection manager."""
     (patch,) = patches("NETWORK_FILTER")
     assert patch["patch"]["operation"] == "MERGE"
     assert patch["match"]["listener"]["filterChain"]["filter"] == {
         "name": "envoy.filters.network.http_connection_manager"
     }
-    found: list[dict[str, Any]] = patch["patch"]["value"]["typed_config"][
-        "early_header_mutation_extensions"
+    value: dict[str, Any] = patch["patch"]["value"]["typed_config"]
+    return value
+
+
+def test_client_destination_and_priority_headers_are_removed_as_envoy_config_does() -> None:
+    """ext_proc fails open, so the destination must be gone before policyd is asked;
+    the priority, deadline and flow headers are the trust model's (docs/serving.md)."""
+    expected = generated_manager()["early_header_mutation_extensions"]
+    assert manager_patch()["early_header_mutation_extensions"] == expected
+    (mutation,) = expected
+    assert [m["remove"] for m in mutation["typed_config"]["mutations"]] == [
+        DESTINATION_HEADER,
+        *PRIORITY_HEADERS,
     ]
-    return found
 
 
-def test_a_client_destination_header_is_removed_before_any_filter_as_envoy_config_does() -> None:
-    """ext_proc fails open, so the header must be gone before policyd is asked."""
-    assert early_header_mutations() == generated_manager()["early_header_mutation_extensions"]
+def test_the_request_timeouts_are_envoy_configs() -> None:
+    manager = generated_manager()
+    assert {k: v for k, v in manager_patch().items() if k.endswith("timeout")} == {
+        "request_timeout": manager["request_timeout"],
+        "request_headers_timeout": manager["request_headers_timeout"],
+    }
+
+
+def test_the_charts_edge_values_default_to_the_manifests() -> None:
+    """The chart renders the header removal and the timeouts from its values
+    (``tests/real/test_helm.py`` renders it); their defaults are the manifests'."""
+    values = yaml.safe_load((ISTIO / "helm" / "policyd" / "values.yaml").read_text())
+    edge = values["envoyFilter"]
+    manager = manager_patch()
+    assert (edge["requestTimeout"], edge["requestHeadersTimeout"]) == (
+        manager["request_timeout"],
+        manager["request_headers_timeout"],
+    )
+    (mutation,) = manager["early_header_mutation_extensions"]
+    removed = [m["remove"] for m in mutation["typed_config"]["mutations"]]
+    assert removed == [DESTINATION_HEADER, *edge["stripClientHeaders"]]
+    assert edge["trustedClientHeaders"] == []
 
 
 def test_the_route_patch_and_the_virtual_service_are_envoy_configs_route() -> None:
@@ -462,13 +495,20 @@ def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]
 
 
 def gateway_bootstrap(
-    *, listen_port: int, admin_port: int, policyd_port: int, model_servers: list[str]
+    *,
+    listen_port: int,
+    admin_port: int,
+    policyd_port: int,
+    model_servers: list[str],
+    request_timeout: str = "",
 ) -> dict[str, Any]:
     """An Envoy bootstrap made of what Istio generates for the Gateway and the
     VirtualService, with the EnvoyFilter's patches applied as Istio applies them
     and the runtime values of the gateway's Helm values. Istio's EDS cluster for
     the model Service is a STATIC cluster of ``model_servers`` here, with the
-    settings Istio gives its clusters (least-request, breakers at their maximum)."""
+    settings Istio gives its clusters (least-request, breakers at their maximum).
+    ``request_timeout`` replaces the patch's value (both request timeouts), as
+    an operator would edit it."""
     (route_patch,) = patches("HTTP_ROUTE")
     (listener_patch,) = patches("LISTENER")
     routes = []
@@ -533,6 +573,9 @@ def gateway_bootstrap(
     for patch in patches("NETWORK_FILTER"):  # MERGEs into the connection manager
         assert patch["patch"]["operation"] == "MERGE"
         manager = merge_patch(manager, patch["patch"]["value"]["typed_config"])
+    if request_timeout:
+        assert {"request_timeout", "request_headers_timeout"} <= set(manager)
+        manager.update(request_timeout=request_timeout, request_headers_timeout=request_timeout)
     listener = {
         "name": "0.0.0.0_80",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
@@ -611,6 +654,11 @@ class StallingRouter(ScriptedRouter):
         return super().decide(request, candidates)
 
 
+# The patched gateway's request timeouts, shortened in a second Envoy so a test
+# waits a second for them (not a bound on anything).
+SHORT_REQUEST_TIMEOUT_S = 1
+
+
 @dataclass
 class LiveGateway:
     url: str
@@ -618,6 +666,9 @@ class LiveGateway:
     upstreams: dict[str, TestUpstream]
     dead: str  # the address of a pod that is gone: nothing listens there
     client: aiohttp.ClientSession
+    router: StallingRouter
+    # The same patched gateway with SHORT_REQUEST_TIMEOUT_S, on the same policyd and pods.
+    short_timeout_port: int
 
     async def admin_json(self, path: str) -> Any:
         async with self.client.get(self.admin + path) as response:
@@ -651,33 +702,43 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveGa
     )
     await server.start()
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-    listen_port, admin_port = free_port(), free_port()
-    config = directory / "gateway.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            gateway_bootstrap(
-                listen_port=listen_port,
-                admin_port=admin_port,
-                policyd_port=server.port,
-                model_servers=[p.address for p in pods],
+    envoys = []
+    for name, request_timeout in (("gateway", ""), ("short", f"{SHORT_REQUEST_TIMEOUT_S}s")):
+        listen_port, admin_port = free_port(), free_port()
+        config = directory / f"{name}.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                gateway_bootstrap(
+                    listen_port=listen_port,
+                    admin_port=admin_port,
+                    policyd_port=server.port,
+                    model_servers=[p.address for p in pods],
+                    request_timeout=request_timeout,
+                )
             )
         )
-    )
-    envoy = EnvoyProcess(
-        config, admin_port, listen_port=listen_port, log_file=directory / "envoy.log"
-    )
-    envoy.start()
+        envoys.append(
+            EnvoyProcess(
+                config, admin_port, listen_port=listen_port, log_file=directory / f"{name}.log"
+            )
+        )
     try:
-        await envoy.wait_ready()
+        for envoy in envoys:
+            envoy.start()
+            await envoy.wait_ready()
+        main, short = envoys
         yield LiveGateway(
-            f"http://127.0.0.1:{listen_port}",
-            f"http://127.0.0.1:{admin_port}",
+            f"http://127.0.0.1:{main.listen_port}",
+            f"http://127.0.0.1:{main.admin_port}",
             upstreams,
             dead,
             client,
+            router,
+            short.listen_port,
         )
     finally:
-        envoy.stop()
+        for envoy in envoys:
+            envoy.stop()
         await client.close()
         await server.stop(0)
         for upstream in upstreams.values():
@@ -788,6 +849,75 @@ async def test_envoy_applies_the_runtime_values_the_gateway_pods_get(live: LiveG
     assert {name: entry["final_value"] for name, entry in runtime["entries"].items()} == expected
     if GRACEFUL_CLOSE_FLAG not in expected:
         assert GRACEFUL_CLOSE_FLAG not in runtime["entries"]
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_gateway_removes_a_clients_priority_deadline_and_flow_headers(
+    live: LiveGateway,
+) -> None:
+    """The trust model (docs/serving.md): a client claiming `critical`, a deadline
+    or a fresh tenant reaches policyd and the pod without the claim."""
+    claims = {
+        "x-gateway-inference-criticality": "Critical",
+        "x-request-deadline-ms": "1",
+        "x-tenant": "fresh-tenant-every-time",
+    }
+    assert set(claims) == set(PRIORITY_HEADERS)
+    status, seen = await complete(live, {"x-test-pick": "pod-b", **claims})
+    assert (status, seen["upstream"]) == (200, "pod-b")
+    asked = live.router.seen[-1].headers
+    received = {k.lower() for k in live.upstreams["pod-b"].received[-1].headers}
+    assert [name for name in claims if name in asked or name in received] == []
+    assert asked["x-test-pick"] == "pod-b"  # what is not a claim passes
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio(loop_scope="module")
+async def test_credentials_reach_the_pod_and_never_policyd(live: LiveGateway) -> None:
+    credentials = {
+        "authorization": "Bearer sk-secret",
+        "proxy-authorization": "Basic c2VjcmV0",
+        "cookie": "session=secret",
+        "x-api-key": "sk-other-secret",
+    }
+    assert set(credentials) <= set(CREDENTIAL_HEADERS)
+    status, seen = await complete(live, {"x-test-pick": "pod-a", **credentials})
+    assert (status, seen["upstream"]) == (200, "pod-a")
+    assert [name for name in live.router.seen[-1].headers if name in CREDENTIAL_HEADERS] == []
+    received = {k.lower(): v for k, v in live.upstreams["pod-a"].received[-1].headers.items()}
+    assert {name: received.get(name) for name in credentials} == credentials
+
+
+async def send_and_read(port: int, sent: bytes) -> bytes:
+    """Send ``sent`` on a fresh connection, nothing more; what the gateway answers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(sent)
+        await writer.drain()
+        # The gateway's timeout ends the read; wait_for only keeps a broken one
+        # from hanging the suite.
+        return await asyncio.wait_for(reader.read(), timeout=SHORT_REQUEST_TIMEOUT_S + 30)
+    finally:
+        writer.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_request_whose_body_never_comes_gets_408_and_reaches_no_pod(
+    live: LiveGateway,
+) -> None:
+    before = sum(len(u.received) for u in live.upstreams.values())
+    headers_only = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n"
+    )
+    answer = await send_and_read(live.short_timeout_port, headers_only)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    partial_headers = b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\n"
+    answer = await send_and_read(live.short_timeout_port, partial_headers)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert sum(len(u.received) for u in live.upstreams.values()) == before
 
 
 # -- hot reload from a mounted ConfigMap ------------------------------------------------

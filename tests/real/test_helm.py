@@ -243,6 +243,29 @@ def test_the_value_sets_change_what_they_say(tool: Callable[[str], str]) -> None
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+def test_the_edge_values_change_the_header_removal_and_the_timeout(
+    tool: Callable[[str], str],
+) -> None:
+    """A header of envoyFilter.trustedClientHeaders is kept (a trusted proxy in front
+    sets it); the others of stripClientHeaders are still removed."""
+    values = [
+        "--set",
+        "envoyFilter.trustedClientHeaders={x-tenant}",
+        "--set",
+        "envoyFilter.requestTimeout=200s",
+    ]
+    patches = by_kind(render(tool, values))["EnvoyFilter", "policyd"]["spec"]["configPatches"]
+    (manager,) = [p for p in patches if p["applyTo"] == "NETWORK_FILTER"]
+    typed = manager["patch"]["value"]["typed_config"]
+    (mutation,) = typed["early_header_mutation_extensions"]
+    assert [m["remove"] for m in mutation["typed_config"]["mutations"]] == [
+        "x-gateway-destination-endpoint",
+        "x-gateway-inference-criticality",
+        "x-request-deadline-ms",
+    ]
+    assert typed["request_timeout"] == "200s"
+
+
 def test_the_inferencepool_mode_changes_what_it_says(tool: Callable[[str], str]) -> None:
     pool = by_kind(render(tool, VALUE_SETS["inferencepool"]))
     args = pool["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -250,7 +273,7 @@ def test_the_inferencepool_mode_changes_what_it_says(tool: Callable[[str], str])
     assert not [a for a in args if a.startswith(("--k8s-selector", "--k8s-target-port"))]
     assert "clusterIP" not in pool["Service", "policyd"]["spec"]  # the gateways need one
     picker = pool["InferencePool", "vllm"]["spec"]["endpointPickerRef"]
-    assert picker == {"name": "policyd", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    assert picker == {"name": "policyd", "port": {"number": 9002}, "failureMode": "FailClose"}
 
     ranks = by_kind(render(tool, VALUE_SETS["inferencepool-ranks"]))
     ports = ranks["InferencePool", "vllm"]["spec"]["targetPorts"]

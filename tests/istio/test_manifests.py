@@ -45,12 +45,12 @@ from policyd.extproc.envoy_config import (
     PRIORITY_HEADERS,
     RUNTIME_FLAGS,
     EnvoyConfigOptions,
+    PolicydTls,
     bootstrap,
 )
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
 from policyd.extproc.exchange import ServingSettings
-from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
-from policyd.extproc.health import LIVENESS, READINESS
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions, TlsFiles
 from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.extproc.serve_command import check_arguments
 from policyd.policy import PolicyStore
@@ -61,6 +61,10 @@ from policyd.pool.pod import Pod
 REPO = Path(__file__).resolve().parents[2]
 ISTIO = REPO / "istio"
 NAMESPACE_PLACEHOLDER = "policyd.NAMESPACE.svc.cluster.local"
+# Where the gateway pods mount their client certificate for mutual TLS to policyd
+# (helm/gateway-values.yaml), and policyd's pods their own (deployment.yaml).
+GATEWAY_CLIENT_DIR = Path("/etc/policyd-client")
+POLICYD_TLS_DIR = Path("/etc/policyd/tls")
 
 
 def documents(name: str) -> list[dict[str, Any]]:
@@ -105,6 +109,12 @@ def generated() -> dict[str, Any]:
         EnvoyConfigOptions(
             policyd_address=NAMESPACE_PLACEHOLDER,
             model_servers=("vllm.NAMESPACE.svc.cluster.local:8000",),
+            policyd_tls=PolicydTls(
+                GATEWAY_CLIENT_DIR / "ca.crt",
+                GATEWAY_CLIENT_DIR / "tls.crt",
+                GATEWAY_CLIENT_DIR / "tls.key",
+                "policyd.NAMESPACE.svc",
+            ),
         )
     )
 
@@ -161,11 +171,18 @@ def test_the_namespace_replacement_targets_the_service_names_in_the_envoy_filter
             value = value[int(step)] if step.isdigit() else value[step]
         assert value.split(".")[target["options"]["index"]] == "NAMESPACE"
         values.append(value)
-    policyd_address = added_cluster("policyd")["load_assignment"]["endpoints"][0]
-    address = policyd_address["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    # Every in-cluster name in the EnvoyFilter gets the namespace: policyd's, the models'.
+    policyd = added_cluster("policyd")
+    address = policyd["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+        "socket_address"
+    ]
+    # Every in-cluster name in the EnvoyFilter gets the namespace: policyd's address
+    # and TLS server name, the models'.
     assert sorted(values) == sorted(
-        [address["address"], model_cluster_patch()["match"]["cluster"]["service"]]
+        [
+            address["address"],
+            policyd["transport_socket"]["typed_config"]["sni"],
+            model_cluster_patch()["match"]["cluster"]["service"],
+        ]
     )
     assert address["address"] == NAMESPACE_PLACEHOLDER
 
@@ -210,17 +227,33 @@ def serve_arguments() -> list[str]:
     return arguments
 
 
-def test_the_deployment_arguments_are_accepted_by_policyd_serve(tmp_path: Path) -> None:
+def test_the_deployment_arguments_are_accepted_by_policyd_serve(
+    tmp_path: Path, certificates: Any
+) -> None:
     arguments = serve_arguments()
     parsed = build_parser("serve").parse_args(arguments)  # exits on a stale or unknown flag
     pod = resource("Deployment")["spec"]["template"]["spec"]
-    (mount,) = container()["volumeMounts"]
-    (volume,) = pod["volumes"]
+    mount, tls_mount = container()["volumeMounts"]
+    volume, tls_volume = pod["volumes"]
     # The policy is the ConfigMap, mounted as a directory (a subPath gets no updates).
     assert parsed.policy == Path(mount["mountPath"])
     assert "subPath" not in mount
     assert volume["name"] == mount["name"]
     assert volume["configMap"]["name"] == resource("ConfigMap")["metadata"]["name"]
+    # Mutual TLS by default: policyd's certificate, key and the clients' CA, from
+    # the Secret mounted where the flags read them.
+    assert (tls_volume["name"], tls_volume["secret"]) == (
+        tls_mount["name"],
+        {"secretName": "policyd-tls"},
+    )
+    assert Path(tls_mount["mountPath"]) == POLICYD_TLS_DIR and tls_mount["readOnly"]
+    assert (parsed.tls_cert, parsed.tls_key, parsed.tls_client_ca) == (
+        POLICYD_TLS_DIR / "tls.crt",
+        POLICYD_TLS_DIR / "tls.key",
+        POLICYD_TLS_DIR / "ca.crt",
+    )
+    parsed.tls_cert, parsed.tls_key = certificates.server_cert, certificates.server_key
+    parsed.tls_client_ca = certificates.ca
     # Pods from Kubernetes, with the RBAC to follow them.
     assert parsed.k8s_selector and parsed.pods is None
     assert pod["serviceAccountName"] == resource("ServiceAccount")["metadata"]["name"]
@@ -243,8 +276,10 @@ def test_ports_and_probes_line_up_with_the_service_and_the_gateway() -> None:
     assert monitoring["containerPort"] == parsed.monitoring_port
     annotations = resource("Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(parsed.monitoring_port)
-    assert spec["readinessProbe"]["grpc"] == {"port": parsed.port, "service": READINESS}
-    assert spec["livenessProbe"]["grpc"] == {"port": parsed.port, "service": LIVENESS}
+    # Kubelet's gRPC probes do not speak TLS: the monitoring port's readiness and
+    # liveness pages instead.
+    assert spec["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": monitoring["name"]}
+    assert spec["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": monitoring["name"]}
     service = resource("Service")["spec"]
     assert service["clusterIP"] == "None"  # one gateway host per ready replica
     (service_port,) = service["ports"]
@@ -500,6 +535,7 @@ def gateway_bootstrap(
     admin_port: int,
     policyd_port: int,
     model_servers: list[str],
+    client_dir: Path,
     request_timeout: str = "",
 ) -> dict[str, Any]:
     """An Envoy bootstrap made of what Istio generates for the Gateway and the
@@ -507,8 +543,9 @@ def gateway_bootstrap(
     and the runtime values of the gateway's Helm values. Istio's EDS cluster for
     the model Service is a STATIC cluster of ``model_servers`` here, with the
     settings Istio gives its clusters (least-request, breakers at their maximum).
-    ``request_timeout`` replaces the patch's value (both request timeouts), as
-    an operator would edit it."""
+    ``client_dir`` stands for the gateway pod's mount of its client certificate
+    (``GATEWAY_CLIENT_DIR``). ``request_timeout`` replaces the patch's value
+    (both request timeouts), as an operator would edit it."""
     (route_patch,) = patches("HTTP_ROUTE")
     (listener_patch,) = patches("LISTENER")
     routes = []
@@ -590,7 +627,7 @@ def gateway_bootstrap(
             }
         ],
     }
-    policyd_cluster = copy.deepcopy(added_cluster("policyd"))
+    policyd_cluster = mounted(copy.deepcopy(added_cluster("policyd")), client_dir)
     address = policyd_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     address["address"]["socket_address"].update(address="127.0.0.1", port_value=policyd_port)
     maximum = 4294967295
@@ -645,6 +682,17 @@ def gateway_bootstrap(
     }
 
 
+def mounted(value: Any, client_dir: Path) -> Any:
+    """``value`` with every file of GATEWAY_CLIENT_DIR read from ``client_dir`` instead."""
+    if isinstance(value, dict):
+        return {key: mounted(item, client_dir) for key, item in value.items()}
+    if isinstance(value, list):
+        return [mounted(item, client_dir) for item in value]
+    if isinstance(value, str) and value.startswith(f"{GATEWAY_CLIENT_DIR}/"):
+        return str(client_dir / Path(value).relative_to(GATEWAY_CLIENT_DIR))
+    return value
+
+
 class StallingRouter(ScriptedRouter):
     """``x-test-stall: <seconds>`` holds policyd's event loop that long first."""
 
@@ -685,8 +733,20 @@ class LiveGateway:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveGateway]:
+async def live(
+    tmp_path_factory: pytest.TempPathFactory, certificates: Any
+) -> AsyncIterator[LiveGateway]:
+    """policyd with the Deployment's mutual TLS (the test CA's certificates in place
+    of the Secrets), behind the patched gateway."""
     directory = tmp_path_factory.mktemp("istio-gateway")
+    client_dir = directory / "policyd-client"  # the gateway pod's mounted Secret
+    client_dir.mkdir()
+    for name, source in (
+        ("ca.crt", certificates.ca),
+        ("tls.crt", certificates.client_cert),
+        ("tls.key", certificates.client_key),
+    ):
+        shutil.copy(source, client_dir / name)
     upstreams = {name: TestUpstream(name) for name in ("pod-a", "pod-b")}
     for upstream in upstreams.values():
         await upstream.start()
@@ -697,7 +757,10 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveGa
         lambda: router,
         SwappablePool(pods).current,
         options=ServerOptions(
-            port=0, grace_seconds=1.0, settings=ServingSettings(send_fallbacks=True)
+            port=0,
+            grace_seconds=1.0,
+            settings=ServingSettings(send_fallbacks=True),
+            tls=TlsFiles(certificates.server_cert, certificates.server_key, certificates.ca),
         ),
     )
     await server.start()
@@ -713,6 +776,7 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveGa
                     admin_port=admin_port,
                     policyd_port=server.port,
                     model_servers=[p.address for p in pods],
+                    client_dir=client_dir,
                     request_timeout=request_timeout,
                 )
             )
@@ -819,7 +883,8 @@ async def test_a_body_over_the_listener_buffer_gets_413_and_reaches_nothing(
 @pytest.mark.asyncio(loop_scope="module")
 async def test_envoy_runs_the_policyd_cluster_as_patched(live: LiveGateway) -> None:
     """Read back from Envoy: policyd is health-checked healthy on its readiness
-    service, with the stream cap and breakers the patch sets."""
+    service over mutual TLS (policyd refuses any other client), with the stream
+    cap and breakers the patch sets."""
     clusters = await live.admin_json("/clusters?format=json")
     (policyd,) = [c for c in clusters["cluster_statuses"] if c["name"] == "policyd"]
     (host,) = policyd["host_statuses"]

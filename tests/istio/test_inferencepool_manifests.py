@@ -144,3 +144,16 @@ def test_the_gateway_reaches_policyd_over_mutual_tls() -> None:
     (target,) = replacement["targets"]
     assert target["select"] == {"kind": "DestinationRule", "name": "policyd"}
     assert sorted(target["fieldPaths"]) == ["spec.host", "spec.trafficPolicy.tls.sni"]
+
+
+def test_the_gateway_edge_is_the_envoyfilter_paths() -> None:
+    """The pool's gateway gets the connection manager patch of istio/envoyfilter.yaml
+    (request timeouts, client priority headers removed before the picker sees
+    them; tests/istio/test_manifests.py runs it on the real Envoy), on the pods
+    of the Gateway the NetworkPolicy admits."""
+    (edge,) = ENVOYFILTER["EnvoyFilter", "policyd"]["spec"]["configPatches"][-1:]
+    assert edge["applyTo"] == "NETWORK_FILTER"
+    spec = one("EnvoyFilter")["spec"]
+    assert spec["configPatches"] == [edge]
+    gateway_pods = one("NetworkPolicy")["spec"]["ingress"][0]["from"][0]["podSelector"]
+    assert spec["workloadSelector"]["labels"] == gateway_pods["matchLabels"]

@@ -3,8 +3,8 @@
 - ``helm lint --strict`` and ``helm template`` are clean for several values sets
   of both modes (defaults, with mutual TLS; TLS off, HPA on, ServiceMonitor
   on, all of them; the InferencePool mode alone, without TLS, with several
-  target ports, following a pool made elsewhere), and ``values.schema.json`` refuses a mode other than
-  ``envoyfilter`` and ``inferencepool``;
+  target ports, following a pool made elsewhere), and ``values.schema.json``
+  refuses a mode other than ``envoyfilter`` and ``inferencepool``;
 - drift: by default the chart renders what the kustomize manifests of istio/
   hold (the Deployment's arguments, ports, probes; the RBAC rules; the
   NetworkPolicy; the EnvoyFilter's patches; the VirtualService and Gateway; the
@@ -186,7 +186,8 @@ def test_helm_template_renders(tool: Callable[[str], str], name: str) -> None:
     kinds = {d["kind"] for d in documents(rendered.stdout)}
     assert {"Deployment", "Service", "Role", "NetworkPolicy"} <= kinds
     if name.startswith("inferencepool"):
-        assert not kinds & {"EnvoyFilter", "VirtualService"}
+        assert "VirtualService" not in kinds
+        assert "EnvoyFilter" in kinds  # the gateway's edge only
         if name != "inferencepool-elsewhere":
             assert {"InferencePool", "HTTPRoute", "Gateway"} <= kinds
     else:
@@ -398,6 +399,8 @@ def test_the_inferencepool_mode_renders_istio_inferencepool(tool: Callable[[str]
         ("Gateway", "inference-gateway"),
         ("Role", "policyd-inference-pool-reader"),
         ("ConfigMap", "policyd-policy"),
+        ("EnvoyFilter", "policyd"),
+        ("DestinationRule", "policyd"),
     ):
         for field in ("spec", "rules", "data"):
             assert chart[kind, name].get(field) == kustomized[kind, name].get(field), (kind, field)

@@ -7,7 +7,9 @@ does about it (docs/serving.md, "Trust model"):
   Critical``, ``x-request-deadline-ms``, ``x-tenant``): by default Envoy removes
   those headers as the request arrives, so neither policyd nor the pod sees
   them; an operator who trusts a proxy in front keeps them
-  (``stripped_headers=()``, ``--trust-header``);
+  (``stripped_headers=()``, ``--trust-header``), and a filter of the gateway
+  that runs after the removal (authentication setting a header from a verified
+  claim) still sets them;
 - its credentials (``authorization``, ``cookie``, ...) never reach policyd
   (ext_proc ``forward_rules``), and still reach the model server;
 - it sends headers and never the body: Envoy's request timeout answers 408 and
@@ -18,18 +20,24 @@ does about it (docs/serving.md, "Trust model"):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
+import yaml
 from e2e_rig import Gateway, start_gateway, stop_gateway
 
 from policyd.extproc.envoy_config import (
     CREDENTIAL_HEADERS,
     PRIORITY_HEADERS,
     EnvoyConfigOptions,
+    bootstrap,
 )
+from policyd.extproc.envoy_process import EnvoyProcess, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -122,6 +130,62 @@ async def test_credentials_never_reach_policyd_and_still_reach_the_pod(
     assert [name for name in seen if name in CREDENTIAL_HEADERS] == []
     received = received_by_pod_a(gateway)
     assert {name: received.get(name.lower()) for name in CREDENTIALS} == CREDENTIALS
+
+
+def with_trusted_filter(options: EnvoyConfigOptions, header: str, value: str) -> dict[str, Any]:
+    """The bootstrap with a filter before ext_proc that sets ``header`` on every
+    request: what an authentication filter does with a verified claim
+    (``jwt_authn``'s ``claim_to_headers``, Istio's ``outputClaimToHeaders``)."""
+    config = bootstrap(options)
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    trusted = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3"
+            ".HeaderMutation",
+            "mutations": {
+                "request_mutations": [
+                    {
+                        "append": {
+                            "header": {"key": header, "value": value},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    }
+                ]
+            },
+        },
+    }
+    manager["http_filters"].insert(0, trusted)
+    return config
+
+
+async def test_a_trusted_filter_after_the_removal_still_sets_the_header(
+    edge: Gateway, tmp_path: Path
+) -> None:
+    """The removal runs before every filter: the client's `Sheddable` is gone, and the
+    value a filter of the gateway sets reaches policyd and the pod."""
+    options = dataclasses.replace(
+        EnvoyConfigOptions(),
+        port=free_port(),
+        admin_port=free_port(),
+        policyd_port=edge.server.port,
+    )
+    config = tmp_path / "trusted.yaml"
+    criticality = "x-gateway-inference-criticality"
+    config.write_text(yaml.safe_dump(with_trusted_filter(options, criticality, "critical")))
+    envoy = EnvoyProcess(
+        config, options.admin_port, listen_port=options.port, log_file=tmp_path / "envoy.log"
+    )
+    envoy.start()
+    try:
+        await envoy.wait_ready()
+        trusted = dataclasses.replace(edge, url=f"http://127.0.0.1:{options.port}")
+        assert await complete(trusted, {criticality: "Sheddable"}) == "pod-a"
+    finally:
+        envoy.stop()
+    assert edge.router.seen[-1].headers[criticality] == "critical"
+    assert received_by_pod_a(edge)[criticality] == "critical"
 
 
 async def raw_exchange(gateway: Gateway, sent: bytes) -> bytes:

@@ -629,6 +629,21 @@ def _model_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
     }
 
 
+def _policyd_hosts(options: EnvoyConfigOptions) -> list[str]:
+    if not options.policyd_addresses:
+        return [options.policyd_address]
+    return [address.rpartition(":")[0] for address in options.policyd_addresses]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -811,6 +826,14 @@ def run(arguments: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"policyd envoy-config: {error}", file=sys.stderr)
         return 2
+    remote = [host for host in _policyd_hosts(options) if not _is_loopback(host)]
+    if remote and options.policyd_tls is None:
+        print(
+            f"policyd envoy-config: warning: policyd at {', '.join(remote)} is reached in plain "
+            "text: every request header but the credentials crosses the network unencrypted "
+            "(--policyd-tls-ca; docs/serving.md, TLS)",
+            file=sys.stderr,
+        )
     text = render(options)
     if arguments.output is None:
         sys.stdout.write(text)

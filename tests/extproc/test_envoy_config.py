@@ -235,6 +235,21 @@ def test_header_and_timeout_flags_that_make_no_sense_are_refused(
     assert "policyd envoy-config:" in capsys.readouterr().err
 
 
+def test_plain_text_to_a_policyd_off_this_host_is_warned_about(
+    capsys: pytest.CaptureFixture[str], certificates: Any
+) -> None:
+    assert main(["envoy-config", "--policyd-address", "policyd.ns.svc"]) == 0
+    assert "policyd.ns.svc is reached in plain text" in capsys.readouterr().err
+    remote = ["--policyd-addresses", "127.0.0.1:9002,10.0.0.7:9002"]
+    assert main(["envoy-config", *remote]) == 0
+    assert "policyd at 10.0.0.7 is reached in plain text" in capsys.readouterr().err
+    assert main(["envoy-config", "--policyd-address", "127.0.0.1"]) == 0
+    assert capsys.readouterr().err == ""  # loopback: nothing crosses the network
+    tls = ["--policyd-tls-ca", str(certificates.ca)]
+    assert main(["envoy-config", "--policyd-address", "policyd.ns.svc", *tls]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_credentials_are_never_forwarded_to_policyd_in_either_mode() -> None:
     for mode in ("buffered", "inference-pool"):
         rules = ext_proc_of(bootstrap(EnvoyConfigOptions(ext_proc_mode=mode)))["forward_rules"]

@@ -141,7 +141,10 @@ class Stack:
             {"name": f"vllm-{i}", "address": f"127.0.0.1:{p}"} for i, p in enumerate(self.pod_ports)
         ]
         (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
-        options = EnvoyConfigOptions(port=0, admin_port=0, policyd_port=self.policyd_port)
+        # The tenants name their flow in x-tenant: the load generator is a trusted client.
+        options = EnvoyConfigOptions(
+            port=0, admin_port=0, policyd_port=self.policyd_port, stripped_headers=()
+        )
         self.envoy = await start_envoy(self.directory, options)
         async with aiohttp.ClientSession() as session:
             for port in self.pod_ports:

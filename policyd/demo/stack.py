@@ -123,7 +123,10 @@ class Stack:
         await _subscribed(self.policyd)
         self.envoy = await start_envoy(
             self.directory,
-            EnvoyConfigOptions(port=0, admin_port=0, policyd_port=self.policyd.port),
+            # The demo's traffic marks its critical requests itself: a trusted client.
+            EnvoyConfigOptions(
+                port=0, admin_port=0, policyd_port=self.policyd.port, stripped_headers=()
+            ),
         )
 
     def settle(self) -> None:

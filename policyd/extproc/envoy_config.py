@@ -45,6 +45,24 @@ What it sets up, and why:
   must fit real prompts.
 - no route timeout and a 5-minute stream idle timeout: generations can run for
   minutes, and queue for a while before the first token.
+- a request timeout (``request_timeout``, default 300 s) and a request headers
+  timeout (``request_headers_timeout``, default 10 s) in the connection
+  manager: a client that sends headers and never the body (or sends it a byte
+  at a time) holds a buffer and a policyd stream only that long, then gets a
+  408. Envoy's request timeout covers the receipt of the request, not the
+  response: it ends when the last byte of the request has passed every filter
+  (for a request flow control holds, when policyd lets it go) or when the
+  response starts, so it must exceed ``max_message_timeout`` (a hold) plus the
+  time to upload the largest body; it never cuts a generation.
+- the client headers that buy priority or pick a flow (``stripped_headers``:
+  by default the criticality, deadline and ``x-tenant`` headers) are removed
+  with the destination header as the request arrives, so only a filter after
+  that point (an authentication filter setting them from a verified token) or,
+  when the operator keeps them, a trusted proxy in front can set them
+  (docs/serving.md, "Trust model").
+- ext_proc ``forward_rules`` never show policyd the credentials a request or
+  response carries (``CREDENTIAL_HEADERS``): policyd reads none of them, and
+  the model server still gets them.
 - ``max_message_timeout`` of 120 s: how far policyd may extend its wait for
   one reply while flow control holds a request (``override_message_timeout``;
   a band's ``max_wait`` is under it).
@@ -70,7 +88,8 @@ FailClose``: every response chunk passes through the picker, so there is
 nothing to fail open to), no ``allow_mode_override``, and ``envoy.lb`` as
 both receiving and forwarding metadata namespace. policyd adds
 ``envoy.lb.subset_hint`` to the forwarded namespaces, where the protocol puts
-a proxy's endpoint subset (``docs/endpoint-picker.md``). The rest of the
+a proxy's endpoint subset (``docs/endpoint-picker.md``), and the
+``forward_rules`` that keep credentials from policyd (Istio's filter has none). The rest of the
 bootstrap (listener, ORIGINAL_DST cluster on the destination header, which is
 what kgateway and Envoy AI Gateway generate for a pool) is the same.
 """
@@ -79,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +109,8 @@ import yaml
 from policyd.extproc.epp import SUBSET_NAMESPACE
 from policyd.extproc.health import READINESS
 from policyd.extproc.replies import DESTINATION_HEADER, LB_METADATA_NAMESPACE
-from policyd.policy.flow import MAX_HOLD_SECONDS
+from policyd.policy.document import DEFAULT_CRITICALITY_HEADER
+from policyd.policy.flow import DEFAULT_DEADLINE_HEADER, MAX_HOLD_SECONDS
 
 MIB: Final = 1024 * 1024
 _TYPE: Final = "type.googleapis.com/"
@@ -110,6 +131,25 @@ DEFAULT_MESSAGE_TIMEOUT_MS: Final = {"buffered": 1000, "inference-pool": 1_000_0
 # The longest policyd may extend one message's timeout (``override_message_timeout``)
 # while flow control holds a request: a band's max_wait stays under it.
 MAX_MESSAGE_TIMEOUT: Final = f"{MAX_HOLD_SECONDS:g}s"
+# Envoy's limits on receiving a request (see the module docstring): the whole
+# request well beyond a hold, the headers in seconds.
+DEFAULT_REQUEST_TIMEOUT_S: Final = 300.0
+DEFAULT_REQUEST_HEADERS_TIMEOUT_S: Final = 10.0
+# The flow key header the documentation's policies use (``flows.key``).
+TENANT_HEADER: Final = "x-tenant"
+# Client headers a policy honours for priority, deadline or flow: removed as the
+# request arrives unless the operator trusts what sets them (docs/serving.md,
+# "Trust model").
+PRIORITY_HEADERS: Final = (DEFAULT_CRITICALITY_HEADER, DEFAULT_DEADLINE_HEADER, TENANT_HEADER)
+# Credentials Envoy never sends policyd (ext_proc forward_rules); policyd reads none.
+CREDENTIAL_HEADERS: Final = (
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "set-cookie",
+    "x-api-key",
+)
+_HEADER_NAME: Final = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 _NO_ROUTE_BODY: Final = (
     '{"error":{"message":"policyd did not route this request",'
     '"type":"service_unavailable","code":"no_destination"}}'
@@ -137,6 +177,11 @@ class EnvoyConfigOptions:
     # None: the mode's default (DEFAULT_MESSAGE_TIMEOUT_MS).
     message_timeout_ms: int | None = None
     stream_idle_timeout_s: int = 300
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    request_headers_timeout_s: float = DEFAULT_REQUEST_HEADERS_TIMEOUT_S
+    # Client headers removed as the request arrives; () keeps them all, for a
+    # gateway behind a trusted proxy that sets them.
+    stripped_headers: tuple[str, ...] = PRIORITY_HEADERS
     upstream_connect_timeout_s: float = 5.0
     max_connections: int = 50_000
     # Streams Envoy multiplexes on one connection to policyd before it opens
@@ -167,6 +212,13 @@ class EnvoyConfigOptions:
     def __post_init__(self) -> None:
         if self.ext_proc_mode not in EXT_PROC_MODES:
             raise ValueError(f"ext_proc_mode must be one of {', '.join(EXT_PROC_MODES)}")
+        if self.request_timeout_s <= 0 or self.request_headers_timeout_s <= 0:
+            raise ValueError("the request and request headers timeouts must be positive")
+        for name in self.stripped_headers:
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a lower-case HTTP header name")
+        if DESTINATION_HEADER in self.stripped_headers:
+            raise ValueError(f"{DESTINATION_HEADER} is always removed")
 
     @property
     def message_timeout(self) -> str:
@@ -228,9 +280,10 @@ def _listener(options: EnvoyConfigOptions) -> dict[str, Any]:
         "codec_type": "AUTO",
         "use_remote_address": True,
         "stream_idle_timeout": f"{options.stream_idle_timeout_s}s",
-        "request_timeout": "0s",
+        "request_timeout": f"{options.request_timeout_s:g}s",
+        "request_headers_timeout": f"{options.request_headers_timeout_s:g}s",
         "route_config": _routes(options),
-        "early_header_mutation_extensions": [_strip_destination()],
+        "early_header_mutation_extensions": [_strip_client_headers(options)],
         "http_filters": [
             {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(options)},
             {
@@ -379,22 +432,31 @@ def override_host_policy() -> dict[str, Any]:
     }
 
 
-def _strip_destination() -> dict[str, Any]:
-    """Remove a client's destination header as the request arrives, before any
-    filter or route sees it (an early header mutation of the connection manager).
+def _strip_client_headers(options: EnvoyConfigOptions) -> dict[str, Any]:
+    """Remove a client's destination header, and the headers that buy priority or
+    pick a flow, as the request arrives, before any filter or route sees them
+    (an early header mutation of the connection manager).
 
-    policyd removes it too, but ext_proc fails open (a policyd crash must not
-    cut streaming generations): a request policyd never answered must reach
-    the router without the header, which only policyd's reply may set.
+    policyd removes the destination too, but ext_proc fails open (a policyd
+    crash must not cut streaming generations): a request policyd never answered
+    must reach the router without the header, which only policyd's reply may
+    set. A filter that runs later (authentication setting a header from a
+    verified claim) still sets the others.
     """
+    removed = (DESTINATION_HEADER, *options.stripped_headers)
     return {
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
             "@type": _TYPE
             + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            "mutations": [{"remove": DESTINATION_HEADER}],
+            "mutations": [{"remove": name} for name in removed],
         },
     }
+
+
+def forward_rules() -> dict[str, Any]:
+    """The ext_proc filter's ``forward_rules``: every header but the credentials."""
+    return {"disallowed_headers": {"patterns": [{"exact": name} for name in CREDENTIAL_HEADERS]}}
 
 
 def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
@@ -408,6 +470,7 @@ def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
         "allow_mode_override": False,
         "message_timeout": options.message_timeout,
         "max_message_timeout": MAX_MESSAGE_TIMEOUT,
+        "forward_rules": forward_rules(),
         "processing_mode": {
             "request_header_mode": "SEND",
             "request_body_mode": "BUFFERED",
@@ -436,6 +499,7 @@ def _inference_pool_ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
         },
         "message_timeout": options.message_timeout,
         "max_message_timeout": MAX_MESSAGE_TIMEOUT,
+        "forward_rules": forward_rules(),
         "metadata_options": {
             "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
             "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE, SUBSET_NAMESPACE]},
@@ -565,6 +629,21 @@ def _model_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
     }
 
 
+def _policyd_hosts(options: EnvoyConfigOptions) -> list[str]:
+    if not options.policyd_addresses:
+        return [options.policyd_address]
+    return [address.rpartition(":")[0] for address in options.policyd_addresses]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -616,6 +695,36 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         "default %(default)s)",
     )
     parser.add_argument("--stream-idle-timeout-s", type=int, default=defaults.stream_idle_timeout_s)
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=defaults.request_timeout_s,
+        help="how long a client may take to send its whole request (Envoy answers 408 past it; "
+        "a request flow control holds counts until it is let go: keep it above 120 s; "
+        "default %(default)g)",
+    )
+    parser.add_argument(
+        "--request-headers-timeout-s",
+        type=float,
+        default=defaults.request_headers_timeout_s,
+        help="how long a client may take to send its headers (default %(default)g)",
+    )
+    parser.add_argument(
+        "--strip-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also remove this client header as the request arrives (a header a policy "
+        "matches on or keys flows by); repeatable. Removed by default: "
+        + ", ".join(PRIORITY_HEADERS),
+    )
+    parser.add_argument(
+        "--trust-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="keep this client header (a trusted proxy in front sets it); repeatable",
+    )
     parser.add_argument(
         "--policyd-streams-per-connection",
         type=int,
@@ -683,6 +792,11 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
             raise ValueError(f"--policyd-addresses takes host:port addresses, not {address!r}")
     if arguments.retries < 0:
         raise ValueError("--retries must be >= 0")
+    stripped = [*PRIORITY_HEADERS, *(name.strip().lower() for name in arguments.strip_header)]
+    for name in (name.strip().lower() for name in arguments.trust_header):
+        if name not in stripped:
+            raise ValueError(f"--trust-header {name}: not a header envoy-config removes")
+        stripped = [kept for kept in stripped if kept != name]
     return EnvoyConfigOptions(
         listen_address=arguments.listen_address,
         port=arguments.port,
@@ -692,6 +806,9 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         buffer_limit_bytes=int(arguments.buffer_limit_mib * MIB),
         message_timeout_ms=arguments.message_timeout_ms,
         stream_idle_timeout_s=arguments.stream_idle_timeout_s,
+        request_timeout_s=arguments.request_timeout_s,
+        request_headers_timeout_s=arguments.request_headers_timeout_s,
+        stripped_headers=tuple(dict.fromkeys(stripped)),
         policyd_streams_per_connection=arguments.policyd_streams_per_connection,
         policyd_max_streams=arguments.policyd_max_streams,
         policyd_tls=tls,
@@ -709,6 +826,14 @@ def run(arguments: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"policyd envoy-config: {error}", file=sys.stderr)
         return 2
+    remote = [host for host in _policyd_hosts(options) if not _is_loopback(host)]
+    if remote and options.policyd_tls is None:
+        print(
+            f"policyd envoy-config: warning: policyd at {', '.join(remote)} is reached in plain "
+            "text: every request header but the credentials crosses the network unencrypted "
+            "(--policyd-tls-ca; docs/serving.md, TLS)",
+            file=sys.stderr,
+        )
     text = render(options)
     if arguments.output is None:
         sys.stdout.write(text)

@@ -40,6 +40,7 @@ HOLD_MARGIN_SECONDS: Final = 1.0  # asked of Envoy beyond the band's max wait
 DEFAULT_BANDS: Final = ("critical", "standard", "sheddable")
 DEFAULT_MAX_WAIT_SECONDS: Final = 30.0
 ORDERS: Final = ("fcfs", "deadline")
+DEFAULT_DEADLINE_HEADER: Final = "x-request-deadline-ms"
 WHEN_FULL: Final = ("evict", "refuse")
 ANSWER_STATUSES: Final = (429, 503)
 _FIELDS: Final = (
@@ -103,7 +104,7 @@ def read_flow(fields: Fields) -> FlowSpec | None:
     key, default_flow, weights = _read_flows(reader)
     order = reader.choice("order", ORDERS, "fcfs")
     header_node = reader.string("deadline_header")
-    deadline_header = str(header_node.value).lower() if header_node else "x-request-deadline-ms"
+    deadline_header = str(header_node.value).lower() if header_node else DEFAULT_DEADLINE_HEADER
     answer = reader.mapping("answer")
     status, retry_after = 429, 1.0
     if answer is not None:

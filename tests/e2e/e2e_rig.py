@@ -61,7 +61,9 @@ async def start_gateway(
 ) -> Gateway:
     """Start upstreams, policyd and Envoy; ``envoy_options`` ports are chosen here.
 
-    ``runtime`` overrides runtime flags the generated bootstrap sets.
+    ``runtime`` overrides runtime flags the generated bootstrap sets. Without
+    ``envoy_options`` Envoy keeps the client's priority headers
+    (``stripped_headers=()``): the tests' clients stand for a trusted proxy.
     """
     upstreams = {name: TestUpstream(name) for name in upstream_names}
     for upstream in upstreams.values():
@@ -80,7 +82,10 @@ async def start_gateway(
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     try:
         options = dataclasses.replace(
-            envoy_options or EnvoyConfigOptions(), port=0, admin_port=0, policyd_port=server.port
+            envoy_options or EnvoyConfigOptions(stripped_headers=()),
+            port=0,
+            admin_port=0,
+            policyd_port=server.port,
         )
         envoy = await start_envoy(tmp, options, runtime=runtime)
     except BaseException:
@@ -166,7 +171,9 @@ async def start_policyd_gateway(
     """Start the pods, policyd over ``policy`` (a file or directory) and Envoy.
 
     The pod file lists the simulated pods (label ``role: serving``) and then
-    ``extra_pods``, YAML list items for pods outside the simulation. In
+    ``extra_pods``, YAML list items for pods outside the simulation. Envoy keeps
+    the client's priority headers: the tests' clients stand for a trusted
+    proxy that sets them. In
     precise prefix mode the pods publish KV events, each on its own ports,
     which their labels name.
     """
@@ -203,7 +210,10 @@ async def start_policyd_gateway(
         assert await service.pool.wait_ready(timeout=10)
         await until(lambda: all(p.max_loras for p in service_candidates(service)), "LoRA state")
         envoy = await start_envoy(
-            tmp, EnvoyConfigOptions(port=0, admin_port=0, policyd_port=service.port)
+            tmp,
+            EnvoyConfigOptions(
+                port=0, admin_port=0, policyd_port=service.port, stripped_headers=()
+            ),
         )
     except BaseException:
         await client.close()

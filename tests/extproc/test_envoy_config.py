@@ -125,7 +125,13 @@ def test_a_policyd_failure_does_not_cut_a_response_but_nothing_unrouted_reaches_
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation"
                 ".header_mutation.v3.HeaderMutation",
-                "mutations": [{"remove": "x-gateway-destination-endpoint"}],
+                "mutations": [
+                    {"remove": "x-gateway-destination-endpoint"},
+                    # and the client headers that buy priority or pick a flow
+                    {"remove": "x-gateway-inference-criticality"},
+                    {"remove": "x-request-deadline-ms"},
+                    {"remove": "x-tenant"},
+                ],
             },
         }
     ]
@@ -180,6 +186,87 @@ def test_long_generations_are_not_cut_by_a_route_timeout() -> None:
     assert (to_pod["route"]["timeout"], to_pod["route"]["idle_timeout"]) == ("0s", "600s")
     assert manager["stream_idle_timeout"] == "600s"
     assert routes[1]["direct_response"]["status"] == 503  # never to an unnamed destination
+
+
+def removed_headers(config: dict[str, Any]) -> list[str]:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (mutation,) = manager["typed_config"]["early_header_mutation_extensions"]
+    return [m["remove"] for m in mutation["typed_config"]["mutations"]]
+
+
+def test_the_header_flags_add_to_and_keep_from_what_is_removed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = ["--strip-header", "X-Pool", "--trust-header", "x-tenant"]
+    assert main(["envoy-config", *flags, "--request-timeout-s", "200"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert removed_headers(config) == [
+        "x-gateway-destination-endpoint",
+        "x-gateway-inference-criticality",
+        "x-request-deadline-ms",
+        "x-pool",
+    ]
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert manager["typed_config"]["request_timeout"] == "200s"
+    assert manager["typed_config"]["request_headers_timeout"] == "10s"
+    # Trusting every default keeps only the destination header's removal.
+    trust_all = [f"--trust-header={name}" for name in removed_headers(config)[1:3]]
+    assert main(["envoy-config", *trust_all, "--trust-header", "x-tenant"]) == 0
+    assert removed_headers(yaml.safe_load(capsys.readouterr().out)) == [
+        "x-gateway-destination-endpoint"
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--trust-header", "x-not-removed"],
+        ["--trust-header", "x-gateway-destination-endpoint"],
+        ["--strip-header", "x-gateway-destination-endpoint"],
+        ["--strip-header", "bad header"],
+        ["--request-timeout-s", "0"],
+        ["--request-headers-timeout-s", "-1"],
+    ],
+)
+def test_header_and_timeout_flags_that_make_no_sense_are_refused(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["envoy-config", *flags]) == 2
+    assert "policyd envoy-config:" in capsys.readouterr().err
+
+
+def test_plain_text_to_a_policyd_off_this_host_is_warned_about(
+    capsys: pytest.CaptureFixture[str], certificates: Any
+) -> None:
+    assert main(["envoy-config", "--policyd-address", "policyd.ns.svc"]) == 0
+    assert "policyd.ns.svc is reached in plain text" in capsys.readouterr().err
+    remote = ["--policyd-addresses", "127.0.0.1:9002,10.0.0.7:9002"]
+    assert main(["envoy-config", *remote]) == 0
+    assert "policyd at 10.0.0.7 is reached in plain text" in capsys.readouterr().err
+    assert main(["envoy-config", "--policyd-address", "127.0.0.1"]) == 0
+    assert capsys.readouterr().err == ""  # loopback: nothing crosses the network
+    tls = ["--policyd-tls-ca", str(certificates.ca)]
+    assert main(["envoy-config", "--policyd-address", "policyd.ns.svc", *tls]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_credentials_are_never_forwarded_to_policyd_in_either_mode() -> None:
+    for mode in ("buffered", "inference-pool"):
+        rules = ext_proc_of(bootstrap(EnvoyConfigOptions(ext_proc_mode=mode)))["forward_rules"]
+        assert rules == {
+            "disallowed_headers": {
+                "patterns": [
+                    {"exact": name}
+                    for name in (
+                        "authorization",
+                        "proxy-authorization",
+                        "cookie",
+                        "set-cookie",
+                        "x-api-key",
+                    )
+                ]
+            }
+        }
 
 
 def test_policyd_by_dns_name_uses_strict_dns_and_tls_sets_the_server_name() -> None:

@@ -45,13 +45,18 @@ def container(deployment: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def test_the_deployment_follows_the_pool_the_role_lets_it_read(tmp_path: Path) -> None:
+def test_the_deployment_follows_the_pool_the_role_lets_it_read(
+    tmp_path: Path, certificates: Any
+) -> None:
     deployment, pool, role = one("Deployment"), one("InferencePool"), one("Role")
     parsed = build_parser("serve").parse_args(container(deployment)["args"])
     assert parsed.inference_pool == pool["metadata"]["name"]
     assert parsed.k8s_selector is None and parsed.pods is None
     (tmp_path / "default.yaml").write_text(one("ConfigMap")["data"]["default.yaml"])
     parsed.policy = tmp_path
+    # The Secret's files (tests/istio/test_manifests.py checks the mount).
+    parsed.tls_cert, parsed.tls_key = certificates.server_cert, certificates.server_key
+    parsed.tls_client_ca = certificates.ca
     check_arguments(parsed)  # what `policyd serve` checks before it starts
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
     pools = rules[("inference.networking.k8s.io",), ("inferencepools",)]
@@ -108,3 +113,47 @@ def test_what_both_paths_share_is_the_same() -> None:
     assert [a for a in theirs["args"] if a not in pod_source] == [
         a for a in mine["args"] if not a.startswith("--inference-pool=")
     ]
+
+
+def test_the_pool_fails_closed_and_the_chart_does_too() -> None:
+    """No policyd answering: the gateway fails the request instead of sending it on
+    past shedding and flow control (docs/deployment.md, "Failure mode")."""
+    picker = one("InferencePool")["spec"]["endpointPickerRef"]
+    assert picker["failureMode"] == "FailClose"
+    values = yaml.safe_load((ISTIO / "helm" / "policyd" / "values.yaml").read_text())
+    assert values["inferencePool"]["failureMode"] == picker["failureMode"]
+
+
+def test_the_gateway_reaches_policyd_over_mutual_tls() -> None:
+    """policyd serves mutual TLS only; the DestinationRule gives Istio's gateway the
+    client side for policyd's Service (host and SNI in this namespace)."""
+    args = container(one("Deployment"))["args"]
+    assert {"--tls-cert", "--tls-key", "--tls-client-ca"} <= {a.split("=")[0] for a in args}
+    rule = one("DestinationRule")["spec"]
+    service = one("Service")["metadata"]["name"]
+    assert rule["host"] == f"{service}.NAMESPACE.svc.cluster.local"
+    tls = rule["trafficPolicy"]["tls"]
+    assert tls == {
+        "mode": "MUTUAL",
+        "clientCertificate": "/etc/policyd-client/tls.crt",
+        "privateKey": "/etc/policyd-client/tls.key",
+        "caCertificates": "/etc/policyd-client/ca.crt",
+        "sni": f"{service}.NAMESPACE.svc",
+    }
+    (replacement,) = yaml.safe_load((POOL_PATH / "kustomization.yaml").read_text())["replacements"]
+    (target,) = replacement["targets"]
+    assert target["select"] == {"kind": "DestinationRule", "name": "policyd"}
+    assert sorted(target["fieldPaths"]) == ["spec.host", "spec.trafficPolicy.tls.sni"]
+
+
+def test_the_gateway_edge_is_the_envoyfilter_paths() -> None:
+    """The pool's gateway gets the connection manager patch of istio/envoyfilter.yaml
+    (request timeouts, client priority headers removed before the picker sees
+    them; tests/istio/test_manifests.py runs it on the real Envoy), on the pods
+    of the Gateway the NetworkPolicy admits."""
+    (edge,) = ENVOYFILTER["EnvoyFilter", "policyd"]["spec"]["configPatches"][-1:]
+    assert edge["applyTo"] == "NETWORK_FILTER"
+    spec = one("EnvoyFilter")["spec"]
+    assert spec["configPatches"] == [edge]
+    gateway_pods = one("NetworkPolicy")["spec"]["ingress"][0]["from"][0]["podSelector"]
+    assert spec["workloadSelector"]["labels"] == gateway_pods["matchLabels"]

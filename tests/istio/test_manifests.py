@@ -20,6 +20,7 @@ enforcing the NetworkPolicy.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -39,15 +40,17 @@ from e2e_support import ScriptedRouter, SwappablePool, TestUpstream
 
 from policyd.cli import build_parser
 from policyd.extproc.envoy_config import (
+    CREDENTIAL_HEADERS,
     GRACEFUL_CLOSE_FLAG,
+    PRIORITY_HEADERS,
     RUNTIME_FLAGS,
     EnvoyConfigOptions,
+    PolicydTls,
     bootstrap,
 )
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
 from policyd.extproc.exchange import ServingSettings
-from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
-from policyd.extproc.health import LIVENESS, READINESS
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions, TlsFiles
 from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.extproc.serve_command import check_arguments
 from policyd.policy import PolicyStore
@@ -58,6 +61,10 @@ from policyd.pool.pod import Pod
 REPO = Path(__file__).resolve().parents[2]
 ISTIO = REPO / "istio"
 NAMESPACE_PLACEHOLDER = "policyd.NAMESPACE.svc.cluster.local"
+# Where the gateway pods mount their client certificate for mutual TLS to policyd
+# (helm/gateway-values.yaml), and policyd's pods their own (deployment.yaml).
+GATEWAY_CLIENT_DIR = Path("/etc/policyd-client")
+POLICYD_TLS_DIR = Path("/etc/policyd/tls")
 
 
 def documents(name: str) -> list[dict[str, Any]]:
@@ -102,6 +109,12 @@ def generated() -> dict[str, Any]:
         EnvoyConfigOptions(
             policyd_address=NAMESPACE_PLACEHOLDER,
             model_servers=("vllm.NAMESPACE.svc.cluster.local:8000",),
+            policyd_tls=PolicydTls(
+                GATEWAY_CLIENT_DIR / "ca.crt",
+                GATEWAY_CLIENT_DIR / "tls.crt",
+                GATEWAY_CLIENT_DIR / "tls.key",
+                "policyd.NAMESPACE.svc",
+            ),
         )
     )
 
@@ -158,11 +171,18 @@ def test_the_namespace_replacement_targets_the_service_names_in_the_envoy_filter
             value = value[int(step)] if step.isdigit() else value[step]
         assert value.split(".")[target["options"]["index"]] == "NAMESPACE"
         values.append(value)
-    policyd_address = added_cluster("policyd")["load_assignment"]["endpoints"][0]
-    address = policyd_address["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    # Every in-cluster name in the EnvoyFilter gets the namespace: policyd's, the models'.
+    policyd = added_cluster("policyd")
+    address = policyd["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+        "socket_address"
+    ]
+    # Every in-cluster name in the EnvoyFilter gets the namespace: policyd's address
+    # and TLS server name, the models'.
     assert sorted(values) == sorted(
-        [address["address"], model_cluster_patch()["match"]["cluster"]["service"]]
+        [
+            address["address"],
+            policyd["transport_socket"]["typed_config"]["sni"],
+            model_cluster_patch()["match"]["cluster"]["service"],
+        ]
     )
     assert address["address"] == NAMESPACE_PLACEHOLDER
 
@@ -207,17 +227,33 @@ def serve_arguments() -> list[str]:
     return arguments
 
 
-def test_the_deployment_arguments_are_accepted_by_policyd_serve(tmp_path: Path) -> None:
+def test_the_deployment_arguments_are_accepted_by_policyd_serve(
+    tmp_path: Path, certificates: Any
+) -> None:
     arguments = serve_arguments()
     parsed = build_parser("serve").parse_args(arguments)  # exits on a stale or unknown flag
     pod = resource("Deployment")["spec"]["template"]["spec"]
-    (mount,) = container()["volumeMounts"]
-    (volume,) = pod["volumes"]
+    mount, tls_mount = container()["volumeMounts"]
+    volume, tls_volume = pod["volumes"]
     # The policy is the ConfigMap, mounted as a directory (a subPath gets no updates).
     assert parsed.policy == Path(mount["mountPath"])
     assert "subPath" not in mount
     assert volume["name"] == mount["name"]
     assert volume["configMap"]["name"] == resource("ConfigMap")["metadata"]["name"]
+    # Mutual TLS by default: policyd's certificate, key and the clients' CA, from
+    # the Secret mounted where the flags read them.
+    assert (tls_volume["name"], tls_volume["secret"]) == (
+        tls_mount["name"],
+        {"secretName": "policyd-tls"},
+    )
+    assert Path(tls_mount["mountPath"]) == POLICYD_TLS_DIR and tls_mount["readOnly"]
+    assert (parsed.tls_cert, parsed.tls_key, parsed.tls_client_ca) == (
+        POLICYD_TLS_DIR / "tls.crt",
+        POLICYD_TLS_DIR / "tls.key",
+        POLICYD_TLS_DIR / "ca.crt",
+    )
+    parsed.tls_cert, parsed.tls_key = certificates.server_cert, certificates.server_key
+    parsed.tls_client_ca = certificates.ca
     # Pods from Kubernetes, with the RBAC to follow them.
     assert parsed.k8s_selector and parsed.pods is None
     assert pod["serviceAccountName"] == resource("ServiceAccount")["metadata"]["name"]
@@ -240,8 +276,10 @@ def test_ports_and_probes_line_up_with_the_service_and_the_gateway() -> None:
     assert monitoring["containerPort"] == parsed.monitoring_port
     annotations = resource("Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(parsed.monitoring_port)
-    assert spec["readinessProbe"]["grpc"] == {"port": parsed.port, "service": READINESS}
-    assert spec["livenessProbe"]["grpc"] == {"port": parsed.port, "service": LIVENESS}
+    # Kubelet's gRPC probes do not speak TLS: the monitoring port's readiness and
+    # liveness pages instead.
+    assert spec["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": monitoring["name"]}
+    assert spec["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": monitoring["name"]}
     service = resource("Service")["spec"]
     assert service["clusterIP"] == "None"  # one gateway host per ready replica
     (service_port,) = service["ports"]
@@ -318,21 +356,51 @@ def test_the_ext_proc_filter_and_clusters_are_those_envoy_config_generates() -> 
     }
 
 
-def early_header_mutations() -> list[dict[str, Any]]:
+def manager_patch() -> dict[str, Any]:
+    """What the EnvoyFilter merges into the gateway's connection manager."""
     (patch,) = patches("NETWORK_FILTER")
     assert patch["patch"]["operation"] == "MERGE"
     assert patch["match"]["listener"]["filterChain"]["filter"] == {
         "name": "envoy.filters.network.http_connection_manager"
     }
-    found: list[dict[str, Any]] = patch["patch"]["value"]["typed_config"][
-        "early_header_mutation_extensions"
+    value: dict[str, Any] = patch["patch"]["value"]["typed_config"]
+    return value
+
+
+def test_client_destination_and_priority_headers_are_removed_as_envoy_config_does() -> None:
+    """ext_proc fails open, so the destination must be gone before policyd is asked;
+    the priority, deadline and flow headers are the trust model's (docs/serving.md)."""
+    expected = generated_manager()["early_header_mutation_extensions"]
+    assert manager_patch()["early_header_mutation_extensions"] == expected
+    (mutation,) = expected
+    assert [m["remove"] for m in mutation["typed_config"]["mutations"]] == [
+        DESTINATION_HEADER,
+        *PRIORITY_HEADERS,
     ]
-    return found
 
 
-def test_a_client_destination_header_is_removed_before_any_filter_as_envoy_config_does() -> None:
-    """ext_proc fails open, so the header must be gone before policyd is asked."""
-    assert early_header_mutations() == generated_manager()["early_header_mutation_extensions"]
+def test_the_request_timeouts_are_envoy_configs() -> None:
+    manager = generated_manager()
+    assert {k: v for k, v in manager_patch().items() if k.endswith("timeout")} == {
+        "request_timeout": manager["request_timeout"],
+        "request_headers_timeout": manager["request_headers_timeout"],
+    }
+
+
+def test_the_charts_edge_values_default_to_the_manifests() -> None:
+    """The chart renders the header removal and the timeouts from its values
+    (``tests/real/test_helm.py`` renders it); their defaults are the manifests'."""
+    values = yaml.safe_load((ISTIO / "helm" / "policyd" / "values.yaml").read_text())
+    edge = values["envoyFilter"]
+    manager = manager_patch()
+    assert (edge["requestTimeout"], edge["requestHeadersTimeout"]) == (
+        manager["request_timeout"],
+        manager["request_headers_timeout"],
+    )
+    (mutation,) = manager["early_header_mutation_extensions"]
+    removed = [m["remove"] for m in mutation["typed_config"]["mutations"]]
+    assert removed == [DESTINATION_HEADER, *edge["stripClientHeaders"]]
+    assert edge["trustedClientHeaders"] == []
 
 
 def test_the_route_patch_and_the_virtual_service_are_envoy_configs_route() -> None:
@@ -462,13 +530,22 @@ def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]
 
 
 def gateway_bootstrap(
-    *, listen_port: int, admin_port: int, policyd_port: int, model_servers: list[str]
+    *,
+    listen_port: int,
+    admin_port: int,
+    policyd_port: int,
+    model_servers: list[str],
+    client_dir: Path,
+    request_timeout: str = "",
 ) -> dict[str, Any]:
     """An Envoy bootstrap made of what Istio generates for the Gateway and the
     VirtualService, with the EnvoyFilter's patches applied as Istio applies them
     and the runtime values of the gateway's Helm values. Istio's EDS cluster for
     the model Service is a STATIC cluster of ``model_servers`` here, with the
-    settings Istio gives its clusters (least-request, breakers at their maximum)."""
+    settings Istio gives its clusters (least-request, breakers at their maximum).
+    ``client_dir`` stands for the gateway pod's mount of its client certificate
+    (``GATEWAY_CLIENT_DIR``). ``request_timeout`` replaces the patch's value
+    (both request timeouts), as an operator would edit it."""
     (route_patch,) = patches("HTTP_ROUTE")
     (listener_patch,) = patches("LISTENER")
     routes = []
@@ -533,6 +610,9 @@ def gateway_bootstrap(
     for patch in patches("NETWORK_FILTER"):  # MERGEs into the connection manager
         assert patch["patch"]["operation"] == "MERGE"
         manager = merge_patch(manager, patch["patch"]["value"]["typed_config"])
+    if request_timeout:
+        assert {"request_timeout", "request_headers_timeout"} <= set(manager)
+        manager.update(request_timeout=request_timeout, request_headers_timeout=request_timeout)
     listener = {
         "name": "0.0.0.0_80",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
@@ -547,7 +627,7 @@ def gateway_bootstrap(
             }
         ],
     }
-    policyd_cluster = copy.deepcopy(added_cluster("policyd"))
+    policyd_cluster = mounted(copy.deepcopy(added_cluster("policyd")), client_dir)
     address = policyd_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     address["address"]["socket_address"].update(address="127.0.0.1", port_value=policyd_port)
     maximum = 4294967295
@@ -602,6 +682,17 @@ def gateway_bootstrap(
     }
 
 
+def mounted(value: Any, client_dir: Path) -> Any:
+    """``value`` with every file of GATEWAY_CLIENT_DIR read from ``client_dir`` instead."""
+    if isinstance(value, dict):
+        return {key: mounted(item, client_dir) for key, item in value.items()}
+    if isinstance(value, list):
+        return [mounted(item, client_dir) for item in value]
+    if isinstance(value, str) and value.startswith(f"{GATEWAY_CLIENT_DIR}/"):
+        return str(client_dir / Path(value).relative_to(GATEWAY_CLIENT_DIR))
+    return value
+
+
 class StallingRouter(ScriptedRouter):
     """``x-test-stall: <seconds>`` holds policyd's event loop that long first."""
 
@@ -611,6 +702,11 @@ class StallingRouter(ScriptedRouter):
         return super().decide(request, candidates)
 
 
+# The patched gateway's request timeouts, shortened in a second Envoy so a test
+# waits a second for them (not a bound on anything).
+SHORT_REQUEST_TIMEOUT_S = 1
+
+
 @dataclass
 class LiveGateway:
     url: str
@@ -618,6 +714,9 @@ class LiveGateway:
     upstreams: dict[str, TestUpstream]
     dead: str  # the address of a pod that is gone: nothing listens there
     client: aiohttp.ClientSession
+    router: StallingRouter
+    # The same patched gateway with SHORT_REQUEST_TIMEOUT_S, on the same policyd and pods.
+    short_timeout_port: int
 
     async def admin_json(self, path: str) -> Any:
         async with self.client.get(self.admin + path) as response:
@@ -634,8 +733,20 @@ class LiveGateway:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveGateway]:
+async def live(
+    tmp_path_factory: pytest.TempPathFactory, certificates: Any
+) -> AsyncIterator[LiveGateway]:
+    """policyd with the Deployment's mutual TLS (the test CA's certificates in place
+    of the Secrets), behind the patched gateway."""
     directory = tmp_path_factory.mktemp("istio-gateway")
+    client_dir = directory / "policyd-client"  # the gateway pod's mounted Secret
+    client_dir.mkdir()
+    for name, source in (
+        ("ca.crt", certificates.ca),
+        ("tls.crt", certificates.client_cert),
+        ("tls.key", certificates.client_key),
+    ):
+        shutil.copy(source, client_dir / name)
     upstreams = {name: TestUpstream(name) for name in ("pod-a", "pod-b")}
     for upstream in upstreams.values():
         await upstream.start()
@@ -646,38 +757,52 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveGa
         lambda: router,
         SwappablePool(pods).current,
         options=ServerOptions(
-            port=0, grace_seconds=1.0, settings=ServingSettings(send_fallbacks=True)
+            port=0,
+            grace_seconds=1.0,
+            settings=ServingSettings(send_fallbacks=True),
+            tls=TlsFiles(certificates.server_cert, certificates.server_key, certificates.ca),
         ),
     )
     await server.start()
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-    listen_port, admin_port = free_port(), free_port()
-    config = directory / "gateway.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            gateway_bootstrap(
-                listen_port=listen_port,
-                admin_port=admin_port,
-                policyd_port=server.port,
-                model_servers=[p.address for p in pods],
+    envoys = []
+    for name, request_timeout in (("gateway", ""), ("short", f"{SHORT_REQUEST_TIMEOUT_S}s")):
+        listen_port, admin_port = free_port(), free_port()
+        config = directory / f"{name}.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                gateway_bootstrap(
+                    listen_port=listen_port,
+                    admin_port=admin_port,
+                    policyd_port=server.port,
+                    model_servers=[p.address for p in pods],
+                    client_dir=client_dir,
+                    request_timeout=request_timeout,
+                )
             )
         )
-    )
-    envoy = EnvoyProcess(
-        config, admin_port, listen_port=listen_port, log_file=directory / "envoy.log"
-    )
-    envoy.start()
+        envoys.append(
+            EnvoyProcess(
+                config, admin_port, listen_port=listen_port, log_file=directory / f"{name}.log"
+            )
+        )
     try:
-        await envoy.wait_ready()
+        for envoy in envoys:
+            envoy.start()
+            await envoy.wait_ready()
+        main, short = envoys
         yield LiveGateway(
-            f"http://127.0.0.1:{listen_port}",
-            f"http://127.0.0.1:{admin_port}",
+            f"http://127.0.0.1:{main.listen_port}",
+            f"http://127.0.0.1:{main.admin_port}",
             upstreams,
             dead,
             client,
+            router,
+            short.listen_port,
         )
     finally:
-        envoy.stop()
+        for envoy in envoys:
+            envoy.stop()
         await client.close()
         await server.stop(0)
         for upstream in upstreams.values():
@@ -758,7 +883,8 @@ async def test_a_body_over_the_listener_buffer_gets_413_and_reaches_nothing(
 @pytest.mark.asyncio(loop_scope="module")
 async def test_envoy_runs_the_policyd_cluster_as_patched(live: LiveGateway) -> None:
     """Read back from Envoy: policyd is health-checked healthy on its readiness
-    service, with the stream cap and breakers the patch sets."""
+    service over mutual TLS (policyd refuses any other client), with the stream
+    cap and breakers the patch sets."""
     clusters = await live.admin_json("/clusters?format=json")
     (policyd,) = [c for c in clusters["cluster_statuses"] if c["name"] == "policyd"]
     (host,) = policyd["host_statuses"]
@@ -788,6 +914,75 @@ async def test_envoy_applies_the_runtime_values_the_gateway_pods_get(live: LiveG
     assert {name: entry["final_value"] for name, entry in runtime["entries"].items()} == expected
     if GRACEFUL_CLOSE_FLAG not in expected:
         assert GRACEFUL_CLOSE_FLAG not in runtime["entries"]
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_gateway_removes_a_clients_priority_deadline_and_flow_headers(
+    live: LiveGateway,
+) -> None:
+    """The trust model (docs/serving.md): a client claiming `critical`, a deadline
+    or a fresh tenant reaches policyd and the pod without the claim."""
+    claims = {
+        "x-gateway-inference-criticality": "Critical",
+        "x-request-deadline-ms": "1",
+        "x-tenant": "fresh-tenant-every-time",
+    }
+    assert set(claims) == set(PRIORITY_HEADERS)
+    status, seen = await complete(live, {"x-test-pick": "pod-b", **claims})
+    assert (status, seen["upstream"]) == (200, "pod-b")
+    asked = live.router.seen[-1].headers
+    received = {k.lower() for k in live.upstreams["pod-b"].received[-1].headers}
+    assert [name for name in claims if name in asked or name in received] == []
+    assert asked["x-test-pick"] == "pod-b"  # what is not a claim passes
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio(loop_scope="module")
+async def test_credentials_reach_the_pod_and_never_policyd(live: LiveGateway) -> None:
+    credentials = {
+        "authorization": "Bearer sk-secret",
+        "proxy-authorization": "Basic c2VjcmV0",
+        "cookie": "session=secret",
+        "x-api-key": "sk-other-secret",
+    }
+    assert set(credentials) <= set(CREDENTIAL_HEADERS)
+    status, seen = await complete(live, {"x-test-pick": "pod-a", **credentials})
+    assert (status, seen["upstream"]) == (200, "pod-a")
+    assert [name for name in live.router.seen[-1].headers if name in CREDENTIAL_HEADERS] == []
+    received = {k.lower(): v for k, v in live.upstreams["pod-a"].received[-1].headers.items()}
+    assert {name: received.get(name) for name in credentials} == credentials
+
+
+async def send_and_read(port: int, sent: bytes) -> bytes:
+    """Send ``sent`` on a fresh connection, nothing more; what the gateway answers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(sent)
+        await writer.drain()
+        # The gateway's timeout ends the read; wait_for only keeps a broken one
+        # from hanging the suite.
+        return await asyncio.wait_for(reader.read(), timeout=SHORT_REQUEST_TIMEOUT_S + 30)
+    finally:
+        writer.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_request_whose_body_never_comes_gets_408_and_reaches_no_pod(
+    live: LiveGateway,
+) -> None:
+    before = sum(len(u.received) for u in live.upstreams.values())
+    headers_only = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n"
+    )
+    answer = await send_and_read(live.short_timeout_port, headers_only)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    partial_headers = b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\n"
+    answer = await send_and_read(live.short_timeout_port, partial_headers)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert sum(len(u.received) for u in live.upstreams.values()) == before
 
 
 # -- hot reload from a mounted ConfigMap ------------------------------------------------

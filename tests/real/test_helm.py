@@ -1,10 +1,10 @@
 """The Helm chart istio/helm/policyd, with the real ``helm`` and a real API server.
 
 - ``helm lint --strict`` and ``helm template`` are clean for several values sets
-  of both modes (defaults, TLS on, HPA on, ServiceMonitor on, all of them; the
-  InferencePool mode alone, with TLS, with several target ports, following a
-  pool made elsewhere), and ``values.schema.json`` refuses a mode other than
-  ``envoyfilter`` and ``inferencepool``;
+  of both modes (defaults, with mutual TLS; TLS off, HPA on, ServiceMonitor
+  on, all of them; the InferencePool mode alone, without TLS, with several
+  target ports, following a pool made elsewhere), and ``values.schema.json``
+  refuses a mode other than ``envoyfilter`` and ``inferencepool``;
 - drift: by default the chart renders what the kustomize manifests of istio/
   hold (the Deployment's arguments, ports, probes; the RBAC rules; the
   NetworkPolicy; the EnvoyFilter's patches; the VirtualService and Gateway; the
@@ -42,7 +42,7 @@ POOL_MODE = ["--set", "mode=inferencepool"]
 
 VALUE_SETS: dict[str, list[str]] = {
     "defaults": [],
-    "tls": ["--set", "tls.enabled=true"],
+    "plaintext": ["--set", "tls.enabled=false"],
     "hpa": ["--set", "autoscaling.enabled=true"],
     "servicemonitor": ["--set", "serviceMonitor.enabled=true"],
     "everything": [
@@ -54,7 +54,7 @@ VALUE_SETS: dict[str, list[str]] = {
         "serviceMonitor.enabled=true",
     ],
     "inferencepool": POOL_MODE,
-    "inferencepool-tls": [*POOL_MODE, "--set", "tls.enabled=true"],
+    "inferencepool-plaintext": [*POOL_MODE, "--set", "tls.enabled=false"],
     "inferencepool-ranks": [*POOL_MODE, "--set", "inferencePool.targetPorts={8000,8001,8002}"],
     "inferencepool-elsewhere": [
         *POOL_MODE,
@@ -186,7 +186,8 @@ def test_helm_template_renders(tool: Callable[[str], str], name: str) -> None:
     kinds = {d["kind"] for d in documents(rendered.stdout)}
     assert {"Deployment", "Service", "Role", "NetworkPolicy"} <= kinds
     if name.startswith("inferencepool"):
-        assert not kinds & {"EnvoyFilter", "VirtualService"}
+        assert "VirtualService" not in kinds
+        assert "EnvoyFilter" in kinds  # the gateway's edge only
         if name != "inferencepool-elsewhere":
             assert {"InferencePool", "HTTPRoute", "Gateway"} <= kinds
     else:
@@ -213,7 +214,7 @@ def test_the_schema_accepts_the_two_modes_only(tool: Callable[[str], str]) -> No
 
 
 def test_the_value_sets_change_what_they_say(tool: Callable[[str], str]) -> None:
-    tls = by_kind(render(tool, VALUE_SETS["tls"]))
+    tls = by_kind(render(tool, VALUE_SETS["defaults"]))  # mutual TLS by default
     container = tls["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][-3:] == [
         "--tls-cert=/etc/policyd/tls/tls.crt",
@@ -230,6 +231,13 @@ def test_the_value_sets_change_what_they_say(tool: Callable[[str], str]) -> None
     assert socket["common_tls_context"]["alpn_protocols"] == ["h2"]
     assert socket["sni"] == f"policyd.{NAMESPACE}.svc"
 
+    plaintext = by_kind(render(tool, VALUE_SETS["plaintext"]))
+    container = plaintext["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]
+    assert not [a for a in container["args"] if a.startswith("--tls-")]
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    cluster = plaintext["EnvoyFilter", "policyd"]["spec"]["configPatches"][2]["patch"]["value"]
+    assert "transport_socket" not in cluster
+
     hpa = by_kind(render(tool, VALUE_SETS["hpa"]))
     assert "replicas" not in hpa["Deployment", "policyd"]["spec"]
     target = hpa["HorizontalPodAutoscaler", "policyd"]["spec"]["scaleTargetRef"]
@@ -243,6 +251,29 @@ def test_the_value_sets_change_what_they_say(tool: Callable[[str], str]) -> None
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+def test_the_edge_values_change_the_header_removal_and_the_timeout(
+    tool: Callable[[str], str],
+) -> None:
+    """A header of envoyFilter.trustedClientHeaders is kept (a trusted proxy in front
+    sets it); the others of stripClientHeaders are still removed."""
+    values = [
+        "--set",
+        "envoyFilter.trustedClientHeaders={x-tenant}",
+        "--set",
+        "envoyFilter.requestTimeout=200s",
+    ]
+    patches = by_kind(render(tool, values))["EnvoyFilter", "policyd"]["spec"]["configPatches"]
+    (manager,) = [p for p in patches if p["applyTo"] == "NETWORK_FILTER"]
+    typed = manager["patch"]["value"]["typed_config"]
+    (mutation,) = typed["early_header_mutation_extensions"]
+    assert [m["remove"] for m in mutation["typed_config"]["mutations"]] == [
+        "x-gateway-destination-endpoint",
+        "x-gateway-inference-criticality",
+        "x-request-deadline-ms",
+    ]
+    assert typed["request_timeout"] == "200s"
+
+
 def test_the_inferencepool_mode_changes_what_it_says(tool: Callable[[str], str]) -> None:
     pool = by_kind(render(tool, VALUE_SETS["inferencepool"]))
     args = pool["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -250,13 +281,16 @@ def test_the_inferencepool_mode_changes_what_it_says(tool: Callable[[str], str])
     assert not [a for a in args if a.startswith(("--k8s-selector", "--k8s-target-port"))]
     assert "clusterIP" not in pool["Service", "policyd"]["spec"]  # the gateways need one
     picker = pool["InferencePool", "vllm"]["spec"]["endpointPickerRef"]
-    assert picker == {"name": "policyd", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    assert picker == {"name": "policyd", "port": {"number": 9002}, "failureMode": "FailClose"}
 
     ranks = by_kind(render(tool, VALUE_SETS["inferencepool-ranks"]))
     ports = ranks["InferencePool", "vllm"]["spec"]["targetPorts"]
     assert ports == [{"number": 8000}, {"number": 8001}, {"number": 8002}]
 
-    tls = by_kind(render(tool, VALUE_SETS["inferencepool-tls"]))
+    tls = by_kind(render(tool, VALUE_SETS["inferencepool"]))  # mutual TLS by default
+    assert ("DestinationRule", "policyd") not in by_kind(
+        render(tool, VALUE_SETS["inferencepool-plaintext"])
+    )
     rule = tls["DestinationRule", "policyd"]["spec"]
     assert rule["host"] == f"policyd.{NAMESPACE}.svc.cluster.local"
     assert rule["trafficPolicy"]["tls"]["mode"] == "MUTUAL"
@@ -365,6 +399,8 @@ def test_the_inferencepool_mode_renders_istio_inferencepool(tool: Callable[[str]
         ("Gateway", "inference-gateway"),
         ("Role", "policyd-inference-pool-reader"),
         ("ConfigMap", "policyd-policy"),
+        ("EnvoyFilter", "policyd"),
+        ("DestinationRule", "policyd"),
     ):
         for field in ("spec", "rules", "data"):
             assert chart[kind, name].get(field) == kustomized[kind, name].get(field), (kind, field)
@@ -445,7 +481,7 @@ def test_the_strict_dry_run_would_catch_a_misspelt_field(
     envoyfilter["spec"]["workloadSelectors"] = envoyfilter["spec"].pop("workloadSelector")
     monitor = copy.deepcopy(objects["ServiceMonitor", "policyd"])
     monitor["spec"]["endpoints"][0]["intervall"] = monitor["spec"]["endpoints"][0].pop("interval")
-    pools = by_kind(render(tool, VALUE_SETS["inferencepool-tls"]))
+    pools = by_kind(render(tool, VALUE_SETS["inferencepool"]))
     pool = copy.deepcopy(pools["InferencePool", "vllm"])
     pool["spec"]["targetPort"] = pool["spec"].pop("targetPorts")
     rule = copy.deepcopy(pools["DestinationRule", "policyd"])

@@ -96,7 +96,17 @@ def cluster(
     tool: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     binaries = tool("etcd"), tool("kube-apiserver"), tool("openssl")
-    crds = [*gateway_api_crds(), *inference_extension_crds()]
+    # Istio's CRDs for the DestinationRule (TLS to policyd), as test_helm.py gets them.
+    generated = subprocess.run(
+        [tool("istioctl"), "manifest", "generate"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    istio_crds = [d for d in documents(generated.stdout) if d["kind"] == "CustomResourceDefinition"]
+    assert istio_crds
+    crds = [*istio_crds, *gateway_api_crds(), *inference_extension_crds()]
     running = start_cluster(*binaries, tmp_path_factory.mktemp("cluster"))
     try:
         for crd in crds:

@@ -42,3 +42,38 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "policyd.host" -}}
 {{- printf "%s.%s.svc.cluster.local" (include "policyd.fullname" .) .Release.Namespace -}}
 {{- end -}}
+
+{{/*
+The EnvoyFilter patch of the gateway's connection manager, in both modes: the
+request timeouts, and the client's destination header and the headers of
+envoyFilter.stripClientHeaders (less envoyFilter.trustedClientHeaders)
+removed as the request arrives (docs/serving.md, "Trust model").
+*/}}
+{{- define "policyd.edgePatch" -}}
+- applyTo: NETWORK_FILTER
+  match:
+    context: GATEWAY
+    listener:
+      filterChain:
+        filter:
+          name: envoy.filters.network.http_connection_manager
+  patch:
+    operation: MERGE
+    value:
+      name: envoy.filters.network.http_connection_manager
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+        request_timeout: {{ .Values.envoyFilter.requestTimeout }}
+        request_headers_timeout: {{ .Values.envoyFilter.requestHeadersTimeout }}
+        early_header_mutation_extensions:
+          - name: envoy.http.early_header_mutation.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
+              mutations:
+                - remove: x-gateway-destination-endpoint
+                {{- range .Values.envoyFilter.stripClientHeaders }}
+                {{- if not (has . $.Values.envoyFilter.trustedClientHeaders) }}
+                - remove: {{ . }}
+                {{- end }}
+                {{- end }}
+{{- end -}}

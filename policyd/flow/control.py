@@ -58,12 +58,12 @@ while its key holds requests or has them in flight, or while fewer than the
 policy's ``max_flows`` flows do (counted once per band holding requests and
 once more with requests in flight); past that it counts in the one overflow
 flow (``OVERFLOW_FLOW``, weight 1), which joins the back of the turns and
-takes its share like any other flow. Made-up keys so get at most
-``max_flows`` flows of their own at a time, each of which goes first once,
-and a flow waiting its turn has at most that many go before it besides the
-turns of the flows it shares the band with. A flow named under the policy's
-``weights`` always counts on its own: made-up keys cannot push a configured
-tenant into the overflow.
+takes its share like any other flow. Made-up keys so hold at most
+``max_flows`` flows of their own at a time, each going first once: that
+bounds the slots they take by jumping the turns, and the other slots go by
+turns to the flows waiting and the overflow flow. A flow named under the
+policy's ``weights`` always counts on its own: made-up keys cannot push a
+configured tenant into the overflow.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from policyd.flow.flight import Flight
+from policyd.flow.flight import Flight, weight_in
 from policyd.flow.queue import OVERFLOW_FLOW, BandLimits, FlowQueue, Held, Limits
 from policyd.policy.flow import CompiledFlow
 from policyd.policy.request import Request
@@ -240,7 +240,7 @@ class FlowControl:
                 band.name, band.rank, band.max_wait_s, band.max_requests, band.max_body_bytes
             ),
             key,
-            weight=admission.weight if key == admission.key else 1.0,
+            weight=weight_in(admission, key),
             size=size,
             arrived=now,
             deadline=flow.deadline_of(admission.request, now, band)

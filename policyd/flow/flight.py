@@ -103,7 +103,7 @@ class Flight:
             policy = self._policies[admission.policy] = _Policy()
         counted = self._flows.get(flow)
         if counted is None:
-            weight = _weight(admission, flow_key)
+            weight = weight_in(admission, flow_key)
             self._flows[flow] = [1.0, weight]
             policy.weights += weight
             policy.flows += 1
@@ -155,6 +155,6 @@ class Flight:
         return under, higher or (not under and policy.weights > counted[1])
 
 
-def _weight(admission: Admission, flow_key: str) -> float:
-    """The flow's weight: the request's own in its own flow, 1 in the overflow flow."""
+def weight_in(admission: Admission, flow_key: str) -> float:
+    """The weight of the request's flow: its own in its own flow, 1 in the overflow flow."""
     return admission.weight if flow_key == admission.key else 1.0

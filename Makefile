@@ -1,23 +1,41 @@
-# Every target creates .venv on first use and installs policyd with its dev
-# extra into it, so a fresh clone needs nothing installed by hand.
+# Every target creates .venv on first use and installs into it exactly the
+# versions of the lock file (policyd's dependencies with its dev extra, each
+# checked against its hash), then policyd itself, so a fresh clone needs nothing
+# installed by hand and installs what CI installs (docs/development.md).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LOCK := requirements-dev.lock
+# The machines policyd is installed on (CI's, the image's): Linux x86_64, Python 3.11.
+LOCK_FLAGS := --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_31 \
+	--no-emit-package policyd --custom-compile-command 'make lock' --quiet
 
-.PHONY: demo test lint typecheck unit bench install clean test-real
+.PHONY: demo test lint typecheck unit bench install lock clean test-real
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	# xds-protos ships an old copy of the OpenTelemetry protos in the same files as
-	# opentelemetry-proto; the OTLP exporters need opentelemetry-proto's, so it goes last.
-	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
-		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+	# opentelemetry-proto; the OTLP exporters need opentelemetry-proto's, so it goes last
+	# (the lock's version and hashes, as a constraint).
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps -c $(LOCK) opentelemetry-proto
+	# A lock older than a change of pyproject.toml's dependencies fails here: run `make lock`.
+	$(BIN)/python -m pip check
 	touch $(STAMP)
 
 install: $(STAMP)
+
+## Rewrites both lock files from pyproject.toml, keeping each pinned version that still
+## fits (`make lock UPGRADE=1`: the newest that fit). requirements.lock, the image's, is
+## the runtime part of requirements-dev.lock, at the same versions.
+lock: $(STAMP)
+	$(BIN)/uv pip compile pyproject.toml --extra dev $(LOCK_FLAGS) $(if $(UPGRADE),--upgrade) \
+		--output-file $(LOCK)
+	$(BIN)/uv pip compile pyproject.toml $(LOCK_FLAGS) --constraint $(LOCK) \
+		--output-file requirements.lock
 
 ## The main job on an embedded default: Envoy + policyd + a simulated pool.
 demo: $(STAMP)

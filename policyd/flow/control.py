@@ -49,6 +49,21 @@ And a request that another could go before (a higher band in flight, or
 another flow while its own is at or over its share) leaves room on each pod
 for one average request. So a flood, or a lower band, paced to the limit
 still leaves the small tenant's or the critical request room at once.
+
+A bound on the flows: a flow whose queue is empty goes first in its band's
+turns when its request comes, and a flow with nothing in flight is under its
+share, so a client that makes up a new key for every request would jump the
+turns and the pacing each time. A request counts in its own flow (its key)
+while its key holds requests or has them in flight, or while fewer than the
+policy's ``max_flows`` flows do (counted once per band holding requests and
+once more with requests in flight); past that it counts in the one overflow
+flow (``OVERFLOW_FLOW``, weight 1), which joins the back of the turns and
+takes its share like any other flow. Made-up keys so hold at most
+``max_flows`` flows of their own at a time, each going first once: that
+bounds the slots they take by jumping the turns, and the other slots go by
+turns to the flows waiting and the overflow flow. A flow named under the
+policy's ``weights`` always counts on its own: made-up keys cannot push a
+configured tenant into the overflow.
 """
 
 from __future__ import annotations
@@ -58,8 +73,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from policyd.flow.flight import Flight
-from policyd.flow.queue import BandLimits, FlowQueue, Held, Limits
+from policyd.flow.flight import Flight, weight_in
+from policyd.flow.queue import OVERFLOW_FLOW, BandLimits, FlowQueue, Held, Limits
 from policyd.policy.flow import CompiledFlow
 from policyd.policy.request import Request
 from policyd.policy.router import Admission
@@ -71,9 +86,9 @@ log = logging.getLogger("policyd.flow")
 class FlowAnswer:
     """What a request flow control will not dispatch gets: an HTTP error with a reason."""
 
-    status: int  # 429 or 503
+    status: int  # 429 or 503 (the policy's); 500 when dispatching it failed
     retry_after_s: int | None
-    code: str  # flow_expired, flow_evicted, flow_refused, flow_shutdown
+    code: str  # flow_expired, flow_evicted, flow_refused, flow_shutdown, flow_failed
     message: str
 
 
@@ -191,7 +206,8 @@ class FlowControl:
         self._sent: dict[str, int] = {}
         self._version: int | None = None
         self.flight = Flight()  # what is in flight under flow control, and where
-        self._passed: tuple[object, Admission] | None = None  # the last Pass, until sent
+        # the last Pass (its waiter, admission and flow), until sent
+        self._passed: tuple[object, Admission, str] | None = None
         self._arriving: Held | None = None  # the request ``arrive`` is pumping for
         self._arrived_room: Sequence[Any] | None = None  # the room pumping found for it
         self.held = 0  # over every queue
@@ -205,11 +221,12 @@ class FlowControl:
         """A request under ``admission`` (``Router.admission``; not None): route it now
         (``Pass``), hold it (``Held``), or answer it at once (the queue is full)."""
         queue = self._queues.get(admission.policy)
+        key = self._flow_key(admission, queue)
         snapshot = self._fresh()
         if not queue:
-            room = self._room(admission, snapshot)
+            room = self._room(admission, snapshot, key)
             if room:
-                self._passed = (waiter, admission)
+                self._passed = (waiter, admission, key)
                 return Pass(room)
         if queue is None:
             queue = self._queues[admission.policy] = FlowQueue()
@@ -222,8 +239,8 @@ class FlowControl:
             BandLimits(
                 band.name, band.rank, band.max_wait_s, band.max_requests, band.max_body_bytes
             ),
-            admission.key,
-            weight=admission.weight,
+            key,
+            weight=weight_in(admission, key),
             size=size,
             arrived=now,
             deadline=flow.deadline_of(admission.request, now, band)
@@ -235,10 +252,10 @@ class FlowControl:
             self._gone(victim, -1)
             self._answer(victim, "evicted", _EVICTED)
         if not admitted:
-            self._observer.outcome(band.name, admission.key, "refused", 0.0)
+            self._observer.outcome(band.name, key, "refused", 0.0)
             return _answer(flow, "flow_refused", _REFUSED)
         self.held += 1
-        self._observer.held(band.name, admission.key, 1)
+        self._observer.held(band.name, key, 1)
         # A pod may have room after all (the queue was not empty), maybe for this very
         # request: then it passes here, as its owner does not hold it yet.
         self._arriving = held
@@ -266,7 +283,10 @@ class FlowControl:
         if passed is not None and key is not None and passed[0] is key:
             self._passed = None
             if pod:
-                self.flight.fly(key, pod, passed[1])
+                try:
+                    self.flight.fly(key, pod, passed[1], passed[2])
+                except Exception:  # sent already: it goes uncounted rather than fail its caller
+                    log.exception("flow control failed to count a request in flight")
 
     def flying(self, key: object) -> bool:
         """Whether the request of ``key`` is in flight under flow control."""
@@ -280,9 +300,13 @@ class FlowControl:
         completion tokens the pod counted for it, where it said."""
         self._sent[pod] = self._sent.get(pod, 0) - 1
         if key is not None and self.flight:
-            request = self.flight.land(key)
-            if request is not None and reported is not None:
-                self.flight.footprint.learn(request.prompt_tokens, request.max_tokens, *reported)
+            try:
+                request = self.flight.land(key)
+                if request is not None and reported is not None:
+                    footprint = self.flight.footprint
+                    footprint.learn(request.prompt_tokens, request.max_tokens, *reported)
+            except Exception:  # the end of one request stops nothing else
+                log.exception("flow control failed to count a request's end")
         self.pump()
 
     # -- dispatch ---------------------------------------------------------------------
@@ -304,37 +328,47 @@ class FlowControl:
             self._pumping = False
 
     def _dispatch(self, queue: FlowQueue) -> None:
+        """Dispatch while a pod has room. A request that raises on the way fails alone:
+        it is logged and answered 500, and the queue goes on with the next."""
         routers = self._routers()
         while queue:
             held = queue.pop()
             if held is None:
                 return
             entry: Entry = held.payload
-            snapshot = self._fresh()
-            admission = routers.admission(entry.request)
-            if admission is None:  # reloaded without flow control: route as it comes
-                room: Sequence[Any] = snapshot.candidates
-            else:
-                room = self._room(admission, snapshot)
-                if not room:
-                    queue.unpop(held)
-                    return
+            try:
+                snapshot = self._fresh()
+                admission = routers.admission(entry.request)
+                # None: reloaded without flow control, routed as it comes
+                room = (
+                    snapshot.candidates
+                    if admission is None
+                    else self._room(admission, snapshot, held.flow)
+                )
+            except Exception:
+                log.exception("a held request failed before dispatch")
+                self._gone(held, -1)
+                self._answer(held, "failed", _FAILED, status=500)
+                continue
+            if not room:
+                queue.unpop(held)
+                return
             self._gone(held, -1)
             self._observer.outcome(held.band.name, held.flow, "dispatched", self._waited(held))
             if held is self._arriving:  # ``arrive`` lets it pass: the rest at the next signal
                 self._arrived_room = room
                 if admission is not None:
-                    self._passed = (entry.waiter, admission)
+                    self._passed = (entry.waiter, admission, held.flow)
                 return
             try:
                 pod = entry.waiter.dispatch(room)
+                if pod is not None:
+                    self.sent(pod)
+                    if admission is not None:
+                        self.flight.fly(entry.waiter, pod, admission, held.flow)
             except Exception:
                 log.exception("a held request failed at dispatch")
-                continue
-            if pod is not None:
-                self.sent(pod)
-                if admission is not None:
-                    self.flight.fly(entry.waiter, pod, admission)
+                self._reply(entry, _answer(entry.flow, "flow_failed", _FAILED, status=500))
 
     @property
     def held_bytes(self) -> int:
@@ -371,14 +405,30 @@ class FlowControl:
             self.flight.snapshot_came()
         return snapshot
 
-    def _room(self, admission: Admission, snapshot: Snapshot) -> Sequence[Any]:
+    def _flow_key(self, admission: Admission, queue: FlowQueue | None) -> str:
+        """The flow the request counts in: its key, or past ``max_flows`` the overflow
+        flow (see the module docstring)."""
+        key = admission.key
+        flow = admission.flow
+        policy = admission.policy
+        flight = self.flight
+        if key in flow.weights or flight.carries(policy, key):
+            return key
+        held = 0
+        if queue is not None:
+            if queue.holds(key):
+                return key
+            held = queue.flows()
+        return key if held + flight.flows(policy) < flow.max_flows else OVERFLOW_FLOW
+
+    def _room(self, admission: Admission, snapshot: Snapshot, flow: str) -> Sequence[Any]:
         """The pods with room for the request (the snapshot's own tuple when all have)."""
         candidates = snapshot.candidates
         sent = self._sent
         flight = self.flight
         tokens = flight.tokens
         if tokens:
-            under, reserving = flight.standing(admission)
+            under, reserving = flight.standing(admission, flow)
             since = flight.scraped if under else None
             reserve = flight.reserve if reserving else 0.0
             seen = [
@@ -412,11 +462,15 @@ class FlowControl:
     def _waited(self, held: Held) -> float:
         return max(0.0, self._clock() - held.arrived)
 
-    def _answer(self, held: Held, outcome: str, message: str) -> None:
+    def _answer(self, held: Held, outcome: str, message: str, status: int | None = None) -> None:
         self._observer.outcome(held.band.name, held.flow, outcome, self._waited(held))
         entry: Entry = held.payload
+        self._reply(entry, _answer(entry.flow, f"flow_{outcome}", message, status))
+
+    @staticmethod
+    def _reply(entry: Entry, answer: FlowAnswer) -> None:
         try:
-            entry.waiter.answer(_answer(entry.flow, f"flow_{outcome}", message))
+            entry.waiter.answer(answer)
         except Exception:
             log.exception("a held request failed to be answered")
 
@@ -424,8 +478,12 @@ class FlowControl:
 _EVICTED: Final = "evicted from the flow-control queue for a request of higher priority"
 _REFUSED: Final = "the flow-control queue is full"
 _EXPIRED: Final = "held past the maximum wait of its band: no pod had room for it"
+_FAILED: Final = "flow control failed to dispatch the request"
 
 
-def _answer(flow: CompiledFlow, code: str, message: str) -> FlowAnswer:
+def _answer(flow: CompiledFlow, code: str, message: str, status: int | None = None) -> FlowAnswer:
+    """The policy's answer (``status`` instead: a failure of policyd's own, no retry)."""
+    if status is not None:
+        return FlowAnswer(status, None, code, message)
     retry = flow.retry_after_s if flow.status == 429 else None
     return FlowAnswer(flow.status, retry, code, message)

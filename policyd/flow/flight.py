@@ -15,13 +15,16 @@ pool's last snapshot. It also tells where a request stands:
   saturation limit by a flood or by lower bands still has room for the
   next critical request or the small tenant's, and they do not wait for a
   request to end.
+
+A request counts under the flow ``FlowControl`` placed it in (its key, or the
+overflow flow past the policy's ``max_flows``, of weight 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policyd.flow.footprint import DecayedRatio, Footprint
+from policyd.flow.footprint import DecayedMean, Footprint
 from policyd.policy.request import Request
 from policyd.policy.router import Admission
 
@@ -39,10 +42,11 @@ class _Policy:
     """One policy's requests in flight: their count, the weights of its flows in
     flight, and the count per band rank."""
 
-    __slots__ = ("count", "ranks", "weights")
+    __slots__ = ("count", "flows", "ranks", "weights")
 
     def __init__(self) -> None:
         self.count = 0
+        self.flows = 0  # flows in flight
         self.weights = 0.0
         self.ranks: dict[int, int] = {}
 
@@ -54,7 +58,7 @@ class Flight:
         self.footprint = Footprint()
         self.tokens: dict[str, int] = {}  # per pod
         self.scraped: dict[str, int] = {}  # ``tokens`` when the snapshot came
-        self._mean = DecayedRatio(0.0)  # tokens per request dispatched
+        self._mean = DecayedMean(0.0)  # tokens per request dispatched
         self._flying: dict[object, _Flying] = {}
         self._flows: dict[tuple[str, str], list[float]] = {}  # [count, weight]
         self._policies: dict[str, _Policy] = {}
@@ -74,12 +78,22 @@ class Flight:
         """A new snapshot: what changed since is counted from now."""
         self.scraped = dict(self.tokens)
 
-    def fly(self, key: object, pod: str, admission: Admission) -> None:
-        """The request of ``key`` (under ``admission``) went to ``pod``."""
+    def flows(self, policy: str) -> int:
+        """How many flows of ``policy`` have requests in flight."""
+        found = self._policies.get(policy)
+        return found.flows if found is not None else 0
+
+    def carries(self, policy: str, flow: str) -> bool:
+        """Whether ``flow`` of ``policy`` has requests in flight."""
+        return (policy, flow) in self._flows
+
+    def fly(self, key: object, pod: str, admission: Admission, flow_key: str) -> None:
+        """The request of ``key`` (under ``admission``, in the flow ``flow_key``) went
+        to ``pod``."""
         request = admission.request
         tokens = self.footprint.tokens(request.prompt_tokens, request.max_tokens)
-        self._mean.add(tokens, 1)
-        flow = (admission.policy, admission.key)
+        self._mean.add(tokens)
+        flow = (admission.policy, flow_key)
         self.land(key)  # a key is in flight once
         rank = admission.band.rank
         self._flying[key] = _Flying(pod, flow, rank, tokens, request)
@@ -89,8 +103,10 @@ class Flight:
             policy = self._policies[admission.policy] = _Policy()
         counted = self._flows.get(flow)
         if counted is None:
-            self._flows[flow] = [1.0, admission.weight]
-            policy.weights += admission.weight
+            weight = weight_in(admission, flow_key)
+            self._flows[flow] = [1.0, weight]
+            policy.weights += weight
+            policy.flows += 1
         else:
             counted[0] += 1
         policy.count += 1
@@ -113,6 +129,7 @@ class Flight:
         if not counted[0]:
             del self._flows[flow]
             policy.weights -= counted[1]
+            policy.flows -= 1
         policy.count -= 1
         if not policy.count:
             del self._policies[flow[0]]
@@ -123,16 +140,21 @@ class Flight:
                 del ranks[flying.rank]
         return flying.request
 
-    def standing(self, admission: Admission) -> tuple[bool, bool]:
-        """Whether the request is under its flow's share, and whether it keeps the
-        reserve (see the module docstring)."""
+    def standing(self, admission: Admission, flow_key: str) -> tuple[bool, bool]:
+        """Whether the request (in the flow ``flow_key``) is under its flow's share, and
+        whether it keeps the reserve (see the module docstring)."""
         policy = self._policies.get(admission.policy)
         if policy is None:
             return True, False
         rank = admission.band.rank
         higher = any(other < rank for other in policy.ranks)
-        counted = self._flows.get((admission.policy, admission.key))
+        counted = self._flows.get((admission.policy, flow_key))
         if counted is None:
             return True, higher  # nothing of its flow in flight: under any share
         under = counted[0] < policy.count * counted[1] / policy.weights
         return under, higher or (not under and policy.weights > counted[1])
+
+
+def weight_in(admission: Admission, flow_key: str) -> float:
+    """The weight of the request's flow: its own in its own flow, 1 in the overflow flow."""
+    return admission.weight if flow_key == admission.key else 1.0

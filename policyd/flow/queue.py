@@ -11,7 +11,10 @@
   flow that held nothing goes to the front of the turns when its request
   comes (as fq_codel's new flows do): a sparse flow (a small tenant, one
   request at a time) waits for the next free slot, not behind a flood's turn,
-  while flows that stay backlogged still share by weight.
+  while flows that stay backlogged still share by weight. The overflow flow
+  (``OVERFLOW_FLOW``: the keys past the policy's ``max_flows``, ``control.py``)
+  is the exception: it joins the back of the turns, so the keys a client
+  makes up past the bound never go first.
 - **Order inside a flow**: by ``Held.key``, the arrival (FCFS) or the
   deadline, then the arrival sequence.
 - **Limits**: per band (from the request's band) and in total. Past one the
@@ -36,7 +39,9 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
+
+OVERFLOW_FLOW: Final = "(overflow)"  # the flow of the keys past ``max_flows``: never first
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +152,10 @@ class _Band:
         flow = self.flows.get(held.flow)
         if flow is None:  # a flow that held nothing: its turn comes first (see the docstring)
             flow = self.flows[held.flow] = _Flow(held.flow, held.weight)
-            self.active.appendleft(flow)
+            if held.flow == OVERFLOW_FLOW:
+                self.active.append(flow)
+            else:
+                self.active.appendleft(flow)
         flow.weight = held.weight  # the weight of the newest request: a reload applies
         flow.push(held)
         self.count += 1
@@ -244,6 +252,14 @@ class FlowQueue:
         for band in self._order:
             for flow in band.flows.values():
                 yield from (held for held in flow.first if not held.gone)
+
+    def flows(self) -> int:
+        """How many flows hold requests, over every band (a key in two bands: two)."""
+        return sum(len(band.flows) for band in self._order)
+
+    def holds(self, flow: str) -> bool:
+        """Whether ``flow`` holds requests in some band."""
+        return any(flow in band.flows for band in self._order)
 
     def held_in(self, band: str) -> int:
         found = self._bands.get(band)

@@ -12,6 +12,9 @@ runs the queue it describes. What the section decides, per request:
   with its maximum wait and limits. A name no band has goes to the lowest.
 - ``flows``: the flow key (a CEL string, default one flow for everyone), the
   key of a request whose expression fails or gives "", and per-flow weights.
+- ``max_flows``: how many flows may hold requests or have them in flight at
+  once; a request of another key past it counts under one overflow flow, so
+  keys a client makes up cannot each take a turn of their own.
 - ``order`` inside a flow: ``fcfs``, or ``deadline`` (earliest first) from
   ``deadline_header`` (milliseconds the client is willing to wait).
 - the total limits, what happens past a limit (``when_full``: evict the
@@ -39,6 +42,7 @@ MAX_HOLD_SECONDS: Final = 120.0
 HOLD_MARGIN_SECONDS: Final = 1.0  # asked of Envoy beyond the band's max wait
 DEFAULT_BANDS: Final = ("critical", "standard", "sheddable")
 DEFAULT_MAX_WAIT_SECONDS: Final = 30.0
+DEFAULT_MAX_FLOWS: Final = 100
 ORDERS: Final = ("fcfs", "deadline")
 DEFAULT_DEADLINE_HEADER: Final = "x-request-deadline-ms"
 WHEN_FULL: Final = ("evict", "refuse")
@@ -48,6 +52,7 @@ _FIELDS: Final = (
     "priority",
     "bands",
     "flows",
+    "max_flows",
     "order",
     "deadline_header",
     "max_requests",
@@ -77,6 +82,7 @@ class FlowSpec:
     key: Expression | None
     default_flow: str
     weights: tuple[tuple[str, float], ...]
+    max_flows: int
     order: str
     deadline_header: str
     max_requests: int | None
@@ -122,6 +128,8 @@ def read_flow(fields: Fields) -> FlowSpec | None:
         key=key,
         default_flow=default_flow,
         weights=weights,
+        max_flows=reader.integer("max_flows", minimum=1, default=DEFAULT_MAX_FLOWS)
+        or DEFAULT_MAX_FLOWS,
         order=order,
         deadline_header=deadline_header,
         max_requests=reader.integer("max_requests", minimum=1),
@@ -226,6 +234,7 @@ class CompiledFlow:
     key: Evaluator | None  # None: every request in the default flow
     default_flow: str
     weights: Mapping[str, float]
+    max_flows: int  # flows held or in flight past which new keys share the overflow flow
     order: str
     deadline_header: str
     max_requests: int | None
@@ -312,6 +321,7 @@ def compile_flow(spec: FlowSpec, compiler: Compiling, error: Any) -> CompiledFlo
         key=key,
         default_flow=spec.default_flow,
         weights=MappingProxyType(dict(spec.weights)),
+        max_flows=spec.max_flows,
         order=spec.order,
         deadline_header=spec.deadline_header,
         max_requests=spec.max_requests,

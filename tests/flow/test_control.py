@@ -2,91 +2,15 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policyd.flow import FlowAnswer, FlowControl, Held, Pass, unwrap
-from policyd.policy import PolicyStore, Request, Router
-from policyd.pool.pod import Pod
-from tests.policy.helpers import pod, write
-
-POLICY = """
-name: held
-filters:
-  all:
-    keep: "true"
-flow:
-  saturated: pod.waiting_queue >= 2 || pod.in_flight >= 2
-  bands:
-    critical: {max_wait: 30s}
-    standard: {max_wait: 10s}
-  flows:
-    key: request.headers["x-tenant"]
-  answer: {status: 429, retry_after: 3s}
-"""
-
-
-@dataclass
-class Snapshot:
-    candidates: tuple[Pod, ...]
-    version: int = 0
-
-
-@dataclass(eq=False)
-class Client:
-    """A request's owner: sends it to a pod (counting it there) or takes the answer."""
-
-    name: str
-    router: Router
-    sent_to: str | None = None
-    answered: FlowAnswer | None = None
-    saw: list[str] = field(default_factory=list)
-
-    def dispatch(self, candidates: Sequence[Any]) -> str | None:
-        self.saw = [p.name for p in candidates]
-        decision = self.router.decide(Request("m"), candidates)
-        chosen: Pod = unwrap(decision.chosen)
-        chosen.load.count += 1
-        self.sent_to = chosen.name
-        return self.sent_to
-
-    def answer(self, answer: FlowAnswer) -> None:
-        self.answered = answer
-
-
-class Rig:
-    def __init__(self, tmp_path: Path, text: str = POLICY, pods: int = 2) -> None:
-        self.path = write(tmp_path, text)
-        self.store = PolicyStore.open(self.path)
-        self.router = Router(self.store, rng=random.Random(1))
-        self.snapshot = Snapshot(tuple(pod(f"p{i}") for i in range(pods)))
-        self.now = 0.0
-        self.control = FlowControl(lambda: self.router, lambda: self.snapshot, lambda: self.now)
-
-    def arrive(
-        self, name: str, tokens: tuple[int, int] = (0, 0), /, **headers: str
-    ) -> tuple[Client, Pass | Held | FlowAnswer]:
-        """A request (``tokens``: its prompt and max_tokens) arrives; routed when it passes."""
-        request = Request("m", headers=headers, prompt_tokens=tokens[0], max_tokens=tokens[1])
-        client = Client(name, self.router)
-        admission = self.router.admission(request)
-        assert admission is not None
-        verdict = self.control.arrive(admission, request, 10, client)
-        if isinstance(verdict, Pass):
-            client.dispatch(verdict.candidates)
-            self.control.sent(client.sent_to or "", client)
-        return client, verdict
-
-    def end(self, client: Client, reported: tuple[int, int] | None = None) -> None:
-        """The request's response ended (``reported``: the usage its pod counted):
-        its pod frees a slot."""
-        for p in self.snapshot.candidates:
-            if p.name == client.sent_to:
-                p.load.count -= 1
-        self.control.finished(client.sent_to or "", client, reported)
+from policyd.flow import FlowAnswer, Held, Pass
+from policyd.policy import Request, Router
+from policyd.policy.router import Admission
+from tests.flow.rig import POLICY, Client, Rig, Snapshot, kv_rig, rescrape
+from tests.policy.helpers import pod
 
 
 def test_requests_pass_while_a_pod_has_room_then_are_held(tmp_path: Path) -> None:
@@ -205,18 +129,6 @@ def test_a_request_the_queue_would_dispatch_as_it_arrives_passes(tmp_path: Path)
     assert rig.control.held == 0
 
 
-KV_POLICY = POLICY.replace("pod.waiting_queue >= 2 || pod.in_flight >= 2", "pod.kv_cache >= 0.5")
-
-
-def kv_rig(tmp_path: Path) -> Rig:
-    """Two pods of 1000 tokens of KV cache each, empty as scraped."""
-    rig = Rig(tmp_path, KV_POLICY)
-    rig.snapshot = Snapshot(
-        tuple(pod(f"p{i}", kv_cache_blocks=100, kv_block_size=10) for i in range(2))
-    )
-    return rig
-
-
 def test_the_kv_estimate_paces_what_the_scrape_has_not_seen(tmp_path: Path) -> None:
     """Each request counts its prompt plus half its max_tokens (300 of 1000 tokens)
     on its pod: two fit under 0.5 per pod, though the scrape still reads 0."""
@@ -226,17 +138,6 @@ def test_the_kv_estimate_paces_what_the_scrape_has_not_seen(tmp_path: Path) -> N
     assert sorted(c.sent_to or "" for c, _ in first[:4]) == ["p0", "p0", "p1", "p1"]
     rig.end(first[0][0])  # its tokens leave the estimate: the held request fits
     assert first[4][0].sent_to == first[0][0].sent_to
-
-
-def rescrape(rig: Rig, kv_cache: float) -> None:
-    """A new snapshot: both pods read ``kv_cache``, and keep the requests they serve."""
-    loads = [p.load.count for p in rig.snapshot.candidates]
-    pods = tuple(
-        pod(f"p{i}", kv_cache=kv_cache, kv_cache_blocks=100, kv_block_size=10) for i in range(2)
-    )
-    for p, load in zip(pods, loads, strict=True):
-        p.load.count = load
-    rig.snapshot = Snapshot(pods, version=rig.snapshot.version + 1)
 
 
 def test_a_flow_under_its_share_reads_the_scrape_and_what_changed_since(tmp_path: Path) -> None:
@@ -329,3 +230,66 @@ def test_a_flow_under_its_share_keeps_the_reserve_for_a_higher_band(tmp_path: Pa
     small, verdict = rig.arrive("s0", (100, 100), **{"x-tenant": "small"})
     assert isinstance(verdict, Pass)
     assert small.saw == [p.name for p in rig.snapshot.candidates if p.name != first.sent_to]
+
+
+class Failing(Client):
+    """A request whose routing raises at dispatch (a bug of policyd's own)."""
+
+    def dispatch(self, candidates: Sequence[Any]) -> str | None:
+        raise RuntimeError("boom")
+
+
+def test_a_request_that_fails_at_dispatch_is_answered_and_the_rest_go_on(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    passed = [rig.arrive(f"r{i}")[0] for i in range(4)]
+    request = Request("m", headers={})
+    admission = rig.router.admission(request)
+    assert admission is not None
+    failing = Failing("failing", rig.router)
+    assert isinstance(rig.control.arrive(admission, request, 10, failing), Held)
+    behind = rig.arrive("behind")[0]
+    rig.end(passed[0])  # one slot: the failing request takes it and fails
+    assert failing.answered is not None and failing.answered.status == 500
+    assert failing.answered.code == "flow_failed"
+    rig.end(passed[1])
+    assert behind.sent_to is not None and rig.control.held == 0
+
+
+def test_a_request_whose_admission_fails_at_dispatch_is_answered(tmp_path: Path) -> None:
+    """The policy raises for one held request when it is dispatched: that request is
+    answered 500, the next one is dispatched in the same pump."""
+    rig = Rig(tmp_path)
+    passed = [rig.arrive(f"r{i}")[0] for i in range(4)]
+    broken = rig.arrive("broken", **{"x-tenant": "broken"})[0]
+    behind = rig.arrive("behind", **{"x-tenant": "other"})[0]
+    router = rig.router
+
+    class Broken(Router):
+        def admission(self, request: Request) -> Admission | None:
+            if request.headers.get("x-tenant") == "broken":
+                raise RuntimeError("boom")
+            return router.admission(request)
+
+    rig.router = Broken(rig.store)  # what flow control asks from now on
+    rig.end(passed[0])
+    assert broken.answered is not None and broken.answered.status == 500
+    assert behind.sent_to is not None
+
+
+def test_past_max_flows_new_keys_share_the_overflow_flow_at_the_back(tmp_path: Path) -> None:
+    """``max_flows: 3``: flow ``a`` is held and in flight (two), ``b`` makes three; ``c``
+    and ``d`` share the overflow flow, which waits behind ``a``'s turn, while ``vip``,
+    named under the weights, gets a flow of its own and goes first."""
+    text = POLICY.replace("  answer:", "  max_flows: 3\n  answer:").replace(
+        '    key: request.headers["x-tenant"]',
+        '    key: request.headers["x-tenant"]\n    weights: {vip: 2}',
+    )
+    rig = Rig(tmp_path, text)
+    passed = [rig.arrive(f"r{i}", **{"x-tenant": "a"})[0] for i in range(4)]
+    a = rig.arrive("a", **{"x-tenant": "a"})[0]
+    waiting = [rig.arrive(name, **{"x-tenant": name})[0] for name in ("b", "c", "d", "vip")]
+    order = []
+    for client in passed:
+        rig.end(client)
+        order += [c.name for c in [a, *waiting] if c.sent_to and c.name not in order]
+    assert order == ["vip", "b", "a", "c"]

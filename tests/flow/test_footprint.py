@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policyd.flow.footprint import PROMPT_SCALE_BOUNDS, Footprint
+from policyd.flow.footprint import DECAY, MAX_COUNTED, OUTLIER, PROMPT_SCALE_BOUNDS, Footprint
 
 
 def test_until_a_pod_reports_the_guess_stands() -> None:
@@ -63,3 +63,26 @@ def test_the_prompt_scale_is_bounded_and_empty_reports_teach_nothing() -> None:
     for _ in range(50):
         footprint.learn(10, 10, 10_000, 10)
     assert footprint.tokens(100, 0) == 100 * PROMPT_SCALE_BOUNDS[1]
+
+
+def test_any_count_is_read_as_a_bounded_number_of_tokens() -> None:
+    """10**400, 1e300, NaN or negative counts neither raise nor give more than a
+    full cache's worth: a count is read as 0 to MAX_COUNTED tokens."""
+    footprint = Footprint()
+    for value in (10**400, int(1e300), 1e300, float("inf")):
+        assert footprint.tokens(0, value) == MAX_COUNTED // 2  # type: ignore[arg-type]
+        assert footprint.tokens(value, 0) == MAX_COUNTED  # type: ignore[arg-type]
+        footprint.learn(value, value, value, value)  # type: ignore[arg-type]
+    assert footprint.tokens(float("nan"), -5) == 0  # type: ignore[arg-type]
+
+
+def test_one_huge_report_weighs_as_a_few_average_ones() -> None:
+    """A budget of 10**400 that brought 100 tokens says the budgets bring nothing;
+    it weighs as OUTLIER average budgets, not as 10**398 of them."""
+    footprint = Footprint()
+    for _ in range(100):
+        footprint.learn(100, 200, 100, 100)  # budgets bring half
+    assert footprint.tokens(0, 200) == 50
+    footprint.learn(100, 10**400, 100, 100)
+    share = footprint.tokens(0, 200) / 50
+    assert 1 - OUTLIER * DECAY * 1.1 < share < 1  # moved, by about its bounded weight

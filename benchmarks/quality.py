@@ -912,6 +912,8 @@ def main() -> None:
         parser.error("--duration and --rates must be positive")
     if arguments.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if arguments.workload in FLOW_WORKLOADS and arguments.profile != PROFILE.name:
+        parser.error(f"flow control's workloads run on {PROFILE.name} only (flow_quality.py)")
     if arguments.workload == "seed":
         main_seed(arguments)
     elif arguments.workload in FLOW_WORKLOADS:

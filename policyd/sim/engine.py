@@ -91,7 +91,6 @@ class RequestState:
         "generated",
         "keys",
         "last_token_at",
-        "max_tokens",
         "output_ids",
         "phase",
         "registered",
@@ -104,7 +103,6 @@ class RequestState:
     ) -> None:
         self.request = request
         self.arrival = arrival
-        self.max_tokens = max_tokens
         self.target = min(natural_length, max_tokens)
         self.finish_reason = "stop" if natural_length <= max_tokens else "length"
         self.generated = 0

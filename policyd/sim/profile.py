@@ -68,6 +68,9 @@ class Profile:
     # [1, ceil(share * m)] (so its mean sits near share / 2 of the cap) instead
     # of the fixed [min, max] range, which then serves requests without one.
     output_share_of_max_tokens: float | None = None
+    # Whether the HTTP front renders chat requests with the assistant's opening
+    # line (the chat template's generation prompt), as vLLM does.
+    chat_generation_prompt: bool = False
     # Reported in vllm:cache_config_info only.
     gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int = 512
@@ -181,6 +184,7 @@ H100_LLAMA31_8B: Final = Profile(
     output_tokens_min=16,
     output_tokens_max=1024,
     output_share_of_max_tokens=1.2,
+    chat_generation_prompt=True,
 )
 
 PROFILES: Final[dict[str, Profile]] = {p.name: p for p in (L4_LLAMA2_7B, H100_LLAMA31_8B)}

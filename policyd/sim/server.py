@@ -261,7 +261,11 @@ class SimServer:
         try:
             if self.faults.fail_status is not None:
                 raise ApiError(self.faults.fail_status, "simulated failure injected on this pod")
-            call = parse_call(await request.read(), chat=chat)
+            call = parse_call(
+                await request.read(),
+                chat=chat,
+                generation_prompt=self.profile.chat_generation_prompt,
+            )
             text_seed = self._next_text_seed
             state = driver.submit(self._engine_request(call, progress, text_seed))
         except ApiError as error:

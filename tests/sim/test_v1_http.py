@@ -104,3 +104,37 @@ async def test_completions_stop_on_their_own_below_max_tokens(
         n <= 40 if reason == "stop" else reason == "length" and n == 40 for n, reason in ends
     )
     assert sum(1 for n, reason in ends if reason == "stop" and n < 40) >= 4
+
+
+async def test_a_chat_follow_up_hits_the_reply_the_pod_generated(
+    server: SimServer, client: aiohttp.ClientSession
+) -> None:
+    # vLLM renders a chat request with the template's generation prompt (the
+    # assistant's opening line), so the resent reply follows the tokens the pod computed.
+    for attempt in range(10):
+        history = [{"role": "user", "content": f"Question {attempt}: {QUESTION}"}]
+        first = await post(
+            client,
+            server,
+            "/v1/chat/completions",
+            {"model": BASE, "messages": history, "max_tokens": 64},
+        )
+        generated = first["usage"]["completion_tokens"]
+        if generated > 40:
+            break
+    else:
+        pytest.fail("no reply of more than 40 tokens in 10 tries")
+    asked = first["usage"]["prompt_tokens"]
+    history += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Tell me more about it."},
+    ]
+    second = await post(
+        client,
+        server,
+        "/v1/chat/completions",
+        {"model": BASE, "messages": history, "max_tokens": 4},
+    )
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (asked + generated - 1) // BLOCK * BLOCK
+    assert cached > asked // BLOCK * BLOCK + BLOCK

@@ -422,7 +422,17 @@ OPEN_WORKLOADS: Final = {
                 }
             ),
         ),
-        OpenWorkload("mixed", Mixed(), _PREFIX_RATES),
+        OpenWorkload(
+            "mixed",
+            Mixed(),
+            MappingProxyType(
+                {
+                    "l4-llama2-7b": _PREFIX_RATES["l4-llama2-7b"],
+                    # 12 adapters on 4 slots per pod: adapter loads, not prefills, bound it
+                    "h100-llama3.1-8b": (5.0, 10.0, 15.0, 20.0, 30.0, 40.0),
+                }
+            ),
+        ),
     )
 }
 

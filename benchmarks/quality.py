@@ -64,6 +64,16 @@ the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 
 Flow control's workloads (``--workload overload``, ``tenants``, ``priorities``)
 are run by ``benchmarks/flow_quality.py``, whose docstring says how.
+
+``--profile`` picks the simulated pods: ``l4-llama2-7b`` (the default: vLLM V0
+rules, the published experiment's hardware; the figures above) or
+``h100-llama3.1-8b`` (vLLM V1 rules on an H100, docs/simulator.md). Each
+open-loop workload sweeps rates of its own per profile; the published figures
+are printed beside the seed experiment on the default profile only.
+
+    python benchmarks/quality.py --profile h100-llama3.1-8b                  # the seed experiment
+    python benchmarks/quality.py --profile h100-llama3.1-8b --workload shared-prefix \
+        --seeds 1 --duration 60                                               # tens of minutes
 """
 
 from __future__ import annotations
@@ -102,7 +112,7 @@ from policyd.sim.experiment import (
 from policyd.sim.kv_events import encode_batch
 from policyd.sim.names import adapter_names
 from policyd.sim.open_loop import Arrival, OpenLoopResult, Oracle, Turn, run_open_loop
-from policyd.sim.profile import L4_LLAMA2_7B, Profile
+from policyd.sim.profile import L4_LLAMA2_7B, PROFILES, Profile, get_profile
 from policyd.sim.workloads import Mixed, MultiTurn, SharedPrefix
 
 RULES: Final = Path(__file__).resolve().parents[1] / "rules"
@@ -189,16 +199,18 @@ class PolicyRouting:
         prefix: str | None = None,
         locator: PrefixLocator | None = None,
         prompt: str = SEED_PROMPT_TEXT,
+        profile: Profile = L4_LLAMA2_7B,
     ) -> None:
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
         self.headers = headers
         self.prefix = prefix
+        self.profile = profile
         self.locator = locator
         self.turns = (Turn(None, texts=(prompt,)),)
         self.decisions = 0
 
     def __call__(self, request: RoutedRequest, views: Sequence[PodView], rng: random.Random) -> int:
-        pods = [pod_from_view(view, prefix=self.prefix) for view in views]
+        pods = [pod_from_view(view, prefix=self.prefix, profile=self.profile) for view in views]
         probe = self.locator.probe(self.turns) if self.locator is not None else None
         decision = self.router.decide(
             Request(
@@ -239,13 +251,22 @@ def _chosen(
 
 
 def run_policy(
-    policy: Path, seed: int, *, workload: SeedWorkload, prefix: str | None = None
+    policy: Path,
+    seed: int,
+    *,
+    workload: SeedWorkload,
+    prefix: str | None = None,
+    profile: Profile = L4_LLAMA2_7B,
 ) -> ExperimentResult:
-    """One virtual run of ``workload`` routed by ``policy``."""
+    """One virtual run of ``workload`` routed by ``policy`` on pods of ``profile``."""
     routing = PolicyRouting(
-        policy, seed=seed, prefix=prefix, locator=prefix_locator(APPROXIMATE, SERVING_TOKENIZER)
+        policy,
+        seed=seed,
+        prefix=prefix,
+        locator=prefix_locator(APPROXIMATE, SERVING_TOKENIZER, profile=profile),
+        profile=profile,
     )
-    return run_experiment(routing, workload=workload, seed=seed)
+    return run_experiment(routing, workload=workload, seed=seed, profile=profile)
 
 
 # --- open-loop workloads ----------------------------------------------------------------
@@ -265,14 +286,16 @@ PREFIX_POLICY: Final = RULES / "prefix-aware.yaml"
 COMBINED_POLICY: Final = RULES / "lora-prefix.yaml"
 
 
-def prefix_locator(mode: str, tokenizer: str = "sim") -> PrefixLocator:
+def prefix_locator(
+    mode: str, tokenizer: str = "sim", *, profile: Profile = PROFILE
+) -> PrefixLocator:
     """A fresh prefix index in ``mode``, as ``policyd serve`` builds one per process.
 
     Approximate mode bounds each pod's entries by the profile's
     ``num_gpu_blocks`` (what ``vllm:cache_config_info`` tells the serving path).
     """
-    index = ApproximateIndex(PROFILE.num_gpu_blocks) if mode == APPROXIMATE else PreciseIndex()
-    return PrefixLocator(tokenizer_from_spec(tokenizer), index, PROFILE.block_size)
+    index = ApproximateIndex(profile.num_gpu_blocks) if mode == APPROXIMATE else PreciseIndex()
+    return PrefixLocator(tokenizer_from_spec(tokenizer), index, profile.block_size)
 
 
 class OpenPolicyRouting:
@@ -291,14 +314,16 @@ class OpenPolicyRouting:
         mode: str | None = None,
         tokenizer: str = "sim",
         headers: Mapping[str, str] = CRITICAL,
+        profile: Profile = PROFILE,
     ) -> None:
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
         self.headers = headers
-        self.locator = None if mode is None else prefix_locator(mode, tokenizer)
+        self.profile = profile
+        self.locator = None if mode is None else prefix_locator(mode, tokenizer, profile=profile)
         self.decisions = 0
 
     def __call__(self, arrival: Arrival, views: Sequence[PodView], rng: random.Random) -> int:
-        pods = [pod_from_view(view) for view in views]
+        pods = [pod_from_view(view, profile=self.profile) for view in views]
         probe = self.locator.probe(arrival.turns) if self.locator is not None else None
         decision = self.router.decide(
             Request(
@@ -318,8 +343,8 @@ class OpenPolicyRouting:
     def kv_events(self, pod: int, events: Sequence[KvEvent]) -> None:
         """One pod's KV events, encoded as pods publish them, decoded as policyd reads them."""
         assert self.locator is not None and isinstance(self.locator.index, PreciseIndex)
-        payload = encode_batch(events, 0.0, PROFILE.block_size, LORA_IDS)
-        batch = decode_batch(payload, PROFILE.base_model)
+        payload = encode_batch(events, 0.0, self.profile.block_size, LORA_IDS)
+        batch = decode_batch(payload, self.profile.base_model)
         if batch is None:
             raise ValueError(f"pod {pod}'s KV events did not decode")
         self.locator.index.apply(pod_address(pod), batch.events)
@@ -375,19 +400,45 @@ class Contender:
 
 @dataclass(frozen=True, slots=True)
 class OpenWorkload:
-    """An open-loop workload of the benchmark and the rates (requests/s) it is swept over."""
+    """An open-loop workload of the benchmark and the rates (requests/s) it is swept over,
+    per profile: a pool of H100s serves about a hundred times the requests of a pool of L4s."""
 
     name: str
     workload: SharedPrefix | MultiTurn
-    rates: tuple[float, ...]
+    rates: Mapping[str, tuple[float, ...]]
 
 
+_PREFIX_RATES: Final = MappingProxyType(
+    {
+        "l4-llama2-7b": (0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
+        "h100-llama3.1-8b": (50.0, 100.0, 150.0, 200.0, 250.0, 300.0),
+    }
+)
 OPEN_WORKLOADS: Final = {
     w.name: w
     for w in (
-        OpenWorkload("shared-prefix", SharedPrefix(), (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)),
-        OpenWorkload("multi-turn", MultiTurn(), (2.0, 3.0, 4.0, 5.0, 6.0)),
-        OpenWorkload("mixed", Mixed(), (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)),
+        OpenWorkload("shared-prefix", SharedPrefix(), _PREFIX_RATES),
+        OpenWorkload(
+            "multi-turn",
+            MultiTurn(),
+            MappingProxyType(
+                {
+                    "l4-llama2-7b": (2.0, 3.0, 4.0, 5.0, 6.0),
+                    "h100-llama3.1-8b": (100.0, 200.0, 300.0, 400.0, 500.0),
+                }
+            ),
+        ),
+        OpenWorkload(
+            "mixed",
+            Mixed(),
+            MappingProxyType(
+                {
+                    "l4-llama2-7b": _PREFIX_RATES["l4-llama2-7b"],
+                    # 12 adapters on 4 slots per pod: adapter loads, not prefills, bound it
+                    "h100-llama3.1-8b": (5.0, 10.0, 15.0, 20.0, 30.0, 40.0),
+                }
+            ),
+        ),
     )
 }
 
@@ -400,31 +451,36 @@ def run_contender(
     duration_s: float,
     seed: int,
     tokenizer: str = "sim",
+    profile: Profile = PROFILE,
 ) -> OpenLoopResult:
-    """One open-loop run of ``workload`` at ``rate`` routed by ``contender``.
+    """One open-loop run of ``workload`` at ``rate`` routed by ``contender`` on ``profile``'s pods.
 
     ``tokenizer`` is approximate mode's; precise mode always uses ``sim``, the pods' own ids.
     """
     requests = workload.workload.requests(rate=rate, duration_s=duration_s, seed=seed)
     if contender.policy is None:
-        return run_open_loop(Oracle(), requests, profile=PROFILE, seed=seed)
+        return run_open_loop(Oracle(), requests, profile=profile, seed=seed)
     if contender.mode != APPROXIMATE:
         tokenizer = "sim"  # precise mode matches the pods' own token ids
     replicas = [
         OpenPolicyRouting(
-            contender.policy, seed=seed + 1000 * i, mode=contender.mode, tokenizer=tokenizer
+            contender.policy,
+            seed=seed + 1000 * i,
+            mode=contender.mode,
+            tokenizer=tokenizer,
+            profile=profile,
         )
         for i in range(contender.replicas)
     ]
     if contender.replicas == 1:
         routing = replicas[0]
         sink = routing.kv_events if contender.mode == PRECISE else None
-        return run_open_loop(routing, requests, profile=PROFILE, seed=seed, kv_events=sink)
+        return run_open_loop(routing, requests, profile=profile, seed=seed, kv_events=sink)
     replicated = ReplicatedRouting(replicas)
     return run_open_loop(
         replicated,
         requests,
-        profile=PROFILE,
+        profile=profile,
         seed=seed,
         kv_events=replicated.kv_events if contender.mode == PRECISE else None,
         on_done=replicated.done,
@@ -706,9 +762,9 @@ def open_contenders(arguments: argparse.Namespace) -> list[Contender]:
 
 
 def main_open_loop(arguments: argparse.Namespace) -> None:
+    profile = get_profile(arguments.profile)
     workload = OPEN_WORKLOADS[arguments.workload]
-    if arguments.rates:
-        workload = OpenWorkload(workload.name, workload.workload, tuple(arguments.rates))
+    rates = tuple(arguments.rates or workload.rates[profile.name])
     seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
     contenders = open_contenders(arguments)
     began = time.perf_counter()
@@ -723,6 +779,7 @@ def main_open_loop(arguments: argparse.Namespace) -> None:
                     duration_s=arguments.duration,
                     seed=seed,
                     tokenizer=arguments.prefix_tokenizer,
+                    profile=profile,
                 )
                 for seed in seeds
             ]
@@ -730,7 +787,7 @@ def main_open_loop(arguments: argparse.Namespace) -> None:
 
     random_contender = contenders[0]
     figures: dict[float, dict[str, OpenFigures]] = {
-        rate: {BASELINE: runs(random_contender, rate)} for rate in workload.rates
+        rate: {BASELINE: runs(random_contender, rate)} for rate in rates
     }
     knee = find_knee({rate: mean(at[BASELINE].ttft_p90) for rate, at in figures.items()})
     if knee * 1.5 not in figures:
@@ -749,7 +806,7 @@ def main_open_loop(arguments: argparse.Namespace) -> None:
     total = (len(figures) + len(compared) * (len(contenders) - 1)) * len(seeds)
     print(
         f"{workload.name}: {workload.workload}; Poisson arrivals for {arguments.duration:g} s, "
-        f"6 pods of {PROFILE.name}; seeds {seeds.start}-{seeds.stop - 1}; "
+        f"6 pods of {profile.name}; seeds {seeds.start}-{seeds.stop - 1}; "
         f"{total} virtual runs in {time.perf_counter() - began:.0f} s of wall time"
     )
     print(
@@ -789,6 +846,13 @@ def main() -> None:
         "--saturated",
         help="flow control: the saturation predicate of the flow contenders instead of "
         "flow_quality.SATURATED",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=PROFILE.name,
+        help="the simulated pods (default %(default)s, the published experiment's; "
+        "h100-llama3.1-8b runs vLLM V1's scheduler)",
     )
     parser.add_argument(
         "--seeds", type=int, help="how many seeds (default 10 for seed, 3 for the others)"
@@ -864,6 +928,8 @@ def main() -> None:
         parser.error("--duration and --rates must be positive")
     if arguments.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if arguments.workload in FLOW_WORKLOADS and arguments.profile != PROFILE.name:
+        parser.error(f"flow control's workloads run on {PROFILE.name} only (flow_quality.py)")
     if arguments.workload == "seed":
         main_seed(arguments)
     elif arguments.workload in FLOW_WORKLOADS:
@@ -878,8 +944,9 @@ def main() -> None:
 
 
 def main_seed(arguments: argparse.Namespace) -> None:
+    profile = get_profile(arguments.profile)
     workload = SeedWorkload(adapters=arguments.adapters)
-    seed_workload = workload == SEED_WORKLOAD
+    seed_workload = workload == SEED_WORKLOAD and profile == PROFILE
     seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
     policies = {name: RULES / f"{name}.yaml" for name in POLICIES}
     combined = arguments.combined_policy
@@ -893,7 +960,8 @@ def main_seed(arguments: argparse.Namespace) -> None:
     for name, path in policies.items():
         started = time.perf_counter()
         runs = [
-            run_policy(path, seed, workload=workload, prefix=arguments.pod_prefix) for seed in seeds
+            run_policy(path, seed, workload=workload, prefix=arguments.pod_prefix, profile=profile)
+            for seed in seeds
         ]
         figures[name] = Figures.of(runs)
         imbalance[name] = mean([seed_imbalance(run) for run in runs])
@@ -901,7 +969,8 @@ def main_seed(arguments: argparse.Namespace) -> None:
     wall = time.perf_counter() - began
     print(
         f"seed experiment: {workload.requests} requests, {workload.connections} connections, "
-        f"{workload.adapters} adapters, 6 pods ({arguments.pod_prefix or 'vllm-'}0..5), "
+        f"{workload.adapters} adapters, 6 pods ({arguments.pod_prefix or 'vllm-'}0..5"
+        f"{'' if profile == PROFILE else ' of ' + profile.name}), "
         f"{workload.timeout_s:.0f} s per request; "
         f"seeds {seeds.start}-{seeds.stop - 1}; {len(policies) * len(seeds)} virtual runs "
         f"in {wall:.0f} s of wall time"

@@ -35,6 +35,7 @@ from policyd.sim.experiment import (
     run_experiment,
     uniform_random,
 )
+from policyd.sim.profile import PROFILES, get_profile
 
 PUBLISHED = {"uniform random": (484, 640), "LoRA affinity": (846, 1127)}
 QUEUE_LIMIT = 50
@@ -74,17 +75,25 @@ ROUTERS: dict[str, RoutingFunction] = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5, help="seeds per router (default 5)")
-    seeds = range(parser.parse_args().seeds)
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default="l4-llama2-7b",
+        help="the simulated pods (default %(default)s, the one the published figures calibrate)",
+    )
+    arguments = parser.parse_args()
+    seeds = range(arguments.seeds)
+    profile = get_profile(arguments.profile)
     results: dict[str, list[ExperimentResult]] = {}
     began = time.perf_counter()
     for name, route in ROUTERS.items():
-        results[name] = [run_experiment(route, seed=seed) for seed in seeds]
+        results[name] = [run_experiment(route, seed=seed, profile=profile) for seed in seeds]
     wall = time.perf_counter() - began
     baseline = results["uniform random"]
     base_completed = statistics.mean(r.completed for r in baseline)
     base_tokens = statistics.mean(r.output_tokens_per_s for r in baseline)
     print(
-        f"seed experiment, {len(seeds)} seeds per router, "
+        f"seed experiment on {profile.name}, {len(seeds)} seeds per router, "
         f"{len(ROUTERS) * len(seeds) * 300} simulated s in {wall:.1f} s of wall time"
     )
     print(

@@ -55,8 +55,11 @@ class CompletionCall:
     include_usage: bool
 
 
-def parse_call(body: bytes, *, chat: bool) -> CompletionCall:
-    """Decode and validate a request body; ``ApiError(400)`` says what is wrong."""
+def parse_call(body: bytes, *, chat: bool, generation_prompt: bool = False) -> CompletionCall:
+    """Decode and validate a request body; ``ApiError(400)`` says what is wrong.
+
+    ``generation_prompt`` renders chat messages with the assistant's opening line.
+    """
     try:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -66,7 +69,7 @@ def parse_call(body: bytes, *, chat: bool) -> CompletionCall:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "`model` is required and must be a non-empty string", "model")
-    prompt = _chat_prompt(payload) if chat else _completion_prompt(payload)
+    prompt = _chat_prompt(payload, generation_prompt) if chat else _completion_prompt(payload)
     max_tokens = _max_tokens(payload, chat=chat)
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
@@ -104,7 +107,7 @@ def _completion_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
     )
 
 
-def _chat_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
+def _chat_prompt(payload: dict[str, Any], generation_prompt: bool) -> tuple[int, ...]:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "`messages` must be a non-empty list", "messages")
@@ -113,7 +116,7 @@ def _chat_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "every message needs a `role` string", "messages")
         texts.append({"role": message["role"], "content": _message_text(message.get("content"))})
-    return tuple(tokenize(render_chat(texts)))
+    return tuple(tokenize(render_chat(texts, generation_prompt=generation_prompt)))
 
 
 def _message_text(content: object) -> str:

@@ -105,6 +105,21 @@ class BlockManager:
             blocks.append(self.take_fresh())
         return blocks, hits
 
+    def cached_run(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` are cached (a prefix-cache look-up that takes nothing)."""
+        hits = 0
+        for key in keys:
+            if key not in self._block_of:
+                break
+            hits += 1
+        return hits
+
+    def allocation_cost(self, hit_keys: Sequence[int], total_blocks: int) -> int:
+        """Free blocks ``allocate(hit_keys, total_blocks)`` would consume: fresh ones, and
+        cached hits nobody holds (they leave the evictable pool)."""
+        idle_hits = sum(1 for key in hit_keys if self._refcount[self._block_of[key]] == 0)
+        return total_blocks - len(hit_keys) + idle_hits
+
     def take_fresh(self) -> int:
         """One empty block, evicting the least recently freed cached block if needed."""
         if self._uncached_free:

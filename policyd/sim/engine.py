@@ -54,16 +54,20 @@ class SimRequest:
     """One generation request as the engine receives it.
 
     ``output_length`` is the natural length of the text the model would write;
-    ``None`` lets the engine draw it from its seeded generator. ``max_tokens``
-    caps it either way.
+    ``None`` lets the engine draw it from its seeded generator
+    (``Profile.natural_output_tokens``). ``max_tokens`` caps it either way;
+    ``None`` (a chat request without one) caps it at the context left after
+    the prompt. ``text_seed`` picks the words generated (``policyd.sim.text``),
+    whose token ids a V1 pod caches with the prompt's.
     """
 
     request_id: str
     prompt: tuple[int, ...]
-    max_tokens: int
+    max_tokens: int | None
     adapter: str | None = None
     output_length: int | None = None
     listener: RequestListener | None = None
+    text_seed: int = 0
 
 
 class Phase(enum.Enum):
@@ -80,22 +84,27 @@ class RequestState:
         "arrival",
         "blocks",
         "cached_tokens",
+        "computed",
         "finish_reason",
         "finished_at",
         "first_token_at",
         "generated",
         "keys",
         "last_token_at",
+        "output_ids",
         "phase",
+        "registered",
         "request",
         "target",
     )
 
-    def __init__(self, request: SimRequest, arrival: float, natural_length: int) -> None:
+    def __init__(
+        self, request: SimRequest, arrival: float, natural_length: int, max_tokens: int
+    ) -> None:
         self.request = request
         self.arrival = arrival
-        self.target = min(natural_length, request.max_tokens)
-        self.finish_reason = "stop" if natural_length <= request.max_tokens else "length"
+        self.target = min(natural_length, max_tokens)
+        self.finish_reason = "stop" if natural_length <= max_tokens else "length"
         self.generated = 0
         self.phase = Phase.WAITING
         self.first_token_at: float | None = None
@@ -105,6 +114,11 @@ class RequestState:
         self.cached_tokens = 0
         self.keys: tuple[int, ...] | None = None
         self.aborted = False
+        # V1 only: tokens whose KV is computed, the generated token ids, and
+        # how many leading blocks are registered in the prefix cache.
+        self.computed = 0
+        self.output_ids: list[int] = []
+        self.registered = 0
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +128,14 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Token ids ``start`` up to ``stop`` of the prompt followed by the generated ids."""
+        prompt = self.request.prompt
+        return [
+            *prompt[start:stop],
+            *self.output_ids[max(start - len(prompt), 0) : max(stop - len(prompt), 0)],
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +153,12 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class _Step:
+class Step:
+    """The step running: its sequences and, under V1, how many tokens each computes."""
+
     prefill: bool
     batch: list[RequestState]
+    tokens: tuple[int, ...] = ()
 
 
 def _distinct_adapters(states: Iterable[RequestState]) -> tuple[str, ...]:
@@ -155,7 +180,7 @@ class Engine:
         )
         self._adapters = AdapterResidence(profile)
         self._rng = random.Random(seed)
-        self._step: _Step | None = None
+        self._step: Step | None = None
         self._snapshot = EngineSnapshot(0.0, 0, 0, 0.0, (), (), profile.max_loras)
         # Bumped by every change of who waits or runs: the snapshot's adapter
         # lists and a fruitless admission scan stay valid while it is unchanged.
@@ -167,35 +192,38 @@ class Engine:
 
     def add(self, request: SimRequest, now: float) -> RequestState:
         """Queue a request arriving at ``now``; ``ValueError`` if it can never run here."""
-        self.check(request)
+        max_tokens = self.check(request)
         natural = request.output_length
         if natural is None:
-            natural = self._rng.randint(
-                self.profile.output_tokens_min, self.profile.output_tokens_max
-            )
-        state = RequestState(request, now, natural)
+            natural = self.profile.natural_output_tokens(self._rng, request.max_tokens)
+        state = RequestState(request, now, natural, max_tokens)
         self.waiting.append(state)
         self._membership += 1
         return state
 
-    def check(self, request: SimRequest) -> None:
-        """Raise ``ValueError`` with a client-facing message if the request cannot run."""
+    def check(self, request: SimRequest) -> int:
+        """The request's effective ``max_tokens``; ``ValueError`` with a client-facing
+        message if the request cannot run."""
         profile = self.profile
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(profile.max_model_len - len(request.prompt), 1)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if not request.prompt:
             raise ValueError("the prompt is empty")
-        total = len(request.prompt) + request.max_tokens
+        total = len(request.prompt) + max_tokens
         if total > profile.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {profile.max_model_len} tokens. "
                 f"However, you requested {total} tokens ({len(request.prompt)} in the "
-                f"messages, {request.max_tokens} in the completion). Please reduce the length "
+                f"messages, {max_tokens} in the completion). Please reduce the length "
                 "of the messages or completion."
             )
         usable = profile.num_gpu_blocks - int(profile.watermark * profile.num_gpu_blocks)
         if math.ceil(total / profile.block_size) > usable:
             raise ValueError(f"{total} tokens do not fit in this pod's KV cache")
+        return max_tokens
 
     def abort(self, state: RequestState) -> None:
         """Forget a request whose client went away; its blocks are freed at once or at step end."""
@@ -245,7 +273,7 @@ class Engine:
         if admitted:
             computed = sum(s.num_tokens - s.cached_tokens for s in admitted)
             duration = self.profile.prefill_step_s(computed) + cost
-            self._step = _Step(True, admitted)
+            self._step = Step(True, admitted)
             return duration
         if not self.running:
             return None
@@ -253,7 +281,7 @@ class Engine:
         if not batch:  # everything was preempted; the next plan readmits it
             return self.start_step(now)
         duration = self.profile.decode_step_s(len(batch))
-        self._step = _Step(False, batch)
+        self._step = Step(False, batch)
         return duration
 
     def finish_step(self, now: float) -> None:
@@ -432,7 +460,7 @@ class Engine:
             BlocksStored(
                 tuple(keys[first : last + 1]),
                 keys[first - 1] if first else None,
-                tuple(state.request.prompt[first * size : (last + 1) * size]),
+                tuple(state.token_ids(first * size, (last + 1) * size)),
                 state.request.adapter,
             )
         )

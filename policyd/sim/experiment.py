@@ -239,8 +239,7 @@ class _Run:
         count = workload.requests
         self.adapters = [workload_rng.choice(names) for _ in range(count)]
         self.lengths = [
-            workload_rng.randint(profile.output_tokens_min, profile.output_tokens_max)
-            for _ in range(count)
+            profile.natural_output_tokens(workload_rng, workload.max_tokens) for _ in range(count)
         ]
         self.started = [0.0] * count
         self.pod_of: list[int | None] = [None] * count

@@ -302,6 +302,17 @@ class _OpenRun:
                         "not an earlier request that no other follows"
                     )
                 self.followers[request.follows] = index
+        # A profile drawing output lengths below max_tokens takes the workload's
+        # length as the cap and draws the text's own, per request index, so
+        # every router faces the same lengths.
+        self.lengths = [
+            request.output_length
+            if profile.output_share_of_max_tokens is None
+            else profile.natural_output_tokens(
+                random.Random(f"output-{seed}-{index}"), request.max_tokens
+            )
+            for index, request in enumerate(requests)
+        ]
         self.sent: list[float | None] = [None] * count
         self.pod_of: list[int | None] = [None] * count
         self.states: list[RequestState | None] = [None] * count
@@ -365,7 +376,7 @@ class _OpenRun:
                 request.prompt,
                 request.max_tokens,
                 adapter=request.adapter,
-                output_length=request.output_length,
+                output_length=self.lengths[index],
                 listener=self,
             )
         )

@@ -1,7 +1,13 @@
 """Calibration profiles: the constants that make a simulated pod behave like one GPU.
 
 Everything the scheduler rules need in numbers lives here and nowhere else, so a
-calibration changes a profile and never the rules. ``l4-llama2-7b`` is the seed
+calibration changes a profile and never the rules. A profile also names the
+scheduler it runs: ``v0`` (vLLM V0 without chunked prefill, ``engine.py``) or
+``v1`` (vLLM V1: chunked prefill under a token budget, ``engine_v1.py``).
+
+``h100-llama3.1-8b`` is Llama-3.1-8B-Instruct on one H100 80GB under vLLM V1
+defaults; its constants and their sources are in ``docs/simulator.md`` ("The
+profile h100-llama3.1-8b"). ``l4-llama2-7b`` is the seed
 experiment's hardware: Llama-2-7B on one NVIDIA L4, ``--max-loras 4
 --max-cpu-loras 12``. Prefill ``max(0.04, 0.02 + 0.0002 * tokens)``, the LoRA
 load costs and the 700 KV blocks are the design's figures. The decode step
@@ -15,8 +21,10 @@ once (``docs/simulator.md``, "Calibration").
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +56,21 @@ class Profile:
     # Natural length of a generated text, uniform in [min, max] before max_tokens caps it.
     output_tokens_min: int
     output_tokens_max: int
+    # vLLM V1 only (scheduler "v1"): one step of a mixed batch costs
+    # step_base_s + per prefill token + per decode sequence + per context token
+    # read (the KV of every scheduled sequence), see step_s.
+    scheduler: Literal["v0", "v1"] = "v0"
+    step_base_s: float = 0.0
+    step_per_prefill_token_s: float = 0.0
+    step_per_decode_sequence_s: float = 0.0
+    step_per_context_token_s: float = 0.0
+    # When set, a request with max_tokens m writes a natural length uniform in
+    # [1, ceil(share * m)] (so its mean sits near share / 2 of the cap) instead
+    # of the fixed [min, max] range, which then serves requests without one.
+    output_share_of_max_tokens: float | None = None
+    # Whether the HTTP front renders chat requests with the assistant's opening
+    # line (the chat template's generation prompt), as vLLM does.
+    chat_generation_prompt: bool = False
     # Reported in vllm:cache_config_info only.
     gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int = 512
@@ -59,7 +82,7 @@ class Profile:
     log_stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.scheduler == "v0" and self.max_num_batched_tokens < self.max_model_len:
             # vLLM V0 without chunked prefill refuses this configuration too: a
             # long prompt could never be scheduled.
             raise ValueError("max_num_batched_tokens must be at least max_model_len")
@@ -69,6 +92,11 @@ class Profile:
             raise ValueError("LoRA slots need 1 <= max_loras <= max_cpu_loras")
         if not self.log_stats_interval_s > 0:
             raise ValueError("the stats logging interval must be positive")
+        if self.scheduler not in ("v0", "v1"):
+            raise ValueError(f"unknown scheduler {self.scheduler!r} (v0 or v1)")
+        share = self.output_share_of_max_tokens
+        if share is not None and not share > 0:
+            raise ValueError("the output share of max_tokens must be positive")
 
     def decode_step_s(self, batch: int) -> float:
         """Duration of one decode step advancing ``batch`` sequences by a token each."""
@@ -79,6 +107,26 @@ class Profile:
         return max(
             self.prefill_min_s, self.prefill_base_s + self.prefill_per_token_s * computed_tokens
         )
+
+    def step_s(self, prefill_tokens: int, decode_sequences: int, context_tokens: int) -> float:
+        """Duration of one V1 step: a mixed batch of prefill chunks and decodes.
+
+        ``context_tokens`` are the tokens already in the KV cache that the
+        batch's attention reads, summed over its sequences.
+        """
+        return (
+            self.step_base_s
+            + self.step_per_prefill_token_s * prefill_tokens
+            + self.step_per_decode_sequence_s * decode_sequences
+            + self.step_per_context_token_s * context_tokens
+        )
+
+    def natural_output_tokens(self, rng: random.Random, max_tokens: int | None) -> int:
+        """How long the text a request would write is, before ``max_tokens`` caps it."""
+        share = self.output_share_of_max_tokens
+        if share is not None and max_tokens is not None:
+            return rng.randint(1, max(1, math.ceil(share * max_tokens)))
+        return rng.randint(self.output_tokens_min, self.output_tokens_max)
 
     def with_changes(self, **changes: Any) -> Profile:
         """A copy with some constants replaced (tests build small hand-made pods this way)."""
@@ -108,7 +156,38 @@ L4_LLAMA2_7B: Final = Profile(
     output_tokens_max=750,
 )
 
-PROFILES: Final[dict[str, Profile]] = {L4_LLAMA2_7B.name: L4_LLAMA2_7B}
+H100_LLAMA31_8B: Final = Profile(
+    name="h100-llama3.1-8b",
+    base_model="meta-llama/Llama-3.1-8B-Instruct",
+    scheduler="v1",
+    step_base_s=0.0064,
+    step_per_prefill_token_s=0.000027,
+    step_per_decode_sequence_s=0.000027,
+    step_per_context_token_s=0.000000053,
+    # V0's step constants do not apply to a V1 pod.
+    decode_base_s=0.0,
+    decode_per_sequence_s=0.0,
+    prefill_min_s=0.0,
+    prefill_base_s=0.0,
+    prefill_per_token_s=0.0,
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+    max_model_len=131072,
+    block_size=16,
+    num_gpu_blocks=27500,
+    watermark=0.0,
+    enable_prefix_caching=True,
+    max_loras=4,
+    max_cpu_loras=12,
+    lora_gpu_load_s=0.03,
+    lora_disk_load_s=0.5,
+    output_tokens_min=16,
+    output_tokens_max=1024,
+    output_share_of_max_tokens=1.2,
+    chat_generation_prompt=True,
+)
+
+PROFILES: Final[dict[str, Profile]] = {p.name: p for p in (L4_LLAMA2_7B, H100_LLAMA31_8B)}
 
 
 def get_profile(name: str) -> Profile:

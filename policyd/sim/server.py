@@ -20,7 +20,6 @@ events over ZMQ (``policyd.sim.kv_events``), with a replay socket on
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 import uuid
@@ -31,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from policyd.sim.api import ApiError, CompletionCall, Reply, encode, error_body, parse_call
-from policyd.sim.engine import Engine, RequestState, SimRequest
+from policyd.sim.engine import RequestState, SimRequest
+from policyd.sim.engine_v1 import new_engine
 from policyd.sim.exposition import CONTENT_TYPE, EngineCollector, metrics_registry, render
 from policyd.sim.names import adapter_names
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
@@ -108,7 +108,7 @@ class SimServer:
         self._tasks: set[asyncio.Task[None]] = set()
         # Serialises start, go-away and come-back (a fault timer may race a test).
         self._lifecycle = asyncio.Lock()
-        self._text_seeds = itertools.count(seed * 7919)
+        self._next_text_seed = seed * 7919  # one per request the engine takes
         self._registry = metrics_registry(
             EngineCollector(lambda: self.driver.engine, profile.base_model, self._unix_time)
         )
@@ -168,7 +168,7 @@ class SimServer:
         return publisher
 
     async def _start(self) -> None:
-        driver = RealTimeDriver(Engine(self.profile, seed=self.seed), self.time_scale)
+        driver = RealTimeDriver(new_engine(self.profile, seed=self.seed), self.time_scale)
         runner = web.AppRunner(
             self._application(),
             handler_cancellation=True,
@@ -261,14 +261,19 @@ class SimServer:
         try:
             if self.faults.fail_status is not None:
                 raise ApiError(self.faults.fail_status, "simulated failure injected on this pod")
-            call = parse_call(await request.read(), chat=chat)
-            state = driver.submit(self._engine_request(call, progress))
+            call = parse_call(
+                await request.read(),
+                chat=chat,
+                generation_prompt=self.profile.chat_generation_prompt,
+            )
+            text_seed = self._next_text_seed
+            state = driver.submit(self._engine_request(call, progress, text_seed))
         except ApiError as error:
             return _json(error.body(), error.status)
         except ValueError as error:
             return _json(error_body(400, str(error)), 400)
+        self._next_text_seed += 1
         reply = Reply(call, state.request.request_id, int(time.time()))
-        text_seed = next(self._text_seeds)
         try:
             if call.stream:
                 return await _stream(request, reply, state, progress, text_seed)
@@ -282,19 +287,19 @@ class SimServer:
             if not state.finished:
                 driver.abort(state)
 
-    def _engine_request(self, call: CompletionCall, progress: _Progress) -> SimRequest:
+    def _engine_request(
+        self, call: CompletionCall, progress: _Progress, text_seed: int
+    ) -> SimRequest:
         if call.model not in self._served:
             raise ApiError(404, f"The model `{call.model}` does not exist.", "model")
-        max_tokens = call.max_tokens
-        if max_tokens is None:
-            max_tokens = max(self.profile.max_model_len - len(call.prompt), 1)
         prefix = "chatcmpl" if call.chat else "cmpl"
         return SimRequest(
             f"{prefix}-{uuid.uuid4().hex}",
             call.prompt,
-            max_tokens,
+            call.max_tokens,
             adapter=None if call.model == self.profile.base_model else call.model,
             listener=progress,
+            text_seed=text_seed,
         )
 
     async def _models(self, request: web.Request) -> web.Response:

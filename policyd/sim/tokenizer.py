@@ -40,9 +40,16 @@ def tokenize(text: str) -> list[int]:
     ]
 
 
-def render_chat(messages: Iterable[Mapping[str, str]]) -> str:
-    """The simulator's chat template: one ``role: content`` line per message."""
-    return "\n".join(f"{message['role']}: {message['content']}" for message in messages)
+def render_chat(messages: Iterable[Mapping[str, str]], *, generation_prompt: bool = False) -> str:
+    """The simulator's chat template: one ``role: content`` line per message.
+
+    With ``generation_prompt`` a last line opens the assistant's reply
+    (``assistant:``), as vLLM renders a chat request with the template's
+    generation prompt: a client resending the reply inside an ``assistant``
+    message then sends the tokens the pod computed, header and reply alike.
+    """
+    text = "\n".join(f"{message['role']}: {message['content']}" for message in messages)
+    return f"{text}\nassistant:" if generation_prompt else text
 
 
 def tokenize_chat(messages: Iterable[Mapping[str, str]]) -> list[int]:

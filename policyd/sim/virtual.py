@@ -12,6 +12,7 @@ from collections.abc import Callable
 from itertools import count
 
 from policyd.sim.engine import Engine, EngineSnapshot, RequestState, SimRequest
+from policyd.sim.engine_v1 import new_engine
 from policyd.sim.profile import Profile
 
 
@@ -67,7 +68,7 @@ class VirtualPod:
 
     def __init__(self, loop: VirtualLoop, profile: Profile, *, name: str, seed: int = 0) -> None:
         self.name = name
-        self.engine = Engine(profile, seed=seed)
+        self.engine: Engine = new_engine(profile, seed=seed)
         self._loop = loop
         self._busy = False
         self._kick_pending = False

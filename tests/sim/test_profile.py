@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import pytest
 
-from policyd.sim.profile import L4_LLAMA2_7B, get_profile
+from policyd.sim.profile import H100_LLAMA31_8B, L4_LLAMA2_7B, get_profile
 
 
 def test_profiles_are_found_by_name_and_unknown_names_list_the_known_ones() -> None:
     assert get_profile("l4-llama2-7b") is L4_LLAMA2_7B
-    with pytest.raises(KeyError, match="known: l4-llama2-7b"):
+    assert get_profile("h100-llama3.1-8b") is H100_LLAMA31_8B
+    with pytest.raises(KeyError, match=r"known: h100-llama3\.1-8b, l4-llama2-7b"):
         get_profile("h100-llama3-70b")
+
+
+def test_a_v1_profile_may_budget_fewer_tokens_per_step_than_its_context() -> None:
+    # Chunked prefill splits a long prompt over steps, so vLLM V1 accepts this.
+    assert H100_LLAMA31_8B.max_num_batched_tokens < H100_LLAMA31_8B.max_model_len
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        H100_LLAMA31_8B.with_changes(scheduler="v0")
+
+
+def test_the_v1_step_cost_grows_with_every_term() -> None:
+    profile = H100_LLAMA31_8B
+    base = profile.step_s(0, 1, 1000)
+    assert profile.step_s(512, 1, 1000) > base  # prefill tokens
+    assert profile.step_s(0, 2, 1000) > base  # decode sequences
+    assert profile.step_s(0, 1, 100_000) > base  # context read
 
 
 def test_the_seed_profile_carries_the_calibration_constants() -> None:

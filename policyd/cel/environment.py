@@ -122,7 +122,11 @@ class Environment:
             )
             evaluate, python_source = codegen.generate(lowered)
         except (lowering.NotLoweredError, codegen.GenerationError) as reason:
-            notes = [f"not lowered: {reason}", "evaluated by cel-expr-python (slower)"]
+            notes = [
+                f"not lowered: {reason}",
+                "evaluated by cel-expr-python (slower; its string work is bounded at load "
+                "time only, not counted at run time)",
+            ]
             if "TIMESTAMP" in return_type or "DURATION" in return_type:
                 notes.append("timestamps and durations it returns are rounded to microseconds")
             return Program(

@@ -20,7 +20,9 @@ characters (bytes for bytes values). What is known at load time (literals,
 ``constants``) is counted here, over every iteration of the comprehensions
 around it; what depends on the request or the pod (a header's size) is known
 only at run time, where the generated program counts it (``codegen.py``) and
-stops with a ``CelEvalError`` past the budget.
+stops with a ``CelEvalError`` past the budget (``Estimate.runtime_strings``
+says there is such work: cel-expr-python, which cannot count it, must not run
+that expression).
 """
 
 from __future__ import annotations
@@ -110,10 +112,12 @@ UNBOUNDED: Final = Polynomial((0, 1))
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """Steps, and characters of string work known at load time, as polynomials in N."""
+    """Steps, and characters of string work known at load time, as polynomials in N;
+    ``runtime_strings``: some string work depends on values known only at run time."""
 
     cost: Polynomial
     known_strings: Polynomial
+    runtime_strings: bool
 
     def describe(self) -> str:
         strings = self.known_strings.at(ASSUMED_SIZE)
@@ -140,6 +144,7 @@ class _Estimator:
         # of the sizes of the comprehensions around it), and the string work seen.
         self._repeats = ONE
         self.known_strings = Polynomial.constant(0)
+        self.runtime_strings = False
 
     # -- sizes ---------------------------------------------------------------------
 
@@ -234,10 +239,23 @@ class _Estimator:
     def _count_strings(self, args: list[syntax_pb2.Expr]) -> None:
         """Add the known part of a metered call's string work. A call on known
         operands only is folded at load time and costs nothing per evaluation."""
-        sizes = [self.text_size(arg) for arg in args]
+        texts = [arg for arg in args if self._may_be_text(arg)]
+        sizes = [self.text_size(arg) for arg in texts]
         if None in sizes:
+            self.runtime_strings = True
             known = sum(size for size in sizes if size is not None)
             self.known_strings = self.known_strings + self._repeats * Polynomial.constant(known)
+
+    def _may_be_text(self, expr: syntax_pb2.Expr) -> bool:
+        """Whether ``expr`` may be a string or bytes (``1u + 2u`` does no string work)."""
+        checked = self._types.get(expr.id)
+        if checked is None:  # unchecked: assume the worst
+            return True
+        kind = checked.WhichOneof("type_kind")
+        return kind == "dyn" or (
+            kind == "primitive"
+            and checked.primitive in (checked_pb2.Type.STRING, checked_pb2.Type.BYTES)
+        )
 
     def _is_accumulator(self, expr: syntax_pb2.Expr) -> bool:
         return (
@@ -337,4 +355,4 @@ def estimate(
             f"above the budget of {STRING_BUDGET}; long literals or constants concatenated "
             "or searched inside a comprehension repeat that work for every element"
         )
-    return Estimate(cost, estimator.known_strings)
+    return Estimate(cost, estimator.known_strings, estimator.runtime_strings)

@@ -78,3 +78,12 @@ def test_a_long_literal_concatenated_per_element_is_refused_at_load() -> None:
     with pytest.raises(CelCompileError, match="cost bound") as error:
         ENVIRONMENT.compile(f"{FIVE_THOUSAND}.map(i, {literal} + request.model).size() > 0")
     assert "characters of strings" in error.value.message
+
+
+def test_the_same_work_where_only_cel_expr_python_could_run_it_is_refused_at_load() -> None:
+    # Message construction is not lowered; cel-expr-python has no budget to stop it.
+    header = 'request.headers["x-big"]'
+    with pytest.raises(CelCompileError, match="cannot count the string work"):
+        ENVIRONMENT.compile(
+            f"{FIVE_THOUSAND}.map(i, policyd.Pod{{name: {header} + {header}}}).size() > 0"
+        )

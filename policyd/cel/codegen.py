@@ -22,6 +22,13 @@ of the generated function, so one evaluation's count is its own) and raises
 ``CelEvalError`` once the count passes ``cost.STRING_BUDGET``, before doing
 the work. A program without such calls has no count at all.
 
+Iterations: the load-time bound counts input lists as ``cost.ASSUMED_SIZE``
+elements, but a pod or a request may bring longer ones (a pod publishing
+thousands of adapters). Each comprehension whose range is not a literal, or
+that runs inside another comprehension, adds its range's size to a second
+count, and the evaluation stops with ``CelEvalError`` past
+``cost.MAX_ITERATIONS``; a literal range at the top is bounded at load time.
+
 Errors: every CEL error is a ``CelEvalError``. ``&&``, ``||``,
 ``@not_strictly_false`` and error-absorbing comprehension steps catch
 exceptions of their operands and hold the error as a value; everything else
@@ -46,6 +53,7 @@ _PLAIN_FIELD: Final = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _ACTIVATION: Final = "act"
 _FUNCTION: Final = "_cel_program"
 _SPENT: Final = "_spent"
+_ITERATIONS: Final = "_iterations"
 _SIMPLE_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -66,6 +74,13 @@ def _over_budget() -> None:
         f"cost budget: this evaluation built or scanned more than {cost.STRING_BUDGET} "
         "characters of strings; the request's values (e.g. its headers) are too large "
         "for this expression"
+    )
+
+
+def _too_many_iterations() -> None:
+    raise CelEvalError(
+        f"cost budget: this evaluation iterated over more than {cost.MAX_ITERATIONS} "
+        "elements; the pod's or the request's lists or maps are too long for this expression"
     )
 
 
@@ -94,6 +109,7 @@ def _base_namespace() -> dict[str, Any]:
         "_make_map": runtime.make_map,
         "_field": runtime.get_field,
         "_over_budget": _over_budget,
+        "_too_many_iterations": _too_many_iterations,
         "_text_size": _text_size,
         "len": len,
         "_float": float,
@@ -111,6 +127,8 @@ class _Generator:
         self._bound: dict[int, str] = {}
         self._bindings: list[dict[str, str]] = [{}]
         self.metered = False
+        self.counts_iterations = False
+        self._loops = 0  # comprehensions around the code being generated
 
     # -- emission helpers ------------------------------------------------------------
 
@@ -365,12 +383,17 @@ class _Generator:
         self.emit(f"{items} = {self.value(node.range)}")
         if node.range.type.kind not in ("list", "map"):
             self.emit(f"{items} = _iterate({items})")
+        if self._loops or not isinstance(node.range, ir.Const):
+            self.counts_iterations = True
+            self.emit(f"{_ITERATIONS} += len({items})")
+            self.emit(f"if {_ITERATIONS} > {cost.MAX_ITERATIONS}: _too_many_iterations()")
         appended = _appended_element(node)
         if appended is not None:
             self.emit(f"{node.accu_slot} = []")
         else:
             self.emit(f"{node.accu_slot} = {self.value(node.init)}")
         self.emit(f"for {node.iter_slot} in {items}:")
+        self._loops += 1
         with self.block():
             self._loop_condition(node.condition)
             if appended is not None:
@@ -382,6 +405,7 @@ class _Generator:
                 self.emit(f"{node.accu_slot} = {held}")
             else:
                 self._guarded(node.accu_slot, node.step)
+        self._loops -= 1
         return self.value(node.result)
 
     def _loop_condition(self, condition: ir.Node) -> None:
@@ -514,6 +538,8 @@ def generate(lowered: ir.Lowered) -> tuple[Callable[[Mapping[str, Any]], Any], s
         generator.value(variable)
     result = generator.value(lowered.root)
     body = generator.lines
+    if generator.counts_iterations:
+        body = [f"        {_ITERATIONS} = 0", *body]
     if generator.metered:
         body = [f"        {_SPENT} = 0", *body]
     source = "\n".join(

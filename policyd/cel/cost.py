@@ -38,6 +38,10 @@ from policyd.cel.errors import CelCompileError
 
 ASSUMED_SIZE: Final = 100
 MAX_COST: Final = 100_000
+# Elements one evaluation may iterate over, all comprehensions together: what
+# MAX_COST allows for lists of ASSUMED_SIZE, whatever size the lists have at
+# run time (``codegen.py`` counts them).
+MAX_ITERATIONS: Final = MAX_COST
 # Characters of string work per evaluation: a few passes over the largest
 # request-header block the serving path accepts (64 KiB), and, like MAX_COST,
 # about a millisecond of work and a megabyte of memory at most.

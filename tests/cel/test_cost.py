@@ -7,6 +7,7 @@ from cel_expr_python import cel
 
 from policyd.cel import CelCompileError, CelEvalError, Environment, pod_type, request_type
 from policyd.policy.request import Request
+from policyd.pool.pod import Pod
 
 ENVIRONMENT = Environment(
     {
@@ -125,3 +126,18 @@ def test_string_work_known_at_load_time_is_in_the_report() -> None:
     program = STRINGS.compile(f'{HUNDRED}.exists(i, request.model.contains("abcd"))')
     estimate = next(line for line in program.report if line.startswith("estimated cost"))
     assert "400 characters of string work known at load time" in estimate
+
+
+def test_iterations_are_counted_only_where_the_load_time_bound_cannot_know_them() -> None:
+    over_input = STRINGS.compile("pod.active_loras.exists(a, a == request.model)")
+    assert over_input.python_source is not None and "_iterations" in over_input.python_source
+    literal = STRINGS.compile("[1, 2, 3].exists(i, pod.waiting_queue == i)")
+    assert literal.python_source is not None and "_iterations" not in literal.python_source
+    nested = STRINGS.compile("pod.active_loras.exists(a, ['x', 'y'].exists(b, a == b))")
+    assert nested.python_source is not None and nested.python_source.count("_iterations +=") == 2
+
+
+def test_long_input_lists_within_the_iteration_budget_evaluate() -> None:
+    program = STRINGS.compile("pod.active_loras.exists(a, a == request.model)")
+    pod = Pod(name="p", address="a:1", active_loras=[f"x{i}" for i in range(50_000)] + ["m"])
+    assert program.evaluate({"pod": pod, "request": _request("")}) is True

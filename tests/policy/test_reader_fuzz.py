@@ -8,6 +8,7 @@ past the YAML parser and into the reader's and compiler's checks.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,11 +16,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from policyd.fields import POD_FIELDS, REQUEST_FIELDS
 from policyd.policy import PolicyError, PolicySet, PolicyStore
 from policyd.policy.loader import compile_source, load_policy_set
 from policyd.policy.source import Source
+from policyd.policy.testing import read_policy_tests
 
-from .helpers import RULES
+from .helpers import REPO, RULES
+
+SCHEMA = REPO / "policyd" / "policy" / "policy.schema.json"
 
 EXAMPLES = int(os.environ.get("POLICY_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -32,50 +37,25 @@ FUZZ = settings(
 SHIPPED = sorted(p for p in RULES.glob("*.yaml") if not p.name.endswith(".test.yaml"))
 SHIPPED_TEXTS = [p.read_text() for p in SHIPPED]
 
-KEYS = [
-    "name",
-    "description",
-    "match",
-    "models",
-    "headers",
-    "criticality",
-    "header",
-    "default",
-    "params",
-    "type",
-    "value",
-    "variables",
-    "filters",
-    "keep",
-    "band",
-    "if",
-    "then",
-    "else",
-    "next",
-    "on_success",
-    "on_failure",
-    "shed",
-    "status",
-    "score",
-    "scorers",
-    "weight",
-    "expr",
-    "pick",
-    "fallbacks",
-    "flow",
-    "shadows",
-    "labels",
-    "target_model",
-    "split",
-    "reason",
-    "retry_after",
-    "rewrite",
-    "kind",
-    "min",
-    "max",
-    "tie_break",
-    "route",
-]
+TEST_TEXTS = [p.read_text() for p in sorted(RULES.glob("*.test.yaml"))]
+
+
+def _property_names(schema: object) -> set[str]:
+    """Every field name the policy schema declares, at any depth."""
+    if isinstance(schema, dict):
+        names = set(schema.get("properties", {}))
+        return names.union(*(_property_names(value) for value in schema.values()))
+    if isinstance(schema, list):
+        return set().union(*(_property_names(value) for value in schema))
+    return set()
+
+
+KEYS = sorted(_property_names(json.loads(SCHEMA.read_text())))
+TEST_KEYS = sorted(
+    {"policy", "pods", "cases", "request", "expect", "seed", "outcome", "pick", "picks"}
+    | {"survivors", "fallbacks", "target_model", "criticality", "reason", "path"}
+    | {field.name for field in (*POD_FIELDS, *REQUEST_FIELDS)}
+)
 CEL = [
     "pod.waiting_queue < 5",
     "request.model in pod.active_loras",
@@ -211,3 +191,33 @@ def test_whatever_is_written_over_a_policy_the_store_serves_a_whole_policy(
     else:
         assert store.current is serving
         assert result.error is not None or data == GOOD.encode()
+
+
+test_documents = st.recursive(
+    scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(
+            st.one_of(st.sampled_from(TEST_KEYS), st.text(max_size=10)), children, max_size=5
+        ),
+    ),
+    max_leaves=40,
+)
+
+
+@FUZZ
+@given(
+    st.one_of(
+        test_documents.map(lambda d: yaml.safe_dump(d, allow_unicode=True)),
+        st.tuples(st.sampled_from(TEST_TEXTS), st.integers(min_value=0), st.text(max_size=20)).map(
+            lambda edit: edit[0][: edit[1] % (len(edit[0]) + 1)] + edit[2]
+        ),
+    )
+)
+def test_arbitrary_policy_test_files_read_or_raise_policy_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "fuzz.test.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        read_policy_tests(path)
+    except PolicyError as error:
+        assert error.errors

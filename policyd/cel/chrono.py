@@ -119,7 +119,7 @@ def parse_timestamp(text: str) -> Timestamp:
     """RFC 3339 (``2009-02-13T23:31:30.5Z``, ``...+01:00``) to a Timestamp."""
     match = _TIMESTAMP_TEXT.fullmatch(text)
     if match is None:
-        raise CelEvalError(f"cannot parse timestamp {text!r}: expected RFC 3339")
+        raise CelEvalError("cannot convert string to timestamp: not RFC 3339")
     year, month, day, hour, minute, second = (int(match.group(i)) for i in range(1, 7))
     if not (
         1 <= month <= 12
@@ -128,7 +128,7 @@ def parse_timestamp(text: str) -> Timestamp:
         and minute <= 59
         and second <= 60
     ):
-        raise CelEvalError(f"cannot parse timestamp {text!r}: no such date or time")
+        raise CelEvalError("cannot convert string to timestamp: no such date or time")
     fraction = (match.group(7) or "")[:9]
     nanos = int(fraction.ljust(9, "0")) if fraction else 0
     offset_seconds = 0
@@ -178,7 +178,9 @@ def parse_duration(text: str) -> Duration:
     while position < len(body):
         match = _DURATION_PART.match(body, position)
         if match is None or (not match.group(1) and not match.group(2)):
-            raise CelEvalError(f"cannot parse duration {text!r}")
+            raise CelEvalError(
+                "cannot convert string to duration: not a duration such as 1h30m or 0.5s"
+            )
         unit = _UNIT_NANOS[match.group(3)]
         fraction = match.group(2) or ""
         total += int(match.group(1) or "0") * unit
@@ -186,7 +188,9 @@ def parse_duration(text: str) -> Duration:
             total += int(fraction) * unit // 10 ** len(fraction)
         position = match.end()
     if position == 0:
-        raise CelEvalError(f"cannot parse duration {text!r}")
+        raise CelEvalError(
+            "cannot convert string to duration: not a duration such as 1h30m or 0.5s"
+        )
     return checked_duration(-total if text[:1] == "-" else total)
 
 
@@ -215,7 +219,7 @@ def _offset_seconds(zone: str, utc_seconds: int) -> int:
         return -offset if fixed.group(1) == "-" else offset
     info = _zone(zone)
     if info is None:
-        raise CelEvalError(f"invalid time zone {zone!r}")
+        raise CelEvalError("invalid time zone: not an IANA name or a [+-]HH:MM offset")
     instant = datetime.fromtimestamp(utc_seconds, tz=UTC)
     delta = info.utcoffset(instant)
     return 0 if delta is None else int(delta.total_seconds())

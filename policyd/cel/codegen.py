@@ -16,6 +16,19 @@ handled by construction:
   which refuses names starting with ``_``;
 * the function runs with empty ``__builtins__``.
 
+String work: a call of ``cost.METERED_FUNCTIONS`` whose operands are not all
+known at load time first adds their lengths to the evaluation's count (a local
+of the generated function, so one evaluation's count is its own) and raises
+``CelEvalError`` once the count passes ``cost.STRING_BUDGET``, before doing
+the work. A program without such calls has no count at all.
+
+Iterations: the load-time bound counts input lists as ``cost.ASSUMED_SIZE``
+elements, but a pod or a request may bring longer ones (a pod publishing
+thousands of adapters). Each comprehension whose range is not a literal, or
+that runs inside another comprehension, adds its range's size to a second
+count, and the evaluation stops with ``CelEvalError`` past
+``cost.MAX_ITERATIONS``; a literal range at the top is bounded at load time.
+
 Errors: every CEL error is a ``CelEvalError``. ``&&``, ``||``,
 ``@not_strictly_false`` and error-absorbing comprehension steps catch
 exceptions of their operands and hold the error as a value; everything else
@@ -32,13 +45,16 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Final
 
-from policyd.cel import ir, runtime
+from policyd.cel import cost, ir, runtime, stdlib
 from policyd.cel.errors import CelEvalError
 from policyd.cel.values import INT64_MAX, INT64_MIN, UINT64_MAX, UInt
 
 _PLAIN_FIELD: Final = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _ACTIVATION: Final = "act"
 _FUNCTION: Final = "_cel_program"
+_SPENT: Final = "_spent"
+_ITERATIONS: Final = "_iterations"
+_SIMPLE_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class GenerationError(Exception):
@@ -51,6 +67,27 @@ def _top_level_error(error: Exception) -> CelEvalError:
         return runtime.as_error(error)
     except Exception as internal:
         return CelEvalError(f"internal error in compiled program: {internal!r}")
+
+
+def _over_budget() -> None:
+    raise CelEvalError(
+        f"cost budget: this evaluation built or scanned more than {cost.STRING_BUDGET} "
+        "characters of strings; the request's values (e.g. its headers) are too large "
+        "for this expression"
+    )
+
+
+def _too_many_iterations() -> None:
+    raise CelEvalError(
+        f"cost budget: this evaluation iterated over more than {cost.MAX_ITERATIONS} "
+        "elements; the pod's or the request's lists or maps are too long for this expression"
+    )
+
+
+def _text_size(value: Any) -> int:
+    """The length a metered call on a ``dyn`` operand counts (0 for non-text)."""
+    kind = value.__class__
+    return len(value) if kind is str or kind is bytes else 0
 
 
 def _base_namespace() -> dict[str, Any]:
@@ -71,6 +108,9 @@ def _base_namespace() -> dict[str, Any]:
         "_has": runtime.has_field,
         "_make_map": runtime.make_map,
         "_field": runtime.get_field,
+        "_over_budget": _over_budget,
+        "_too_many_iterations": _too_many_iterations,
+        "_text_size": _text_size,
         "len": len,
         "_float": float,
         "Exception": Exception,
@@ -86,6 +126,9 @@ class _Generator:
         self._counter = 0
         self._bound: dict[int, str] = {}
         self._bindings: list[dict[str, str]] = [{}]
+        self.metered = False
+        self.counts_iterations = False
+        self._loops = 0  # comprehensions around the code being generated
 
     # -- emission helpers ------------------------------------------------------------
 
@@ -197,6 +240,9 @@ class _Generator:
 
     def _call(self, node: ir.Call) -> str:
         args = [self.value(arg) for arg in node.args]
+        overload = stdlib.OVERLOADS.get(node.name)
+        if (overload.function if overload else node.name) in cost.METERED_FUNCTIONS:
+            args = self._metered(node.args, args)
         if node.inline is None:
             return f"{self.bind(node.impl, '_f')}({', '.join(args)})"
         text = node.inline.format(*(f"({arg})" for arg in args))
@@ -209,6 +255,34 @@ class _Generator:
             return result
         self.emit(f"if not 0 <= {result} <= {UINT64_MAX}: _overflow()")
         return f"_UInt({result})"
+
+    def _metered(self, nodes: tuple[ir.Node, ...], args: list[str]) -> list[str]:
+        """Count the string work of a metered call on ``args`` (its operands'
+        Python expressions), each evaluated once into a name; returns the names."""
+        known = 0
+        counted: list[str] = []
+        names: list[str] = []
+        for node, text in zip(nodes, args, strict=True):
+            kind = node.type.kind
+            if isinstance(node, ir.Const):
+                if node.value.__class__ in (str, bytes):
+                    known += len(node.value)
+                names.append(text)
+                continue
+            if kind not in ("string", "bytes", ir.DYN_KIND):
+                names.append(text)
+                continue
+            name = text
+            if not _SIMPLE_NAME.fullmatch(text):
+                name = self.temp()
+                self.emit(f"{name} = {text}")
+            counted.append(f"len({name})" if kind != ir.DYN_KIND else f"_text_size({name})")
+            names.append(name)
+        if counted:
+            self.metered = True
+            self.emit(f"{_SPENT} += {' + '.join(counted)}" + (f" + {known}" if known else ""))
+            self.emit(f"if {_SPENT} > {cost.STRING_BUDGET}: _over_budget()")
+        return names
 
     def _list_lit(self, node: ir.ListLit) -> str:
         items = [self.value(item) for item in node.items]
@@ -309,12 +383,17 @@ class _Generator:
         self.emit(f"{items} = {self.value(node.range)}")
         if node.range.type.kind not in ("list", "map"):
             self.emit(f"{items} = _iterate({items})")
+        if self._loops or not isinstance(node.range, ir.Const):
+            self.counts_iterations = True
+            self.emit(f"{_ITERATIONS} += len({items})")
+            self.emit(f"if {_ITERATIONS} > {cost.MAX_ITERATIONS}: _too_many_iterations()")
         appended = _appended_element(node)
         if appended is not None:
             self.emit(f"{node.accu_slot} = []")
         else:
             self.emit(f"{node.accu_slot} = {self.value(node.init)}")
         self.emit(f"for {node.iter_slot} in {items}:")
+        self._loops += 1
         with self.block():
             self._loop_condition(node.condition)
             if appended is not None:
@@ -326,6 +405,7 @@ class _Generator:
                 self.emit(f"{node.accu_slot} = {held}")
             else:
                 self._guarded(node.accu_slot, node.step)
+        self._loops -= 1
         return self.value(node.result)
 
     def _loop_condition(self, condition: ir.Node) -> None:
@@ -458,6 +538,10 @@ def generate(lowered: ir.Lowered) -> tuple[Callable[[Mapping[str, Any]], Any], s
         generator.value(variable)
     result = generator.value(lowered.root)
     body = generator.lines
+    if generator.counts_iterations:
+        body = [f"        {_ITERATIONS} = 0", *body]
+    if generator.metered:
+        body = [f"        {_SPENT} = 0", *body]
     source = "\n".join(
         [
             f"def {_FUNCTION}({_ACTIVATION}):",

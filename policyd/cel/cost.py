@@ -13,8 +13,16 @@ any list or map not known at load time (``pod.active_loras``,
   elements stays within ``MAX_COST`` steps (roughly milliseconds of Python),
   which bounds big literal fan-outs as well.
 
-String operations count as one step: strings come from requests whose size
-Envoy already bounds, and ``matches`` runs on RE2, which is linear in its input.
+String work is proportional to the strings' sizes, not one step: the
+operations in ``METERED_FUNCTIONS`` build or scan their string and bytes
+operands, and an evaluation may do so for at most ``STRING_BUDGET``
+characters (bytes for bytes values). What is known at load time (literals,
+``constants``) is counted here, over every iteration of the comprehensions
+around it; what depends on the request or the pod (a header's size) is known
+only at run time, where the generated program counts it (``codegen.py``) and
+stops with a ``CelEvalError`` past the budget (``Estimate.runtime_strings``
+says there is such work: cel-expr-python, which cannot count it, must not run
+that expression).
 """
 
 from __future__ import annotations
@@ -30,6 +38,32 @@ from policyd.cel.errors import CelCompileError
 
 ASSUMED_SIZE: Final = 100
 MAX_COST: Final = 100_000
+# Elements one evaluation may iterate over, all comprehensions together: what
+# MAX_COST allows for lists of ASSUMED_SIZE, whatever size the lists have at
+# run time (``codegen.py`` counts them).
+MAX_ITERATIONS: Final = MAX_COST
+# Characters of string work per evaluation: a few passes over the largest
+# request-header block the serving path accepts (64 KiB), and, like MAX_COST,
+# about a millisecond of work and a megabyte of memory at most.
+STRING_BUDGET: Final = 1 << 20
+# CEL functions whose work is proportional to the length of their string or
+# bytes operands: concatenation, substring and regex search, and conversions
+# that parse or copy text. Comparisons (``==``, ``startsWith``...) stop at the
+# shorter operand, ``size`` and map lookups at a cached length and hash.
+METERED_FUNCTIONS: Final = frozenset(
+    {
+        "_+_",
+        "contains",
+        "matches",
+        "string",
+        "bytes",
+        "int",
+        "uint",
+        "double",
+        "timestamp",
+        "duration",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +116,19 @@ UNBOUNDED: Final = Polynomial((0, 1))
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
+    """Steps, and characters of string work known at load time, as polynomials in N;
+    ``runtime_strings``: some string work depends on values known only at run time."""
+
     cost: Polynomial
+    known_strings: Polynomial
+    runtime_strings: bool
 
     def describe(self) -> str:
+        strings = self.known_strings.at(ASSUMED_SIZE)
         return (
             f"estimated cost {self.cost.describe()} steps (N = size of an input list), "
             f"{self.cost.at(ASSUMED_SIZE)} for lists of {ASSUMED_SIZE}"
+            + (f"; {strings} characters of string work known at load time" if strings else "")
         )
 
 
@@ -103,6 +144,11 @@ class _Estimator:
         self._constants = constants
         self._local_sizes: list[dict[str, Polynomial]] = []
         self._accumulators: list[str] = []
+        # How often the expression being walked runs per evaluation (the product
+        # of the sizes of the comprehensions around it), and the string work seen.
+        self._repeats = ONE
+        self.known_strings = Polynomial.constant(0)
+        self.runtime_strings = False
 
     # -- sizes ---------------------------------------------------------------------
 
@@ -132,6 +178,26 @@ class _Estimator:
             return self.size(expr.comprehension_expr.iter_range)
         return UNBOUNDED
 
+    def text_size(self, expr: syntax_pb2.Expr) -> int | None:
+        """The length of the string or bytes ``expr`` evaluates to, when known at load time."""
+        which = expr.WhichOneof("expr_kind")
+        if which == "const_expr":
+            constant = expr.const_expr
+            kind = constant.WhichOneof("constant_kind")
+            if kind == "string_value":
+                return len(constant.string_value)
+            if kind == "bytes_value":
+                return len(constant.bytes_value)
+            return None
+        if which == "ident_expr":
+            value = self._constants.get(expr.ident_expr.name)
+            return len(value) if isinstance(value, str | bytes) else None
+        if which == "call_expr" and expr.call_expr.function == "_+_":
+            sizes = [self.text_size(arg) for arg in expr.call_expr.args]
+            if len(sizes) == 2 and None not in sizes:
+                return sum(size for size in sizes if size is not None)
+        return None
+
     # -- cost ------------------------------------------------------------------------
 
     def cost(self, expr: syntax_pb2.Expr) -> Polynomial:
@@ -159,6 +225,8 @@ class _Estimator:
         call = expr.call_expr
         args = ([call.target] if call.HasField("target") else []) + list(call.args)
         total = sum((self.cost(arg) for arg in args), ONE)
+        if call.function in METERED_FUNCTIONS:
+            self._count_strings(args)
         # ``x in list`` and equality of lists or maps walk the right operand.
         sized = (call.function == "@in" and self._is_collection(args[-1], maps=False)) or (
             call.function in ("_==_", "_!=_") and self._is_collection(args[-1])
@@ -171,6 +239,27 @@ class _Estimator:
                 total = total + self.size(args[0])
             total = total + self.size(args[1])
         return total
+
+    def _count_strings(self, args: list[syntax_pb2.Expr]) -> None:
+        """Add the known part of a metered call's string work. A call on known
+        operands only is folded at load time and costs nothing per evaluation."""
+        texts = [arg for arg in args if self._may_be_text(arg)]
+        sizes = [self.text_size(arg) for arg in texts]
+        if None in sizes:
+            self.runtime_strings = True
+            known = sum(size for size in sizes if size is not None)
+            self.known_strings = self.known_strings + self._repeats * Polynomial.constant(known)
+
+    def _may_be_text(self, expr: syntax_pb2.Expr) -> bool:
+        """Whether ``expr`` may be a string or bytes (``1u + 2u`` does no string work)."""
+        checked = self._types.get(expr.id)
+        if checked is None:  # unchecked: assume the worst
+            return True
+        kind = checked.WhichOneof("type_kind")
+        return kind == "dyn" or (
+            kind == "primitive"
+            and checked.primitive in (checked_pb2.Type.STRING, checked_pb2.Type.BYTES)
+        )
 
     def _is_accumulator(self, expr: syntax_pb2.Expr) -> bool:
         return (
@@ -194,10 +283,14 @@ class _Estimator:
         setup = self.cost(loop.iter_range) + self.cost(loop.accu_init)
         self._local_sizes.append({loop.iter_var: UNBOUNDED, loop.accu_var: range_size})
         self._accumulators.append(loop.accu_var)
+        outer_repeats = self._repeats
+        self._repeats = outer_repeats * range_size
         try:
             body = self.cost(loop.loop_condition) + self.cost(loop.loop_step)
+            self._repeats = outer_repeats
             result = self.cost(loop.result)
         finally:
+            self._repeats = outer_repeats
             self._local_sizes.pop()
             self._accumulators.pop()
         per_loop = range_size * body
@@ -258,4 +351,12 @@ def estimate(
             f"of {ASSUMED_SIZE} elements, above the limit of {MAX_COST}; the expression "
             "does too much work per evaluation"
         )
-    return Estimate(cost)
+    strings = estimator.known_strings.at(ASSUMED_SIZE)
+    if strings > STRING_BUDGET:
+        raise CelCompileError(
+            f"cost bound: the expression builds or scans {strings} characters of strings "
+            f"known at load time per evaluation (for input lists of {ASSUMED_SIZE} elements), "
+            f"above the budget of {STRING_BUDGET}; long literals or constants concatenated "
+            "or searched inside a comprehension repeat that work for every element"
+        )
+    return Estimate(cost, estimator.known_strings, estimator.runtime_strings)

@@ -122,6 +122,14 @@ class Environment:
             )
             evaluate, python_source = codegen.generate(lowered)
         except (lowering.NotLoweredError, codegen.GenerationError) as reason:
+            if checked and estimate.runtime_strings:
+                # cel-expr-python has no budget to stop it: a rule must not rely on it.
+                raise CelCompileError(
+                    f"cost bound: this expression is not lowered ({reason}), and "
+                    "cel-expr-python, which would evaluate it, cannot count the string "
+                    "work it does on run-time values (concatenation, contains, matches, "
+                    "conversions); rewrite it without that construct"
+                ) from None
             notes = [f"not lowered: {reason}", "evaluated by cel-expr-python (slower)"]
             if "TIMESTAMP" in return_type or "DURATION" in return_type:
                 notes.append("timestamps and durations it returns are rounded to microseconds")

@@ -14,6 +14,7 @@ qualified prefix first) and calls dispatch on run-time kinds.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -32,6 +33,34 @@ _PYTHON_EQUALITY_KINDS: Final = frozenset(
     {"bool", "int", "uint", "double", "string", "bytes", "null", "timestamp", "duration", "type"}
 )
 _PYTHON_MEMBERSHIP_KINDS: Final = frozenset({"bool", "int", "uint", "string", "bytes"})
+
+
+# Type conversions: their errors name the field converted (``runtime.naming``).
+_CONVERSIONS: Final = frozenset(
+    {"int", "uint", "double", "string", "bytes", "bool", "timestamp", "duration"}
+)
+
+
+def _place(node: ir.Node) -> str | None:
+    """The field ``node`` reads, as the expression writes it (``request.headers["x"]``),
+    or None when it is not a plain field path."""
+    if isinstance(node, ir.Var):
+        return node.name
+    if isinstance(node, ir.Attr | ir.DynSelect):
+        operand = _place(node.operand)
+        return None if operand is None else f"{operand}.{node.field}"
+    if isinstance(node, ir.MapKey):
+        operand = _place(node.operand)
+        return None if operand is None else f'{operand}["{node.key}"]'
+    if (
+        isinstance(node, ir.Call)
+        and node.name == "index_map"
+        and isinstance(node.args[1], ir.Const)
+        and isinstance(node.args[1].value, str)
+    ):
+        operand = _place(node.args[0])
+        return None if operand is None else f'{operand}["{node.args[1].value}"]'
+    return None
 
 
 class NotLoweredError(Exception):
@@ -262,6 +291,10 @@ class Lowerer:
                     raise NotLoweredError(f"function {function!r} is not in the lowered library")
                 return ir.Fail(DYN, f"unbound function {function!r}")
             node = ir.Call(static, function, dispatch, args)
+        if function in _CONVERSIONS and node.inline is None and len(args) == 1:
+            place = _place(args[0])
+            if place is not None:
+                node = replace(node, impl=runtime.naming(place, node.impl), checked=None)
         return self._fold(node)
 
     def _direct_call(
@@ -291,7 +324,13 @@ class Lowerer:
             oid == "in_map" and _key_kind(args[1]) == args[0].type.kind in _PYTHON_MEMBERSHIP_KINDS
         ):
             inline = "({0} in {1})"
-        elif oid == "index_map" and _key_kind(args[0]) == "string" == args[1].type.kind:
+        elif (
+            oid == "index_map"
+            and _key_kind(args[0]) == "string" == args[1].type.kind
+            and isinstance(args[1], ir.Const)
+        ):
+            # A written key: a missing one is named in the error (``runtime.as_error``);
+            # a computed key may be a request's value and goes through ``index_map``.
             inline = "{0}[{1}]"
         elif oid == "type":
             return self._static_type_of(static, args[0])

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from decimal import Decimal
-from functools import lru_cache
 from typing import Any, Final, NoReturn
 
 import re2
@@ -155,6 +155,8 @@ def as_error(error: Exception) -> CelEvalError:
     if isinstance(error, NameError | AssertionError | SyntaxError):
         raise error
     if isinstance(error, KeyError):
+        # Raised by an inline lookup of a key written in the expression, never a
+        # computed one (``index_map``), so naming it shows no request value.
         key = error.args[0] if error.args else "?"
         return CelEvalError(f"no such key: {key!r}")
     if isinstance(error, ZeroDivisionError):
@@ -397,10 +399,19 @@ def map_lookup(container: Mapping[Any, Any], key: Any) -> tuple[bool, Any]:
     return True, value
 
 
+def shown_key(key: Any) -> str:
+    """A map key as an error message may show it: a string key may be a request's
+    value (a credential in a header), so only its kind is named."""
+    kind = kind_of(key)
+    return "a string key (not shown)" if kind in (STRING, BYTES) else f"{kind} {key!r}"
+
+
 def index_map(container: Mapping[Any, Any], key: Any) -> Any:
+    """``m[key]`` for a key the expression computes (a key written in the
+    expression is looked up inline and named when missing)."""
     found, value = map_lookup(container, key)
     if not found:
-        raise CelEvalError(f"no such key: {key!r}")
+        raise CelEvalError(f"no such key: {shown_key(key)}")
     return value
 
 
@@ -408,7 +419,7 @@ def index_list(container: Sequence[Any], index: Any) -> Any:
     kind = kind_of(index)
     if kind == DOUBLE:
         if not index.is_integer():
-            raise CelEvalError(f"invalid list index {index!r}: not an integer")
+            raise CelEvalError("invalid list index: a double that is not a whole number")
         index = int(index)
     elif kind not in (INT, UINT):
         no_overload("_[_]", container, index)
@@ -440,7 +451,7 @@ def make_map(keys: Sequence[Any], values: Sequence[Any]) -> dict[Any, Any]:
         if kind not in (STRING, INT, UINT, BOOL):
             raise CelEvalError(f"unsupported map key type {kind}")
         if key in result:
-            raise CelEvalError(f"repeated map key {key!r}")
+            raise CelEvalError(f"repeated map key: {shown_key(key)}")
         kinds.add(kind)
         result[key] = value
     if BOOL in kinds and kinds & NUMERIC_KINDS and any(k is True or k is False for k in result):
@@ -500,26 +511,38 @@ def is_set(value: Any) -> bool:
 # -- strings ------------------------------------------------------------------------
 
 
+# RE2's own ceiling on one regex's memory (its program and DFA caches; 8 MiB by
+# default). A pattern whose program does not fit fails to compile, a search
+# whose DFA outgrows it falls back to RE2's slower, still linear, engines.
+REGEX_MAX_MEM: Final = 1 << 20
+# What the compiled regexes kept for reuse may hold at most: patterns that come
+# from requests (``matches(request.headers["x-re"])``) are new on every request.
+REGEX_CACHE_BYTES: Final = 32 << 20
+
+
 def _re2_options() -> re2.Options:
     options = re2.Options()
     options.log_errors = False
     options.never_capture = True
+    options.max_mem = REGEX_MAX_MEM
     return options
 
 
 _RE2_OPTIONS: Final = _re2_options()
 
+Search = Callable[[str], bool]
 
-@lru_cache(maxsize=512)
-def regex(pattern: str) -> Callable[[str], bool]:
+
+def _compile_search(pattern: str) -> Search:
     """A compiled RE2 search (CEL ``matches`` is a substring match)."""
     try:
         compiled = re2.compile(pattern, _RE2_OPTIONS)
     except re2.error as error:
-        message = (
-            error.args[0].decode() if error.args and isinstance(error.args[0], bytes) else error
-        )
-        raise CelEvalError(f"invalid regular expression {pattern!r}: {message}") from None
+        detail = error.args[0].decode() if error.args and isinstance(error.args[0], bytes) else ""
+        # RE2 quotes the offending part of the pattern, which may come from a
+        # request; only its reason (the text before the quote) is kept.
+        reason = detail.split(":", 1)[0].strip() or "not RE2 syntax"
+        raise CelEvalError(f"invalid regular expression: {reason}") from None
     raw = getattr(compiled, "_regexp", None)
     if raw is None:  # pragma: no cover - a future google-re2 without the raw handle
         return lambda text: compiled.search(text) is not None
@@ -531,6 +554,54 @@ def regex(pattern: str) -> Callable[[str], bool]:
         return bool(raw_match(unanchored, encoded, 0, len(encoded))[0][0] >= 0)
 
     return search
+
+
+class RegexCache:
+    """Compiled searches by pattern, holding at most ``limit`` bytes.
+
+    Each entry is charged its worst case: RE2's ``REGEX_MAX_MEM`` plus the
+    pattern's own bytes. The oldest entries go first. A hit is one dict read
+    (no lock: lookups run on the event loop); inserting takes a lock, since
+    policies compile in a worker thread.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._entries: dict[str, tuple[Search, int]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def search(self, pattern: str) -> Search:
+        entry = self._entries.get(pattern)
+        if entry is not None:
+            return entry[0]
+        search = _compile_search(pattern)
+        weight = REGEX_MAX_MEM + len(pattern.encode("utf-8", "surrogatepass"))
+        if weight > self._limit:
+            return search
+        with self._lock:
+            if pattern not in self._entries:
+                while self._bytes + weight > self._limit:
+                    oldest = next(iter(self._entries))
+                    self._bytes -= self._entries.pop(oldest)[1]
+                self._entries[pattern] = (search, weight)
+                self._bytes += weight
+        return search
+
+
+_REGEXES: Final = RegexCache(REGEX_CACHE_BYTES)
+
+
+def regex(pattern: str) -> Search:
+    """The compiled RE2 search for ``pattern``, shared through a bounded cache."""
+    return _REGEXES.search(pattern)
 
 
 def matches(text: str, pattern: str) -> bool:
@@ -559,25 +630,39 @@ _TRUE_TEXT: Final = frozenset({"1", "t", "true", "TRUE", "True"})
 _FALSE_TEXT: Final = frozenset({"0", "f", "false", "FALSE", "False"})
 
 
+def naming(place: str, convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``convert`` with its errors prefixed by ``place``, the field it converts
+    (``request.headers["x-tenant"]``): the error names where the value came from
+    and its kind, never the value, which may be a credential."""
+
+    def named(value: Any) -> Any:
+        try:
+            return convert(value)
+        except CelEvalError as error:
+            raise CelEvalError(f"{place}: {error}") from None
+
+    return named
+
+
 def int_from_uint(value: int) -> int:
     if value > INT64_MAX:
-        raise CelEvalError(f"uint {value} out of int range")
+        raise CelEvalError("uint out of int range")
     return int(value)
 
 
 def int_from_double(value: float) -> int:
     if not -_TWO_POW_63 < value < _TWO_POW_63:
-        raise CelEvalError(f"double {value!r} out of int range")
+        raise CelEvalError("double out of int range")
     return int(value)
 
 
 def int_from_string(text: str) -> int:
     match = _INTEGER_TEXT.fullmatch(text)
     if match is None:
-        raise CelEvalError(f"cannot convert {text!r} to int")
+        raise CelEvalError("cannot convert string to int: not a decimal integer")
     value = int(match.group(1))
     if not INT64_MIN <= value <= INT64_MAX:
-        raise CelEvalError(f"cannot convert {text!r} to int: out of range")
+        raise CelEvalError("cannot convert string to int: out of range")
     return value
 
 
@@ -587,23 +672,23 @@ def int_from_timestamp(value: Timestamp) -> int:
 
 def uint_from_int(value: int) -> UInt:
     if value < 0:
-        raise CelEvalError(f"int {value} out of uint range")
+        raise CelEvalError("int out of uint range")
     return UInt(value)
 
 
 def uint_from_double(value: float) -> UInt:
     if not 0 <= value < _TWO_POW_64:
-        raise CelEvalError(f"double {value!r} out of uint range")
+        raise CelEvalError("double out of uint range")
     return UInt(int(value))
 
 
 def uint_from_string(text: str) -> UInt:
     match = _INTEGER_TEXT.fullmatch(text)
     if match is None or match.group(1).startswith("-"):
-        raise CelEvalError(f"cannot convert {text!r} to uint")
+        raise CelEvalError("cannot convert string to uint: not a decimal integer >= 0")
     value = int(match.group(1))
     if value > UINT64_MAX:
-        raise CelEvalError(f"cannot convert {text!r} to uint: out of range")
+        raise CelEvalError("cannot convert string to uint: out of range")
     return UInt(value)
 
 
@@ -613,13 +698,13 @@ def double_from_int(value: int) -> float:
 
 def double_from_string(text: str) -> float:
     if "_" in text:
-        raise CelEvalError(f"cannot convert {text!r} to double")
+        raise CelEvalError("cannot convert string to double: not a number")
     try:
         if _HEX_FLOAT_TEXT.fullmatch(text):
             return float.fromhex(text.strip())
         return float(text)
     except ValueError:
-        raise CelEvalError(f"cannot convert {text!r} to double") from None
+        raise CelEvalError("cannot convert string to double: not a number") from None
 
 
 def format_double(value: float) -> str:
@@ -675,7 +760,7 @@ def bool_from_string(text: str) -> bool:
         return True
     if text in _FALSE_TEXT:
         return False
-    raise CelEvalError(f"cannot convert {text!r} to bool")
+    raise CelEvalError("cannot convert string to bool: not true, false, t, f, 1 or 0")
 
 
 def timestamp_from_int(seconds: int) -> Timestamp:

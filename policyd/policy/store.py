@@ -16,7 +16,9 @@ replacing a good policy:
 - ``refuse_new_warnings``: a reload whose policy set has a warning the serving
   one does not (an unused param, an unreachable node), or that turns a policy
   with filter nodes, shed nodes or scorers into one with none (a file cut
-  before ``filters:``), is rejected like an invalid file.
+  before ``filters:``), or whose file now ends mid-line where the serving
+  version ended with a line break (a write cut at any byte), is rejected like
+  an invalid file.
 
 Both are off by default for the library; ``policyd serve`` turns them on
 (``--policy-settle-seconds``, ``--accept-policy-warnings``). Whatever a
@@ -63,6 +65,9 @@ class _Stamp:
 
     content: str
     stable: str
+    # Files whose text does not end with a line break, with the (line, column)
+    # just past their last character: the mark of a write cut mid-line.
+    unfinished: tuple[tuple[str, tuple[int, int]], ...] = ()
 
 
 class PolicyStore:
@@ -82,9 +87,9 @@ class PolicyStore:
         self.path = path
         self.settle_seconds = settle_seconds
         self.refuse_new_warnings = refuse_new_warnings
-        self._fingerprint = (
-            _stamp(watched_files(path, policies)).content if path is not None else ""
-        )
+        stamp = _stamp(watched_files(path, policies)) if path is not None else _Stamp("", "")
+        self._fingerprint = stamp.content
+        self._unfinished = frozenset(file for file, _ in stamp.unfinished)
         self._pending: tuple[str, float] | None = None  # (stable stamp, first seen)
         self._failure = ""  # the last exception the watcher logged
 
@@ -160,7 +165,7 @@ class PolicyStore:
         except PolicyError as error:
             result = Reload(self._current, changed=False, error=error)
         else:
-            result = self._guarded(policies)
+            result = self._guarded(policies, stamp)
         if settle:
             after = _stamp(files)
             if after.stable != stamp.stable:  # written to while it loaded: not this version
@@ -170,14 +175,27 @@ class PolicyStore:
         self._failure = ""
         if result.changed:
             self.swap(result.current)
+            self._unfinished = frozenset(file for file, _ in stamp.unfinished)
             new_files = watched_files(path, result.current)
             if new_files != files:  # other shadow files named now: watch those from here on
-                self._fingerprint = _stamp(new_files).content
+                new_stamp = _stamp(new_files)
+                self._fingerprint = new_stamp.content
+                self._unfinished = frozenset(file for file, _ in new_stamp.unfinished)
         return result
 
-    def _guarded(self, policies: PolicySet) -> Reload:
+    def _guarded(self, policies: PolicySet, stamp: _Stamp) -> Reload:
         """``policies`` as a swap, or as a rejection for the warnings it would bring."""
-        brought = new_warnings(self._current, policies)
+        brought = new_warnings(self._current, policies) + [
+            Diagnostic(
+                file,
+                *end,
+                "the file ends mid-line (no final line break), unlike the version serving "
+                "now: is the file complete?",
+                "warning",
+            )
+            for file, end in stamp.unfinished
+            if file not in self._unfinished
+        ]
         if brought and self.refuse_new_warnings:
             refusal = Diagnostic(
                 str(self.path),
@@ -296,6 +314,7 @@ def _stamp(files: list[Path]) -> _Stamp:
     those with sizes and modification times."""
     content = hashlib.sha256()
     stable = hashlib.sha256()
+    unfinished: list[tuple[str, tuple[int, int]]] = []
     for file in files:
         name = str(file).encode() + b"\0"
         content.update(name)
@@ -311,4 +330,7 @@ def _stamp(files: list[Path]) -> _Stamp:
         content.update(data)
         stable.update(f"{status.st_size} {status.st_mtime_ns}\0".encode())
         stable.update(data)
-    return _Stamp(content.hexdigest(), stable.hexdigest())
+        if data and not data.endswith(b"\n"):
+            last_line = data[data.rfind(b"\n") + 1 :].decode("utf-8", "replace")
+            unfinished.append((str(file), (data.count(b"\n") + 1, len(last_line) + 1)))
+    return _Stamp(content.hexdigest(), stable.hexdigest(), tuple(unfinished))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from cel_expr_python import cel
 
-from policyd.cel import CelCompileError, Environment, pod_type, request_type
+from policyd.cel import CelCompileError, CelEvalError, Environment, pod_type, request_type
+from policyd.policy.request import Request
+from policyd.pool.pod import Pod
 
 ENVIRONMENT = Environment(
     {
@@ -85,3 +87,57 @@ def test_nesting_too_deep_to_analyse_does_not_load() -> None:
         ENVIRONMENT.compile(source)
     with pytest.raises(CelCompileError, match="recursion"):
         ENVIRONMENT.compile(" + ".join(["1"] * 400))
+
+
+STRINGS = Environment({"request": request_type(), "pod": pod_type()})
+HUNDRED = "[" + ", ".join(str(i) for i in range(100)) + "]"
+
+
+def _request(header: str) -> Request:
+    return Request(model="m", headers={"x": header})
+
+
+def test_string_work_within_the_budget_evaluates_and_each_evaluation_starts_afresh() -> None:
+    # 100 copies of a 4,000-character header: 800,000 characters, under the budget.
+    program = STRINGS.compile(f'{HUNDRED}.map(i, request.headers["x"] + "!").size()')
+    activation = {"request": _request("a" * 4_000), "pod": None}
+    assert program.evaluate(activation) == 100
+    assert program.evaluate(activation) == 100  # a second evaluation has its own budget
+
+
+def test_string_work_past_the_budget_is_an_error_that_or_can_absorb() -> None:
+    program = STRINGS.compile(
+        f'{HUNDRED}.map(i, request.headers["x"] + "!").size() > 0 || request.model == "m"'
+    )
+    assert program.evaluate({"request": _request("a" * 20_000), "pod": None}) is True
+    alone = STRINGS.compile(f'{HUNDRED}.map(i, request.headers["x"] + "!").size() > 0')
+    with pytest.raises(CelEvalError, match="cost budget"):
+        alone.evaluate({"request": _request("a" * 20_000), "pod": None})
+
+
+def test_only_programs_with_string_work_count_it() -> None:
+    seed = STRINGS.compile("pod.waiting_queue < 50 && request.model in pod.active_loras")
+    assert seed.python_source is not None and "_spent" not in seed.python_source
+    concat = STRINGS.compile('request.model + "-lora" == "m-lora"')
+    assert concat.python_source is not None and "_spent" in concat.python_source
+
+
+def test_string_work_known_at_load_time_is_in_the_report() -> None:
+    program = STRINGS.compile(f'{HUNDRED}.exists(i, request.model.contains("abcd"))')
+    estimate = next(line for line in program.report if line.startswith("estimated cost"))
+    assert "400 characters of string work known at load time" in estimate
+
+
+def test_iterations_are_counted_only_where_the_load_time_bound_cannot_know_them() -> None:
+    over_input = STRINGS.compile("pod.active_loras.exists(a, a == request.model)")
+    assert over_input.python_source is not None and "_iterations" in over_input.python_source
+    literal = STRINGS.compile("[1, 2, 3].exists(i, pod.waiting_queue == i)")
+    assert literal.python_source is not None and "_iterations" not in literal.python_source
+    nested = STRINGS.compile("pod.active_loras.exists(a, ['x', 'y'].exists(b, a == b))")
+    assert nested.python_source is not None and nested.python_source.count("_iterations +=") == 2
+
+
+def test_long_input_lists_within_the_iteration_budget_evaluate() -> None:
+    program = STRINGS.compile("pod.active_loras.exists(a, a == request.model)")
+    pod = Pod(name="p", address="a:1", active_loras=[f"x{i}" for i in range(50_000)] + ["m"])
+    assert program.evaluate({"pod": pod, "request": _request("")}) is True

@@ -12,6 +12,7 @@ import pytest
 from cel_expr_python import cel
 
 from policyd.cel import CelEvalError, Environment, pod_type, request_type
+from policyd.cel.runtime import REGEX_MAX_MEM, RegexCache
 from policyd.cel.values import CelType, Duration, Timestamp, UInt
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
@@ -359,3 +360,15 @@ def test_results_are_plain_python_values() -> None:
     assert run("pod.labels") == {"zone": "a"}
     assert run("{'a': [1u, 2.5, null, b'x']}") == {"a": (UInt(1), 2.5, None, b"x")}
     assert run("pod.metrics_age") == Duration(299_999_999)
+
+
+def test_the_regex_cache_keeps_at_most_its_bytes_oldest_out_first() -> None:
+    cache = RegexCache(3 * REGEX_MAX_MEM + 100)
+    first = cache.search("a+")
+    assert cache.search("a+") is first  # a hit is the same compiled search
+    for pattern in ("b+", "c+", "d+"):
+        cache.search(pattern)
+    assert len(cache) == 3
+    assert cache.held_bytes <= 3 * REGEX_MAX_MEM + 100
+    assert cache.search("a+") is not first  # the oldest went first
+    assert cache.search("a+")("xaax") is True

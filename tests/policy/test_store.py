@@ -453,3 +453,35 @@ def test_serve_guards_reloads_unless_the_operator_opts_out(tmp_path: Path) -> No
     negative = build_parser("serve").parse_args([*common, "--policy-settle-seconds", "-1"])
     with pytest.raises(UsageError, match="--policy-settle-seconds must not be negative"):
         check_arguments(negative)
+
+
+def test_a_file_cut_mid_line_is_refused_under_the_guard_and_logged_without_it(
+    tmp_path: Path,
+) -> None:
+    """A shed reason caught mid-word is a valid policy: only the missing final
+    line break tells it from a finished edit."""
+    path = write(tmp_path, GUARDED)
+    store = PolicyStore.open(path, refuse_new_warnings=True)
+    serving = store.current
+    path.write_text(GUARDED.replace("every pod is busy\n", "every pod is bu"))
+    result = store.reload()
+    assert not result.changed and store.current is serving
+    assert result.error is not None
+    assert [str(d) for d in result.error.diagnostics if d.severity == "warning"] == [
+        f"{path}:9:26: warning: the file ends mid-line (no final line break), unlike the "
+        "version serving now: is the file complete?"
+    ]
+    store.refuse_new_warnings = False
+    path.write_text(GUARDED.replace("every pod is busy\n", "every pod is b"))
+    accepted = store.reload()
+    assert accepted.changed and store.current is not serving
+    assert any("ends mid-line" in d.message for d in accepted.warnings)
+
+
+def test_a_policy_served_without_a_final_line_break_is_not_refused_for_it(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(SHORT.rstrip("\n"))
+    store = PolicyStore.open(path, refuse_new_warnings=True)
+    path.write_text(LONG.rstrip("\n"))
+    assert store.reload().changed
+    assert router_pick(store) == "b"

@@ -1,0 +1,96 @@
+"""What a request body may cost to read: bounds checked on its bytes before it is parsed.
+
+Parsing runs on the event loop, so a body's parse is time every other
+request on the worker waits. A normal body is mostly text (a 4 MiB prompt
+parses in about 10 ms), but JSON lets a client ask for far more work per
+byte: 4 MiB of ``[{},{},...]`` or ``[[1],[1],...]`` is two million Python
+objects, seconds of CPU and hundreds of megabytes. So the structure of a
+body is counted on its bytes first, with byte counts and one regular
+expression that run in C, and a body with more containers or values than
+any real request is a 400 before anything is built from it
+(:func:`check_shape`). The lists the prompt estimate walks in Python are
+capped on their own (``MAX_PROMPT_ITEMS``, checked by ``openai``).
+
+A body must also be text that can be forwarded: UTF-8 without lone
+surrogates. JSON's ``\\ud800`` escape names half a UTF-16 pair, which
+Python decodes into a string that cannot be encoded again (the rewrite, a
+span, the decision log would fail on it), so it is a 400 here too
+(:func:`decode`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final
+
+from policyd.extproc.errors import RequestError
+
+# Objects and arrays in a body. A chat request has a few per message (the
+# message, its content parts, a tool call); 32768 is thousands of messages.
+MAX_JSON_CONTAINERS: Final = 32_768
+# Values in all arrays and objects. Token ids are values: a prompt of a
+# million token ids is longer than any model's context.
+MAX_JSON_VALUES: Final = 1_048_576
+# Items of one prompt list (messages, input items, prompt strings, token-id
+# lists): each becomes a Python object and a turn of the prompt estimate.
+MAX_PROMPT_ITEMS: Final = 16_384
+
+# A JSON string (escapes included): what the exact count leaves out, since
+# brackets and commas inside text are not structure.
+_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# An escape of a UTF-16 surrogate (half of a pair, or a lone one).
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_shape(raw: bytes) -> None:
+    """Raise a 400 when ``raw`` holds more JSON containers or values than policyd reads.
+
+    Commas, ``{`` and ``[`` bound the values from above (each value but a
+    container's first follows a comma). When that bound is over a limit the
+    count is made again without the strings, exactly. A body too short to
+    reach either limit (a container takes two bytes) is not counted at all.
+    """
+    if len(raw) < 2 * MAX_JSON_CONTAINERS:
+        return
+    containers = raw.count(b"{") + raw.count(b"[")
+    values = containers + raw.count(b",")
+    if containers <= MAX_JSON_CONTAINERS and values <= MAX_JSON_VALUES:
+        return
+    bare = _STRING.sub(b"", raw)
+    containers = bare.count(b"{") + bare.count(b"[")
+    values = containers + bare.count(b",")
+    del bare
+    if containers > MAX_JSON_CONTAINERS:
+        raise RequestError.bad_request(
+            f"the request body has more than {MAX_JSON_CONTAINERS} JSON objects and arrays",
+            "body_too_complex",
+        )
+    if values > MAX_JSON_VALUES:
+        raise RequestError.bad_request(
+            f"the request body has more than {MAX_JSON_VALUES} JSON values", "body_too_complex"
+        )
+
+
+def decode(raw: bytes) -> Any:
+    """The JSON document in ``raw`` (checked with :func:`check_shape` first); raises a 400
+    for a body that is not UTF-8 JSON or that names a lone surrogate."""
+    check_shape(raw)
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise RequestError.bad_request(
+            f"the request body is not valid JSON: {error}", "invalid_json"
+        ) from None
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        # Escaped pairs (an emoji from an ASCII-only encoder) are common and
+        # valid; only a lone half fails to encode.
+        try:
+            json.dumps(document, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError.bad_request(
+                "the request body is not valid JSON: it has a lone UTF-16 surrogate escape"
+                " (\\ud800-\\udfff without its pair)",
+                "invalid_json",
+            ) from None
+    return document

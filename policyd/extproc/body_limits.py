@@ -29,9 +29,12 @@ from policyd.extproc.errors import RequestError
 # Objects and arrays in a body. A chat request has a few per message (the
 # message, its content parts, a tool call); 32768 is thousands of messages.
 MAX_JSON_CONTAINERS: Final = 32_768
-# Values in all arrays and objects. Token ids are values: a prompt of a
-# million token ids is longer than any model's context.
-MAX_JSON_VALUES: Final = 1_048_576
+# Values in all arrays and objects. Token ids are values: 262144 is a prompt of
+# that many token ids, longer than nearly every model's context.
+MAX_JSON_VALUES: Final = 262_144
+# A body with more strings than values allowed is over the limit without the
+# exact count (``check_shape``), which copies it in as many pieces as it has strings.
+MAX_COUNTED_STRINGS: Final = MAX_JSON_VALUES
 # Items of one prompt list (messages, input items, prompt strings, token-id
 # lists): each becomes a Python object and a turn of the prompt estimate.
 MAX_PROMPT_ITEMS: Final = 16_384
@@ -47,9 +50,11 @@ def check_shape(raw: bytes) -> None:
     """Raise a 400 when ``raw`` holds more JSON containers or values than policyd reads.
 
     Commas, ``{`` and ``[`` bound the values from above (each value but a
-    container's first follows a comma). When that bound is over a limit the
-    count is made again without the strings, exactly. A body too short to
-    reach either limit (a container takes two bytes) is not counted at all.
+    container's first follows a comma), and a body too short to reach either
+    limit is not counted at all. When the bound is over a limit (long text
+    has many commas) the count is made again without the strings, exactly, on
+    a copy of the body without them; a body with more strings than
+    ``MAX_COUNTED_STRINGS`` is over the limits without that count.
     """
     if len(raw) < 2 * MAX_JSON_CONTAINERS:
         return
@@ -57,19 +62,18 @@ def check_shape(raw: bytes) -> None:
     values = containers + raw.count(b",")
     if containers <= MAX_JSON_CONTAINERS and values <= MAX_JSON_VALUES:
         return
-    bare = _STRING.sub(b"", raw)
-    containers = bare.count(b"{") + bare.count(b"[")
-    values = containers + bare.count(b",")
-    del bare
-    if containers > MAX_JSON_CONTAINERS:
-        raise RequestError.bad_request(
-            f"the request body has more than {MAX_JSON_CONTAINERS} JSON objects and arrays",
-            "body_too_complex",
-        )
-    if values > MAX_JSON_VALUES:
-        raise RequestError.bad_request(
-            f"the request body has more than {MAX_JSON_VALUES} JSON values", "body_too_complex"
-        )
+    if (raw.count(b'"') - raw.count(b'\\"')) // 2 <= MAX_COUNTED_STRINGS:
+        bare = _STRING.sub(b"", raw)
+        containers = bare.count(b"{") + bare.count(b"[")
+        values = containers + bare.count(b",")
+        del bare
+        if containers <= MAX_JSON_CONTAINERS and values <= MAX_JSON_VALUES:
+            return
+    raise RequestError.bad_request(
+        f"the request body has more JSON objects and arrays (at most {MAX_JSON_CONTAINERS})"
+        f" or values (at most {MAX_JSON_VALUES}) than policyd reads",
+        "body_too_complex",
+    )
 
 
 def decode(raw: bytes) -> Any:

@@ -16,6 +16,8 @@ from typing import Final, Protocol
 # How long a body may take to come after its headers and keep its reservation
 # while another request needs the bytes (``BodyBudget``).
 BODY_WAIT_SECONDS: Final = 5.0
+# The part of the body budget that reservations may take (``BodyBudget``).
+RESERVED_SHARE: Final = 0.5
 
 
 class ByteBudget:
@@ -53,14 +55,27 @@ class BodyBudget:
     An exchange reserves the body's ``content-length`` at the headers phase
     (the body is on its way, and gRPC will hold it), tops it up as more
     arrives, and gives it all back once the request is routed or answered.
-    A reservation is a promise that costs the sender nothing to make: a
-    stream can send headers and never its body. So a reservation whose body
+    A reservation is a promise that costs its sender nothing: a stream can
+    send headers and never its body. So reservations take at most
+    ``RESERVED_SHARE`` of the limit (past it a request is let through
+    unreserved and its body is counted when it comes), and one whose body
     has not come within ``wait_seconds`` lapses when another request needs
-    the bytes (oldest first): the stalled exchange keeps what has arrived
-    and takes the rest again when it comes, a 429 then if it no longer fits.
+    the bytes, oldest first: the stalled exchange keeps what has arrived and
+    takes the rest again when it comes, a 429 then if it no longer fits.
+    Header-only streams can so never make a server refuse bodies it has
+    room for.
     """
 
-    __slots__ = ("_clock", "_reserved", "held", "lapsed", "limit", "refused", "wait_seconds")
+    __slots__ = (
+        "_clock",
+        "_reservations",
+        "held",
+        "lapsed",
+        "limit",
+        "refused",
+        "reserved",
+        "wait_seconds",
+    )
 
     def __init__(
         self,
@@ -70,44 +85,64 @@ class BodyBudget:
     ) -> None:
         self.limit = limit
         self.wait_seconds = wait_seconds
-        self.held = 0
+        self.held = 0  # bodies in hand and reservations
+        self.reserved = 0  # of which reservations
         self.refused = 0
         self.lapsed = 0  # reservations given up because their bodies stalled
         self._clock = clock
-        self._reserved: dict[Reserver, float] = {}  # by when reserved: oldest first
+        # Each reservation's time and bytes, oldest first.
+        self._reservations: dict[Reserver, tuple[float, int]] = {}
 
-    def take(self, size: int, reserver: Reserver | None = None) -> bool:
-        """Hold ``size`` more bytes; ``reserver`` when they are a reservation for a
-        body still to come. Whether they fit (after stalled reservations lapse)."""
+    def take(self, size: int) -> bool:
+        """Hold ``size`` more bytes that have arrived; whether they fit (after
+        stalled reservations lapse)."""
+        if not self._fits(size):
+            return False
+        self.held += size
+        return True
+
+    def reserve(self, reserver: Reserver, size: int) -> int | None:
+        """Reserve ``size`` bytes for ``reserver``'s body, still to come: the bytes
+        reserved (0: the share for reservations is taken; its body is counted when
+        it comes), or None when the server has no room for them at all."""
+        if not self._fits(size):
+            return None
+        if self.reserved + size > self.limit * RESERVED_SHARE:
+            return 0
+        self.held += size
+        self.reserved += size
+        self._reservations[reserver] = (self._clock(), size)
+        return size
+
+    def arrived(self, reserver: Reserver) -> None:
+        """``reserver``'s whole body is in: its bytes are held, no longer reserved."""
+        reservation = self._reservations.pop(reserver, None)
+        if reservation is not None:
+            self.reserved -= reservation[1]
+
+    def give(self, size: int, reserver: Reserver) -> None:
+        self.held -= size
+        self.arrived(reserver)
+
+    def _fits(self, size: int) -> bool:
         over = self.held + size - self.limit
         if over > 0 and self._lapse(over) < over:
             self.refused += 1
             return False
-        self.held += size
-        if reserver is not None:
-            self._reserved.setdefault(reserver, self._clock())
         return True
-
-    def arrived(self, reserver: Reserver) -> None:
-        """``reserver``'s whole body is in: its bytes are held, no longer reserved."""
-        self._reserved.pop(reserver, None)
-
-    def give(self, size: int, reserver: Reserver | None = None) -> None:
-        self.held -= size
-        if reserver is not None:
-            self._reserved.pop(reserver, None)
 
     def _lapse(self, needed: int) -> int:
         """Let reservations older than ``wait_seconds`` lapse, oldest first, until
         ``needed`` bytes are free; the bytes freed."""
         due = self._clock() - self.wait_seconds
-        reserved = self._reserved
+        reservations = self._reservations
         freed = 0
-        while freed < needed and reserved:
-            reserver, since = next(iter(reserved.items()))
+        while freed < needed and reservations:
+            reserver, (since, size) = next(iter(reservations.items()))
             if since > due:
                 break
-            del reserved[reserver]
+            del reservations[reserver]
+            self.reserved -= size
             gone = reserver.lapse()
             self.held -= gone
             freed += gone

@@ -525,14 +525,16 @@ class Exchange:
         more = size - self._held
         if more <= 0:
             return
-        if not self._server.body_budget.take(more, self if reserve else None):
+        budget = self._server.body_budget
+        reserved = budget.reserve(self, more) if reserve else more if budget.take(more) else None
+        if reserved is None:
             raise RequestError(
                 429,
                 "policyd holds as many request-body bytes as it may right now; retry shortly",
                 "too_many_body_bytes",
                 retry_after=RETRY_AFTER_SECONDS,
             )
-        self._held = size
+        self._held += reserved
 
     def _let_go(self) -> None:
         """Give the body's bytes back to the budget: the body is no longer held."""

@@ -23,7 +23,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extproc"))
-from extproc_support import (  # noqa: E402 (the support module lives beside the extproc tests)
+from extproc_support import (  # beside the extproc tests
     EnvoySide,
     Mode,
     PickFirst,
@@ -37,17 +37,17 @@ from extproc_support import (  # noqa: E402 (the support module lives beside the
     settled,
 )
 
-from policyd.extproc.body_limits import (  # noqa: E402
+from policyd.extproc.body_limits import (
     MAX_JSON_CONTAINERS,
     MAX_JSON_VALUES,
     MAX_PROMPT_ITEMS,
-)  # noqa: E402
-from policyd.extproc.errors import RequestError  # noqa: E402
-from policyd.extproc.exchange import ServingSettings  # noqa: E402
-from policyd.extproc.grpc_server import ExtProcServer, ServerOptions  # noqa: E402
-from policyd.extproc.openai import MAX_COMPLETION_TOKENS, parse_body  # noqa: E402
-from policyd.extproc.usage import MAX_USAGE_BYTES  # noqa: E402
-from policyd.pool.pod import Pod  # noqa: E402
+)
+from policyd.extproc.errors import RequestError
+from policyd.extproc.exchange import ServingSettings
+from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
+from policyd.extproc.openai import MAX_COMPLETION_TOKENS, parse_body
+from policyd.extproc.usage import MAX_USAGE_BYTES
+from policyd.pool.pod import Pod
 
 PODS = (Pod("pod-a", "10.0.0.1:8000"), Pod("pod-b", "10.0.0.2:8000"))
 MIB = 1024 * 1024
@@ -375,7 +375,8 @@ async def test_past_the_usage_budget_answers_pass_through_unread() -> None:
             await call.read()
             await call.write(response_headers())
             await call.read()
-            await call.write(response_body(b'{"usage": {"prompt_tokens": 1}, "x": "' + b"y" * 40_000))
+            answer = b'{"usage": {"prompt_tokens": 1}, "x": "' + b"y" * 40_000
+            await call.write(response_body(answer))
             reply = await call.read()
             assert reply.WhichOneof("response") == "response_body"  # passed on
             calls.append(call)

@@ -37,9 +37,8 @@ whose header block, path, body or model name is over its limit gets a
 413/414/431/400 before anything is built from it, and the request-body bytes
 a server holds at once are capped (``BodyBudget``; a 429 with
 ``Retry-After`` past it), reserved from the ``content-length`` at the
-headers phase, before Envoy sends the body (a reservation whose body
-stalls lapses). A body's JSON structure is bounded before it is parsed
-(``body_limits``). A routed request that sees no
+headers phase, before Envoy sends the body (``budget``), and a body's JSON
+is bounded before it is parsed (``body_limits``). A routed request that sees no
 response headers within ``in_flight_expiry_seconds`` stops counting in its
 pod's in-flight (``ResponseWatch``), so streams that never reach a response
 cannot steer ``pod.in_flight`` for long.
@@ -121,11 +120,9 @@ class ServingSettings:
     # own limit is 60 KiB by default), and the path without its query (414).
     max_header_bytes: int = 64 * 1024
     max_path_bytes: int = 2048
-    # A reservation whose body has not come after this long lapses when another
-    # request needs its bytes (``BodyBudget``).
+    # A body reservation lapses this long after its headers if the bytes are needed.
     body_wait_seconds: float = BODY_WAIT_SECONDS
-    # Response bytes kept for usage at once over all of a server's exchanges
-    # (``UsageReader``; a response past it is not read for usage).
+    # Response bytes all exchanges keep for usage (past it a response is not read).
     max_usage_bytes: int = 16 * 1024 * 1024
     # The body's model name (400 past it): no real model name is longer.
     max_model_bytes: int = MAX_MODEL_BYTES
@@ -515,8 +512,7 @@ class Exchange:
         return replies.REQUEST_HEADERS_CONTINUE
 
     def _hold(self, size: int, *, reserve: bool = False) -> None:
-        """Hold ``size`` bytes of body in all (from the budget; ``reserve``: the body
-        has not come yet); raises 413 or 429."""
+        """Hold ``size`` bytes of body in all (``reserve``: still to come); raises 413 or 429."""
         settings = self._server.settings
         if size > settings.max_body_bytes:
             raise RequestError.over_limit(
@@ -699,12 +695,9 @@ class Exchange:
             return None
         self.state = State.READING
         try:
+            document = hold.document
             reply = self._decide_and_reply(
-                self._parse(hold.document),
-                hold.document,
-                hold.trailers,
-                candidates,
-                self._server.routers(),
+                self._parse(document), document, hold.trailers, candidates, self._server.routers()
             )
         except RequestError as error:
             reply = self._reject(error)

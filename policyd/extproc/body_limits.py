@@ -78,11 +78,21 @@ def check_shape(raw: bytes) -> None:
 
 def decode(raw: bytes) -> Any:
     """The JSON document in ``raw`` (checked with :func:`check_shape` first); raises a 400
-    for a body that is not UTF-8 JSON or that names a lone surrogate."""
+    for a body that is not UTF-8 JSON (RFC 8259's encoding between systems) or that
+    names a lone surrogate."""
     check_shape(raw)
     try:
-        document = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        # Strictly: Python's own bytes decoding lets an encoded surrogate through.
+        # A byte-order mark is skipped, as JSON parsers may.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise RequestError.bad_request(
+            f"the request body is not UTF-8 ({error.reason} at byte {error.start})",
+            "invalid_json",
+        ) from None
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as error:
         raise RequestError.bad_request(
             f"the request body is not valid JSON: {error}", "invalid_json"
         ) from None

@@ -97,7 +97,7 @@ def completions(size: int) -> bytes:
 
 
 def routed(reply: pb.ProcessingResponse) -> bool:
-    return reply.WhichOneof("response") == "request_body"
+    return bool(reply.WhichOneof("response") == "request_body")
 
 
 async def headers_only(rig: RequestRig, length: int) -> Any:
@@ -230,8 +230,8 @@ def test_bodies_at_the_limits_are_read() -> None:
     messages = [{"role": "user", "content": "hi, there"}] * MAX_PROMPT_ITEMS
     parse_body(json.dumps({"model": "m", "messages": messages}).encode(), "/v1/chat/completions")
     parts = [{"type": "text", "text": "{[, " * 100}] * 3  # brackets and commas in text
-    messages = [{"role": "user", "content": parts}] * (MAX_JSON_CONTAINERS // 5 - 1)
-    chat = json.dumps({"model": "m", "messages": messages}).encode()
+    with_parts = [{"role": "user", "content": parts}] * (MAX_JSON_CONTAINERS // 5 - 1)
+    chat = json.dumps({"model": "m", "messages": with_parts}).encode()
     assert chat.count(b"{") + chat.count(b"[") > MAX_JSON_CONTAINERS  # counted exactly
     parse_body(chat, "/v1/chat/completions")
     strings = ["a"] * MAX_PROMPT_ITEMS

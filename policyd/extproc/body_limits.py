@@ -49,31 +49,36 @@ _SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
 def check_shape(raw: bytes) -> None:
     """Raise a 400 when ``raw`` holds more JSON containers or values than policyd reads.
 
-    Commas, ``{`` and ``[`` bound the values from above (each value but a
-    container's first follows a comma), and a body too short to reach either
-    limit is not counted at all. When the bound is over a limit (long text
-    has many commas) the count is made again without the strings, exactly, on
-    a copy of the body without them; a body with more strings than
-    ``MAX_COUNTED_STRINGS`` is over the limits without that count.
+    Brackets count the containers and, with commas, bound the values from
+    above (each value but a container's first follows a comma). When a count
+    is over its limit (long text has many commas) it is made again without
+    the strings, exactly, on a copy of the body without them; a body with
+    more strings than ``MAX_COUNTED_STRINGS`` is over the limits without that
+    count.
     """
-    if len(raw) < 2 * MAX_JSON_CONTAINERS:
+    if len(raw) < 2 * MAX_JSON_CONTAINERS or not _over_limits(raw, whole=True):
         return
-    containers = raw.count(b"{") + raw.count(b"[")
-    values = containers + raw.count(b",")
-    if containers <= MAX_JSON_CONTAINERS and values <= MAX_JSON_VALUES:
+    strings = (raw.count(b'"') - raw.count(b'\\"')) // 2
+    if strings <= MAX_COUNTED_STRINGS and not _over_limits(_STRING.sub(b"", raw), whole=False):
         return
-    if (raw.count(b'"') - raw.count(b'\\"')) // 2 <= MAX_COUNTED_STRINGS:
-        bare = _STRING.sub(b"", raw)
-        containers = bare.count(b"{") + bare.count(b"[")
-        values = containers + bare.count(b",")
-        del bare
-        if containers <= MAX_JSON_CONTAINERS and values <= MAX_JSON_VALUES:
-            return
     raise RequestError.bad_request(
         f"the request body has more JSON objects and arrays (at most {MAX_JSON_CONTAINERS})"
         f" or values (at most {MAX_JSON_VALUES}) than policyd reads",
         "body_too_complex",
     )
+
+
+def _over_limits(data: bytes, *, whole: bool) -> bool:
+    """Whether ``data``'s brackets and commas are over the limits, each count one pass
+    in C. In a ``whole`` body each value takes two bytes with its comma, so one
+    shorter than twice the limit on values is not counted for it (the strings
+    taken out, a value can take one)."""
+    containers = data.count(b"{") + data.count(b"[")
+    if containers > MAX_JSON_CONTAINERS:
+        return True
+    if whole and len(data) < 2 * MAX_JSON_VALUES:
+        return False
+    return containers + data.count(b",") > MAX_JSON_VALUES
 
 
 def decode(raw: bytes) -> Any:

@@ -389,3 +389,13 @@ async def test_past_the_usage_budget_answers_pass_through_unread() -> None:
     finally:
         await rig.stop()
     assert budget.held == 0
+
+
+def test_short_strings_and_numbers_past_the_values_limit_are_a_400() -> None:
+    """Without its strings this body is shorter than two bytes a value, yet its
+    values are over the limit: the exact count still sees them."""
+    items = ["a"] * 200_000 + [1] * (MAX_JSON_VALUES - 200_000 + 10)
+    raw = json.dumps({"model": "m", "data": items}, separators=(",", ":")).encode()
+    with pytest.raises(RequestError) as caught:
+        parse_body(raw, "/v1/other")
+    assert caught.value.code == "body_too_complex"

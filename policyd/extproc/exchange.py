@@ -37,7 +37,8 @@ whose header block, path, body or model name is over its limit gets a
 413/414/431/400 before anything is built from it, and the request-body bytes
 a server holds at once are capped (``BodyBudget``; a 429 with
 ``Retry-After`` past it), reserved from the ``content-length`` at the
-headers phase, before Envoy sends the body. A routed request that sees no
+headers phase, before Envoy sends the body (``budget``), and a body's JSON
+is bounded before it is parsed (``body_limits``). A routed request that sees no
 response headers within ``in_flight_expiry_seconds`` stops counting in its
 pod's in-flight (``ResponseWatch``), so streams that never reach a response
 cannot steer ``pod.in_flight`` for long.
@@ -58,6 +59,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import bodyless, epp, replies
+from policyd.extproc.budget import BODY_WAIT_SECONDS, BodyBudget, ByteBudget
 from policyd.extproc.errors import RequestError
 from policyd.extproc.holding import HeldReply, Holding
 from policyd.extproc.interfaces import (
@@ -118,6 +120,10 @@ class ServingSettings:
     # own limit is 60 KiB by default), and the path without its query (414).
     max_header_bytes: int = 64 * 1024
     max_path_bytes: int = 2048
+    # A body reservation lapses this long after its headers if the bytes are needed.
+    body_wait_seconds: float = BODY_WAIT_SECONDS
+    # Response bytes all exchanges keep for usage (past it a response is not read).
+    max_usage_bytes: int = 16 * 1024 * 1024
     # The body's model name (400 past it): no real model name is longer.
     max_model_bytes: int = MAX_MODEL_BYTES
     # A routed request with no response headers after this long stops counting
@@ -130,38 +136,11 @@ class ServingSettings:
             raise ValueError(
                 "the body limits must be positive, and the buffered total at least one body"
             )
-        if self.in_flight_expiry_seconds < 0:
-            raise ValueError("in_flight_expiry_seconds must not be negative")
+        if self.in_flight_expiry_seconds < 0 or self.body_wait_seconds < 0:
+            raise ValueError("in_flight_expiry_seconds and body_wait_seconds must not be negative")
 
 
 RETRY_AFTER_SECONDS: Final = 1  # a 429 for a full body budget: bodies are held for milliseconds
-
-
-class BodyBudget:
-    """The request-body bytes a server's exchanges hold at once, against a limit.
-
-    Used from the event loop only (no lock). An exchange takes the body's
-    ``content-length`` at the headers phase (the body is on its way: gRPC
-    will hold it), tops it up when more arrives, and gives it all back once
-    the request is routed or answered.
-    """
-
-    __slots__ = ("held", "limit", "refused")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self.refused = 0
-
-    def take(self, size: int) -> bool:
-        if self.held + size > self.limit:
-            self.refused += 1
-            return False
-        self.held += size
-        return True
-
-    def give(self, size: int) -> None:
-        self.held -= size
 
 
 class ResponseWatch:
@@ -250,6 +229,8 @@ class ServingContext(Protocol):
     def rng(self) -> random.Random: ...
     @property
     def body_budget(self) -> BodyBudget: ...
+    @property
+    def usage_budget(self) -> ByteBudget: ...
     @property
     def response_watch(self) -> ResponseWatch: ...
     @property
@@ -525,13 +506,13 @@ class Exchange:
             )
         length = headers.get("content-length")
         if length is not None and length.isdigit():  # the body is on its way: gRPC will hold it
-            self._hold(int(length) if len(length) < 19 else 1 << 63)
+            self._hold(int(length) if len(length) < 19 else 1 << 63, reserve=True)
         if self._body_mode == _DUPLEX:
             return NO_REPLY  # the routing is this message's reply, once the body is in
         return replies.REQUEST_HEADERS_CONTINUE
 
-    def _hold(self, size: int) -> None:
-        """Hold ``size`` bytes of body in all (from the budget); raises 413 or 429."""
+    def _hold(self, size: int, *, reserve: bool = False) -> None:
+        """Hold ``size`` bytes of body in all (``reserve``: still to come); raises 413 or 429."""
         settings = self._server.settings
         if size > settings.max_body_bytes:
             raise RequestError.over_limit(
@@ -540,20 +521,29 @@ class Exchange:
         more = size - self._held
         if more <= 0:
             return
-        if not self._server.body_budget.take(more):
+        budget = self._server.body_budget
+        reserved = budget.reserve(self, more) if reserve else more if budget.take(more) else None
+        if reserved is None:
             raise RequestError(
                 429,
                 "policyd holds as many request-body bytes as it may right now; retry shortly",
                 "too_many_body_bytes",
                 retry_after=RETRY_AFTER_SECONDS,
             )
-        self._held = size
+        self._held += reserved
 
     def _let_go(self) -> None:
         """Give the body's bytes back to the budget: the body is no longer held."""
         if self._held:
-            self._server.body_budget.give(self._held)
+            self._server.body_budget.give(self._held, self)
             self._held = 0
+
+    def lapse(self) -> int:
+        """The body budget takes back the reserved bytes that have not come (the
+        body stalls); what has arrived stays held."""
+        gone = max(self._held - len(self._body), 0)
+        self._held -= gone
+        return gone
 
     def _on_request_body(self, message: pb.HttpBody) -> Replies:
         if self.state is not State.READING:
@@ -565,6 +555,8 @@ class Exchange:
         else:
             self._body += chunk
             body = self._body
+        if whole:
+            self._server.body_budget.arrived(self)  # held now, however long it is held
         self._hold(len(body))
         if whole:
             try:
@@ -584,6 +576,7 @@ class Exchange:
         if self.state is State.READING:
             if self._body_mode == _DUPLEX:
                 # The trailers say the body is whole: route it, then answer them.
+                self._server.body_budget.arrived(self)
                 try:
                     return self._route(bytes(self._body), trailers=True)
                 finally:
@@ -608,9 +601,7 @@ class Exchange:
         """Decide where the request goes; the routing reply (replies, FULL_DUPLEX_STREAMED,
         ``trailers``: the body was ended by trailers, answered last), or a ``HeldReply``
         when flow control holds the request."""
-        body = parse_body(
-            document, self._path, self._server.settings.max_model_bytes, headers=self._headers
-        )
+        body = self._parse(document)
         if self._body:
             self._body = bytearray()  # gathered from several messages: let it go
         candidates: Sequence[Pod] | None = None
@@ -626,11 +617,18 @@ class Exchange:
             if isinstance(verdict, Held):
                 self.state = State.HELD
                 reply = HeldReply(verdict.band.max_wait_s)
-                self._holding = _Hold(reply, verdict, body, document, trailers, time.perf_counter())
+                # Only the bytes are kept while held (the parsed document is several
+                # times their size); the body is parsed again at dispatch.
+                self._holding = _Hold(reply, verdict, document, trailers, time.perf_counter())
                 holding.held()
                 return reply
             candidates = verdict.candidates
         return self._decide_and_reply(body, document, trailers, candidates, router)
+
+    def _parse(self, document: bytes) -> InferenceBody:
+        return parse_body(
+            document, self._path, self._server.settings.max_model_bytes, headers=self._headers
+        )
 
     def _decide_and_reply(
         self,
@@ -697,8 +695,9 @@ class Exchange:
             return None
         self.state = State.READING
         try:
+            document = hold.document
             reply = self._decide_and_reply(
-                hold.body, hold.document, hold.trailers, candidates, self._server.routers()
+                self._parse(document), document, hold.trailers, candidates, self._server.routers()
             )
         except RequestError as error:
             reply = self._reject(error)
@@ -833,7 +832,7 @@ class Exchange:
                 continue
             if status and content_type:
                 break
-        self._usage = UsageReader(content_type)
+        self._usage = UsageReader(content_type, self._server.usage_budget)
         if self.state is State.ROUTED:
             self.state = State.RESPONDING
             if self._load is not None:
@@ -876,6 +875,8 @@ class Exchange:
             return
         self._ended_at = time.perf_counter()
         self._let_go()
+        if self._usage is not None:
+            self._usage.finish()  # read now: the response's bytes go back to the budget
         hold = self._holding
         if hold is not None:  # the client went away while held: out of the queue at once
             self._holding = None
@@ -982,7 +983,6 @@ class _Hold:
 
     reply: HeldReply
     held: Held
-    body: InferenceBody
     document: bytes
     trailers: bool
     since: float  # perf_counter when it was held

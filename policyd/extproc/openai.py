@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
+from policyd.extproc.body_limits import MAX_PROMPT_ITEMS, decode
 from policyd.extproc.errors import RequestError
 from policyd.policy.request import Request
 
@@ -39,6 +40,10 @@ CHARS_PER_TOKEN: Final = 4
 TOKENS_PER_MESSAGE: Final = 4  # role, separators and the turn delimiter of chat templates
 
 MAX_MODEL_BYTES: Final = 1024  # the default limit on a model name (ServingSettings)
+# The largest completion budget read (400 past it): 2**31 - 1, beyond every model's
+# context, and what a signed 32-bit field of a model server holds. A budget is
+# multiplied into flow control's footprints, which must stay finite.
+MAX_COMPLETION_TOKENS: Final = 2**31 - 1
 
 CHAT_SUFFIX: Final = "/chat/completions"
 COMPLETIONS_SUFFIX: Final = "/completions"
@@ -169,12 +174,7 @@ def parse_body(
         raise RequestError.bad_request(
             "the request body is empty; a JSON object is required", "missing_body"
         )
-    try:
-        document = json.loads(raw)
-    except (ValueError, RecursionError) as error:
-        raise RequestError.bad_request(
-            f"the request body is not valid JSON: {error}", "invalid_json"
-        ) from None
+    document = decode(raw)  # bounded first: ``body_limits``
     if not isinstance(document, dict):
         raise RequestError.bad_request("the request body must be a JSON object", "invalid_json")
 
@@ -251,11 +251,12 @@ def _input_turns(prompt: Any, name: str) -> tuple[Turn, ...]:
     if isinstance(prompt, str):
         return (Turn(None, (prompt,)),)
     if isinstance(prompt, list):
-        if all(isinstance(item, str) for item in prompt):
-            return tuple(Turn(None, (item,)) for item in prompt)
-        if all(_is_int(item) for item in prompt):
+        if prompt and _only(prompt, int):  # token ids: counted by ``body_limits`` as values
             return (Turn(None, (), tuple(prompt)),)
-        if all(isinstance(item, list) and all(_is_int(t) for t in item) for item in prompt):
+        _check_items(prompt, name)
+        if _only(prompt, str):
+            return tuple(Turn(None, (item,)) for item in prompt)
+        if _only(prompt, list) and all(_only(item, int) for item in prompt):
             return tuple(Turn(None, (), tuple(item)) for item in prompt)
     raise RequestError.bad_request(
         f"'{name}' must be a string, a list of strings, a list of token ids"
@@ -272,6 +273,7 @@ def _chat_turns(messages: Any, name: str) -> tuple[Turn, ...]:
         raise RequestError.bad_request(
             f"'{name}' must be a non-empty list of message objects", f"invalid_{name}"
         )
+    _check_items(messages, name)
     turns = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -323,6 +325,7 @@ def _responses_turns(items: Any) -> tuple[Turn, ...]:
         raise RequestError.bad_request(
             "'input' must be a string or a list of input items", "invalid_input"
         )
+    _check_items(items, "input")
     turns = []
     for index, item in enumerate(items):
         if not isinstance(item, dict):
@@ -370,9 +373,10 @@ def _max_tokens(document: dict[str, Any], names: tuple[str, ...]) -> int:
         value = document.get(name)
         if value is None:
             continue
-        if not _is_int(value) or value < 0:
+        if not _is_int(value) or not 0 <= value <= MAX_COMPLETION_TOKENS:
             raise RequestError.bad_request(
-                f"'{name}' must be a non-negative integer", "invalid_max_tokens"
+                f"'{name}' must be an integer from 0 to {MAX_COMPLETION_TOKENS}",
+                "invalid_max_tokens",
             )
         return int(value)
     return 0
@@ -385,6 +389,20 @@ def _optional_bool(document: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise RequestError.bad_request(f"'{name}' must be a boolean", f"invalid_{name}")
     return value
+
+
+def _check_items(items: list[Any], name: str) -> None:
+    """A prompt list past ``MAX_PROMPT_ITEMS`` is a 400 before it is walked."""
+    if len(items) > MAX_PROMPT_ITEMS:
+        raise RequestError.bad_request(
+            f"'{name}' has more than {MAX_PROMPT_ITEMS} items", "too_many_items"
+        )
+
+
+def _only(items: list[Any], kind: type) -> bool:
+    """Whether every item is exactly of ``kind`` (not a subclass: a bool is no
+    token id). ``map(type)`` runs in C: token-id lists are long."""
+    return set(map(type, items)) <= {kind}
 
 
 def _is_int(value: Any) -> bool:

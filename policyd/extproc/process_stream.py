@@ -41,9 +41,9 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import epp, replies
+from policyd.extproc.budget import BodyBudget, ByteBudget
 from policyd.extproc.exchange import (
     Answer,
-    BodyBudget,
     Exchange,
     ResponseWatch,
     ServingSettings,
@@ -82,7 +82,8 @@ class ExternalProcessor:
         self.route_replies = replies.RouteReplies()
         self.settlement = Settlement()
         self.rng = random.Random()  # ties among pods for body-less requests
-        self.body_budget = BodyBudget(settings.max_buffered_body_bytes)
+        self.body_budget = BodyBudget(settings.max_buffered_body_bytes, settings.body_wait_seconds)
+        self.usage_budget = ByteBudget(settings.max_usage_bytes)
         self.response_watch = ResponseWatch(settings.in_flight_expiry_seconds)
         self.subsets = epp.Subsets()
         self.prefix = prefix

@@ -5,8 +5,12 @@ at the end of a JSON answer, or in the last ``data:`` event of a stream when
 the client asked for ``stream_options.include_usage``. The reader sees the
 response body chunk by chunk as Envoy streams it and keeps as little as it
 can: a stream is scanned event by event and only events that mention
-``"usage"`` are parsed; a JSON body is kept (up to a cap) and only its
-``usage`` member is decoded at the end. Bodies of other types are ignored.
+``"usage"`` are parsed; of a JSON body only what follows its last
+``"usage"`` key is kept (up to ``MAX_USAGE_BYTES``), and only that member is
+decoded at the end. Bodies of other types are ignored. What readers keep
+counts against the server's ``ByteBudget`` (``ServingSettings.max_usage_bytes``):
+a response that would take it past its limit is not read for usage, so a
+flood of large answers (logprobs, embeddings) costs no more than the budget.
 
 Other APIs name the counts differently, and all are read:
 
@@ -34,8 +38,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-MAX_JSON_BODY: Final = 8 * 1024 * 1024  # a JSON answer larger than this is not kept for usage
+from policyd.extproc.budget import ByteBudget
+
+# What is kept of a JSON answer from its last ``"usage"`` key on: the member
+# itself is a few hundred bytes; what follows it (vLLM's ``prompt_logprobs``)
+# is not needed.
+MAX_USAGE_BYTES: Final = 64 * 1024
 MAX_SSE_LINE: Final = 1024 * 1024  # an unterminated event line larger than this is dropped
+_KEY: Final = b'"usage"'
 _DECODER: Final = json.JSONDecoder()  # raw_decode: the ``usage`` member alone
 
 
@@ -51,9 +61,9 @@ class Usage:
 class UsageReader:
     """Feeds on response body chunks; ``usage`` is the last usage object seen."""
 
-    __slots__ = ("_json", "_kind", "_pending", "usage")
+    __slots__ = ("_budget", "_carry", "_json", "_kept", "_kind", "_pending", "usage")
 
-    def __init__(self, content_type: str) -> None:
+    def __init__(self, content_type: str, budget: ByteBudget) -> None:
         media_type = content_type.split(";", 1)[0].strip().lower()
         self._kind = (
             "sse"
@@ -63,29 +73,61 @@ class UsageReader:
             else ""
         )
         self._pending = bytearray()
-        self._json = bytearray()
+        self._json = bytearray()  # from the last ``"usage"`` key on
+        self._carry = b""  # the last bytes before this chunk: a key split between chunks
+        self._budget = budget
+        self._kept = 0  # bytes taken from the budget
         self.usage: Usage | None = None
 
     def feed(self, chunk: bytes) -> None:
         if self._kind == "sse":
             self._feed_events(chunk)
-        elif self._kind == "json" and len(self._json) + len(chunk) <= MAX_JSON_BODY:
-            self._json += chunk
+            self._keep(len(self._pending))
         elif self._kind == "json":
-            self._kind = ""  # too large to keep: give up on this body's usage
-            self._json = bytearray()
+            self._feed_json(chunk)
+            self._keep(len(self._json))
 
     def finish(self) -> Usage | None:
-        """Call at end of stream: parses a JSON body, flushes a last unterminated event."""
+        """Call at the end: parses a JSON body's usage, flushes a last unterminated
+        event, and gives the kept bytes back (later calls give the same usage)."""
         if self._kind == "json":
             usage = _usage_member(self._json)
             if usage is not None:
                 self.usage = usage
-            self._json = bytearray()
         elif self._kind == "sse" and self._pending:
             self._scan_lines(bytes(self._pending))
-            self._pending = bytearray()
+        self._json = bytearray()
+        self._pending = bytearray()
+        self._keep(0)
         return self.usage
+
+    def _keep(self, size: int) -> None:
+        """Hold ``size`` bytes in all against the budget; past it, stop reading."""
+        more = size - self._kept
+        if more <= 0:
+            self._budget.give(-more)
+        elif not self._budget.take(more):
+            self._kind = ""  # the server keeps as much as it may: no usage for this one
+            self._json = bytearray()
+            self._pending = bytearray()
+            self._budget.give(self._kept)
+            self._kept = 0
+            return
+        self._kept = size
+
+    def _feed_json(self, chunk: bytes) -> None:
+        """Keep what follows the last ``"usage"`` key so far (found in this chunk, or
+        across the seam with the last one), up to ``MAX_USAGE_BYTES``."""
+        carry = self._carry
+        at = chunk.rfind(_KEY)
+        if at >= 0:
+            self._json = bytearray(chunk[at : at + MAX_USAGE_BYTES])
+        elif (split := (carry + chunk[: len(_KEY) - 1]).find(_KEY)) >= 0:
+            head = carry[split:]
+            self._json = bytearray(head + chunk[: MAX_USAGE_BYTES - len(head)])
+        elif 0 < len(self._json) < MAX_USAGE_BYTES:
+            self._json += chunk[: MAX_USAGE_BYTES - len(self._json)]
+        self._carry = (carry + chunk[-(len(_KEY) - 1) :])[-(len(_KEY) - 1) :]
 
     def _feed_events(self, chunk: bytes) -> None:
         self._pending += chunk
@@ -119,7 +161,8 @@ def _usage_member(body: bytearray) -> Usage | None:
 
     Servers put ``usage`` last, so the last ``"usage"`` key is the answer's; the
     key cannot occur inside a JSON string, where quotes are escaped. Generated
-    text can be long, and this keeps the cost independent of it.
+    text can be long, and this keeps the cost independent of it. ``body``
+    starts at that key (``UsageReader``), or holds the whole answer.
     """
     at = body.rfind(b'"usage"')
     if at < 0:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from policyd.extproc.budget import ByteBudget
 from policyd.extproc.errors import RequestError
 from policyd.extproc.openai import (
     TOKENS_PER_MESSAGE,
@@ -254,7 +255,7 @@ def test_the_model_rewrite_is_the_same_for_every_api(document: dict[str, Any], p
 
 
 def usage_of(content_type: str, raw: bytes) -> Usage | None:
-    reader = UsageReader(content_type)
+    reader = UsageReader(content_type, ByteBudget(1 << 20))
     for at in range(0, len(raw), 7):  # small chunks, as Envoy may send them
         reader.feed(raw[at : at + 7])
     return reader.finish()

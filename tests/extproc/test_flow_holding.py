@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import tracemalloc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,4 +199,37 @@ async def test_shutdown_answers_what_no_pod_takes_within_the_grace_503(rig: Rig)
     status, error = error_of(reply)
     assert (status, error["code"]) == (503, "flow_shutdown")
     assert await held.read() is grpc.aio.EOF  # the answer ends the stream
+    first.cancel()
+
+
+async def test_a_held_request_keeps_only_its_bytes_and_is_parsed_at_dispatch(rig: Rig) -> None:
+    """A chat of many short messages parses into objects many times its size; held
+    requests keep only their bytes (what the body budget counts), and each is read
+    whole when it is dispatched."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * 2000}
+    raw = json.dumps(chat).encode()
+    first = await rig.routed()
+    calls = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(4):
+            call = rig.envoy.open()
+            await call.write(request_headers(path="/v1/chat/completions"))
+            await call.read()
+            await call.write(request_body(raw))
+            assert (await call.read()).HasField("override_message_timeout")
+            calls.append(call)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert rig.held == 4
+    assert grown < 2 * 4 * len(raw)  # the parsed chats would be over ten times the bytes
+    for call in calls:
+        await first.write(response_headers(end_of_stream=True))  # a slot frees: one goes
+        reply = await asyncio.wait_for(call.read(), 5)
+        assert reply.WhichOneof("response") == "request_body"
+        first = call
+    assert rig.held == 0
+    assert rig.server.processor.body_budget.held == 0
     first.cancel()

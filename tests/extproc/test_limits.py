@@ -147,16 +147,16 @@ async def test_bodies_over_the_servers_cap_are_a_429_with_retry_after_until_byte
     small: Rig,
 ) -> None:
     first = small.envoy.open()
-    await first.write(request_headers({"content-length": "600"}))
+    await first.write(request_headers({"content-length": "450"}))  # reserved: within half
     assert (await first.read()).WhichOneof("response") == "request_headers"
-    assert small.held == 600
+    assert small.held == 450
 
-    (reply,) = await small.envoy.exchange(request_headers({"content-length": "500"}))
+    (reply,) = await small.envoy.exchange(request_headers({"content-length": "600"}))
     status, error = error_of(reply)
     assert (status, error["code"]) == (429, "too_many_body_bytes")
     assert error["type"] == "rate_limit_exceeded"
     assert retry_after(reply) == "1"
-    assert small.held == 600  # the refused request took nothing
+    assert small.held == 450  # the refused request took nothing
 
     # A small body still fits beside the held one.
     _, reply = await small.envoy.exchange(
@@ -166,7 +166,7 @@ async def test_bodies_over_the_servers_cap_are_a_429_with_retry_after_until_byte
 
     # The first body arrives and is routed: its bytes are given back at once,
     # though its stream goes on (waiting for the response).
-    await first.write(request_body(body_of(600)))
+    await first.write(request_body(body_of(450)))
     assert (await first.read()).WhichOneof("response") == "request_body"
     assert small.held == 0
     _, reply = await small.envoy.exchange(
@@ -197,9 +197,9 @@ async def test_a_body_without_content_length_is_held_when_it_arrives(small: Rig)
 
 async def test_a_stream_that_dies_before_its_body_gives_its_bytes_back(small: Rig) -> None:
     call = small.envoy.open()
-    await call.write(request_headers({"content-length": "600"}))
+    await call.write(request_headers({"content-length": "450"}))
     await call.read()
-    assert small.held == 600
+    assert small.held == 450
     call.cancel()
     for _ in range(100):
         await asyncio.sleep(0.01)

@@ -103,7 +103,9 @@ def test_other_paths_need_only_a_model() -> None:
         (b"", COMPLETIONS, "missing_body"),
         (b"{", COMPLETIONS, "invalid_json"),
         (b"\xff\xfe", COMPLETIONS, "invalid_json"),
-        (b"[" * 100_000, COMPLETIONS, "invalid_json"),
+        ('{"model": "m", "prompt": "p"}'.encode("utf-16"), COMPLETIONS, "invalid_json"),
+        (b"[" * 20_000, COMPLETIONS, "invalid_json"),  # deeper than the decoder goes
+        (b"[" * 100_000, COMPLETIONS, "body_too_complex"),
         (b'"a string"', COMPLETIONS, "invalid_json"),
         (body({"prompt": "p"}), COMPLETIONS, "missing_model"),
         (body({"model": "", "prompt": "p"}), COMPLETIONS, "missing_model"),
@@ -148,3 +150,8 @@ def test_a_rewrite_changes_only_the_model() -> None:
 def test_the_estimate_is_a_quarter_of_the_characters_rounded_up(text: str) -> None:
     tokens = estimate_text_tokens(text)
     assert tokens * 4 >= len(text) > (tokens - 1) * 4 or tokens == len(text) == 0
+
+
+def test_a_body_with_a_byte_order_mark_is_read() -> None:
+    parsed = parse_body(b"\xef\xbb\xbf" + body({"model": "m", "prompt": "p"}), COMPLETIONS)
+    assert parsed.request.model == "m"

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policyd.extproc.usage import MAX_JSON_BODY, Usage, UsageReader
+from policyd.extproc.budget import ByteBudget
+from policyd.extproc.usage import MAX_USAGE_BYTES, Usage, UsageReader
 
 
 def stream(usage: dict[str, int] | None) -> bytes:
@@ -23,7 +25,7 @@ def stream(usage: dict[str, int] | None) -> bytes:
 
 
 def read(content_type: str, chunks: list[bytes]) -> Usage | None:
-    reader = UsageReader(content_type)
+    reader = UsageReader(content_type, ByteBudget(1 << 20))
     for chunk in chunks:
         reader.feed(chunk)
     return reader.finish()
@@ -67,11 +69,38 @@ def test_other_content_types_and_broken_documents_give_none() -> None:
     assert read("text/event-stream", [b'data: {not json, "usage"}\n\n']) is None
 
 
-def test_a_json_answer_larger_than_the_cap_is_not_kept() -> None:
-    reader = UsageReader("application/json")
-    reader.feed(b'{"pad": "' + b"x" * MAX_JSON_BODY)
-    reader.feed(b'", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}')
-    assert reader.finish() is None
+def test_a_large_json_answer_keeps_only_what_follows_its_usage_key() -> None:
+    budget = ByteBudget(1 << 20)
+    reader = UsageReader("application/json", budget)
+    reader.feed(b'{"pad": "' + b"x" * (8 << 20))
+    assert budget.held == 0  # nothing kept before the key
+    reader.feed(b'", "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "prompt_logprobs": [')
+    reader.feed(b"0.5," * (1 << 20) + b"0.5]}")
+    assert budget.held == MAX_USAGE_BYTES  # the key on, cut at the cap
+    assert reader.finish() == Usage(1, 1)
+    assert budget.held == 0
+
+
+@pytest.mark.parametrize("cut", range(1, 8))
+def test_a_usage_key_split_between_chunks_is_found(cut: int) -> None:
+    answer = b'{"a": 1, "usage": {"prompt_tokens": 4, "completion_tokens": 2}}'
+    at = answer.index(b'"usage"') + cut
+    assert read("application/json", [answer[:at], answer[at:]]) == Usage(4, 2)
+    pieces = [answer[i : i + 1] for i in range(len(answer))]  # byte by byte
+    assert read("application/json", pieces) == Usage(4, 2)
+
+
+def test_a_full_budget_leaves_a_response_unread_and_holds_nothing_more() -> None:
+    budget = ByteBudget(100)
+    first = UsageReader("application/json", budget)
+    first.feed(b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}, "x": "' + b"y" * 200)
+    assert budget.held == 0 and budget.refused == 1  # past the limit: not read
+    assert first.finish() is None
+    events = UsageReader("text/event-stream", budget)
+    events.feed(b'data: {"usage": {"prompt_tokens": 2, "completion_tokens": 3}}')  # unterminated
+    assert budget.held > 0
+    assert events.finish() == Usage(2, 3)
+    assert budget.held == 0
 
 
 def test_only_the_answers_own_usage_member_counts() -> None:

@@ -100,7 +100,12 @@ class Holding:
 
     def _look(self) -> None:
         self._timer = None
-        self.control.pump()  # new snapshot or not: expiries are due on time either way
+        try:
+            self.control.pump()  # new snapshot or not: expiries are due on time either way
+        except Exception:
+            # A failure outside any one request (the policy source, the snapshot) must
+            # not stop the timer: held requests would then wait past their max_wait.
+            log.exception("flow control's look at the pool failed; trying again next tick")
         if self.control.held:
             self.held()
 

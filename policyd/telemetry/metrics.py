@@ -84,7 +84,8 @@ class FlowMetrics:
         self._outcomes = CounterTally(
             "policyd_flow_requests",
             "Requests that left flow control's queue, by band, flow and outcome "
-            "(dispatched, expired, evicted, refused, abandoned: the client went away).",
+            "(dispatched, expired, evicted, refused, abandoned: the client went away, "
+            "failed: an error while dispatching it).",
             ["band", "flow", "outcome"],
         )
         self._wait = HistogramTally(

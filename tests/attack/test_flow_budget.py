@@ -111,3 +111,36 @@ async def _until(condition: object) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("the flow-control timer stopped: nothing was dispatched")
+
+
+async def test_a_look_that_fails_as_a_whole_does_not_stop_the_timer(tmp_path: Path) -> None:
+    """The policy source raising (not any one request) fails that tick only: held
+    requests are still dispatched on a later tick, once the source answers again."""
+    rig = Rig(tmp_path)  # saturated at two in flight (or queued) per pod
+    broken = {"now": False}
+
+    def routers() -> object:
+        if broken["now"]:
+            raise RuntimeError("the policy source is broken for now")
+        return rig.router
+
+    holding = Holding(routers, lambda: rig.snapshot, tick_seconds=0.005)  # type: ignore[arg-type]
+    rig.control = holding.control
+    for i in range(4):
+        rig.arrive(f"r{i}", (200, 200))
+    waiting, verdict = rig.arrive("waiting", (200, 200))
+    assert isinstance(verdict, Held)
+    broken["now"] = True
+    holding.held()
+    try:
+        p0, p1 = rig.snapshot.candidates
+        p0.load.count = 0  # a scrape shows room; the broken source fails the looks
+        rig.snapshot = Snapshot((p0, p1), version=1)
+        for _ in range(5):
+            await asyncio.sleep(0.005)
+        assert waiting.sent_to is None
+        broken["now"] = False
+        await _until(lambda: waiting.sent_to is not None)
+        assert waiting.sent_to == "p0"
+    finally:
+        holding.stop()

@@ -14,9 +14,13 @@ way, so the text (and so the token ids) equal the pod's.
 The template comes from the model's files beside its ``tokenizer.json``:
 ``chat_template.jinja`` when there is one (transformers prefers it), else the
 ``chat_template`` of ``tokenizer_config.json``. A template is operator input and
-a request's messages are client input: both run in the sandbox, and a render
-stops with ``ChatTemplateError`` once its output passes a bound set by the
-messages' own size.
+a request's messages are client input: both run in the sandbox (no attribute
+of Python's internals, no mutation of the messages), and a render stops with
+``ChatTemplateError`` once its output passes a bound set by the messages' own
+size. What a client controls is the messages, so a template grows its output
+with them by at most its own constant factors; a template that loops or
+repeats by large constants of its own is the operator's, and the pods,
+rendering the same template, would suffer it first.
 """
 
 from __future__ import annotations

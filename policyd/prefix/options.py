@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         default="estimate",
         help="estimate (no vocabulary), sim (the simulated pods'), or hf:PATH "
-        "(a Hugging Face tokenizer.json); default estimate",
+        "(a model's tokenizer.json or its directory; its chat template is read beside it);"
+        " default estimate",
     )
     group.add_argument(
         "--prefix-block-size",

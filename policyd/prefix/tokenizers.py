@@ -4,10 +4,11 @@ Prefix matching needs the ids the pod computes: in precise mode exactly (the
 index holds the pods' own token ids), in approximate mode only consistently
 (equal prompt prefixes must give equal leading ids). Three tokenizers:
 
-- ``sim``: the simulated pods' own tokenizer (``policyd.sim.tokenizer``), so the
-  ids are exactly theirs;
-- ``hf:PATH``: a Hugging Face ``tokenizers`` JSON file (``tokenizer.json`` of the
-  model), for real models;
+- ``sim``: the simulated pods' own tokenizer (``policyd.prefix.simulated``, which
+  the simulator imports), so the ids are exactly theirs;
+- ``hf:PATH``: a real model's Hugging Face ``tokenizers`` JSON file (its
+  ``tokenizer.json``, or the directory holding it) and its chat template
+  (``policyd.prefix.chat_template``), so the ids are a vLLM pod's;
 - ``estimate``: no vocabulary at all, one pseudo-id per four UTF-8 bytes, for
   approximate mode when nothing else is configured.
 
@@ -15,21 +16,26 @@ A prompt is a sequence of turns (``TurnLike``, which the serving path's
 ``Turn`` satisfies). Bare input (``role`` None: a completions prompt, an
 embeddings input) is encoded as it is; a list of prompts is a batch of separate
 sequences on the pod, and its first prompt stands for the request. Chat turns
-are rendered to one text first. Token-id prompts are the ids as given.
+are rendered to one text first: with the model's chat template for ``hf:``,
+else as the simulator renders them. Token-id prompts are the ids as given.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from policyd.sim.tokenizer import BOS_TOKEN, render_chat, tokenize
+from policyd.prefix.chat_template import ChatTemplate, ChatTemplateError
+from policyd.prefix.simulated import BOS_TOKEN, render_chat, tokenize
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HfTokenizer
+
+_log = logging.getLogger(__name__)
 
 _ESTIMATE_BYTES: Final = 4  # bytes per estimated token, the serving path's four-characters rule
 _CACHED_LINES: Final = 256  # message lines whose simulator ids are kept (~65 kB for 1,500 words)
@@ -79,7 +85,7 @@ def render_turns(turns: Sequence[TurnLike]) -> str:
 
 
 class SimTokenizer:
-    """Exactly the simulated pods' token ids (``policyd.sim.tokenizer``, ``policyd.sim.api``).
+    """Exactly the simulated pods' token ids (``policyd.prefix.simulated``, ``policyd.sim.api``).
 
     The simulator gives one id per word or mark, never across whitespace, and
     renders each message as one line, so a chat prompt's ids are the BOS and
@@ -126,15 +132,22 @@ def _estimate_ids(text: str) -> list[int]:
 
 
 class HuggingFaceTokenizer:
-    """A Hugging Face ``tokenizers`` JSON file (the model's ``tokenizer.json``).
+    """A real model's tokenizer: its ``tokenizer.json`` and its chat template.
 
-    Bare input is encoded with the tokenizer's special tokens (a BOS where the
-    model adds one), as vLLM encodes a completions prompt. Chat turns are
-    rendered canonically (``role: content`` lines, as ``render_turns``) and
-    encoded the same way: the model's chat template is not applied, so on chat
-    the ids differ from what the pod computes. Approximate mode does not mind
-    (it compares policyd's ids with policyd's); precise mode matches chat
-    prompts only when the pods apply a template that renders the same text.
+    ``path`` is the ``tokenizer.json`` file or the model directory holding it;
+    the chat template is read beside it (``ChatTemplate.beside``). Bare input is
+    encoded with the tokenizer's special tokens (a BOS where the model adds
+    one), as vLLM encodes a completions prompt. Chat turns are rendered with the
+    model's template and encoded without added special tokens (the template
+    writes them), as vLLM encodes a chat request (``add_special_tokens`` is
+    false by default there): the ids are the pod's, so precise mode matches
+    chat prompts. A message's text parts are joined with newlines, as vLLM joins
+    them. A request the template rejects (``raise_exception``, an error on the
+    client's data, an output over the bound) has no ids: the pod rejects it too.
+
+    A model without a chat template renders chat turns as the simulator does
+    (``render_turns``) and encodes them like bare input: consistent for
+    approximate mode, but no vLLM pod serves chat for it without a template.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -145,14 +158,30 @@ class HuggingFaceTokenizer:
                 "a Hugging Face tokenizer needs the `tokenizers` package:"
                 " pip install 'policyd[tokenizers]'"
             ) from error
+        file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
         try:
-            self._tokenizer: HfTokenizer = HfTokenizer.from_file(str(path))
+            self._tokenizer: HfTokenizer = HfTokenizer.from_file(str(file))
         except Exception as error:  # the library raises a bare Exception for a bad file
-            raise ValueError(f"cannot load the tokenizer file {path}: {error}") from error
+            raise ValueError(f"cannot load the tokenizer file {file}: {error}") from error
+        try:
+            self.chat_template = ChatTemplate.beside(file)
+        except (OSError, ValueError) as error:  # ChatTemplateError, bad JSON or UTF-8
+            raise ValueError(f"cannot load the chat template beside {file}: {error}") from error
         self.name = f"hf:{path}"
 
     def encode(self, turns: Sequence[TurnLike]) -> list[int]:
-        return _encode_turns(turns, self._ids)
+        if self.chat_template is None or not turns or turns[0].role is None:
+            return _encode_turns(turns, self._ids)
+        messages = [{"role": turn.role or "", "content": "\n".join(turn.texts)} for turn in turns]
+        try:
+            text = self.chat_template.render(messages)
+        except ChatTemplateError as error:
+            _log.debug("a chat request has no prefix ids: %s", error)
+            return []
+        ids: Any = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return list(ids)
 
     def _ids(self, text: str) -> list[int]:
         ids: Any = self._tokenizer.encode(text).ids

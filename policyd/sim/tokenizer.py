@@ -1,10 +1,9 @@
 """The simulated pods' tokenizer and block hashes: a stable API a router may import.
 
-There is no model, so no real vocabulary: a prompt becomes a beginning-of-sequence
-id, then one id per word or punctuation mark (about what Llama's tokenizer gives
-for English), each id a stable hash of its text. Chat messages are rendered to
-one text first (``render_chat``), as a chat template would. Equal prefixes give
-equal ids, which is all prefix caching and prompt-length accounting need.
+The tokenizer (``tokenize``, ``render_chat``, ``tokenize_chat``, ``BOS_TOKEN``)
+is the prefix-matching contract of ``policyd.prefix.simulated``, published here
+for the simulator's modules and its users; the router's ``sim`` tokenizer
+computes the same ids from that module.
 
 ``block_hashes`` cuts token ids into the full blocks the pods' prefix cache and
 KV events use (vLLM's boundaries: ``block_size`` tokens, a partial tail block is
@@ -19,42 +18,30 @@ interface: changing it changes what routers see.
 from __future__ import annotations
 
 import hashlib
-import re
 import struct
-import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Final
 
-BOS_TOKEN: Final = 1
-VOCABULARY_SIZE: Final = 32000
-_FIRST_WORD_ID: Final = 3
-_PIECE: Final = re.compile(r"\w+|[^\w\s]")
+from policyd.prefix.simulated import (
+    BOS_TOKEN,
+    VOCABULARY_SIZE,
+    render_chat,
+    tokenize,
+    tokenize_chat,
+)
+
+__all__ = [
+    "BOS_TOKEN",
+    "VOCABULARY_SIZE",
+    "block_hashes",
+    "chain_hash",
+    "render_chat",
+    "root_hash",
+    "tokenize",
+    "tokenize_chat",
+]
+
 _HASH_BYTES: Final = 8
-
-
-def tokenize(text: str) -> list[int]:
-    """Token ids of ``text``: a beginning-of-sequence id, then one id per word or mark."""
-    span = VOCABULARY_SIZE - _FIRST_WORD_ID
-    return [BOS_TOKEN] + [
-        _FIRST_WORD_ID + zlib.crc32(piece.encode()) % span for piece in _PIECE.findall(text)
-    ]
-
-
-def render_chat(messages: Iterable[Mapping[str, str]], *, generation_prompt: bool = False) -> str:
-    """The simulator's chat template: one ``role: content`` line per message.
-
-    With ``generation_prompt`` a last line opens the assistant's reply
-    (``assistant:``), as vLLM renders a chat request with the template's
-    generation prompt: a client resending the reply inside an ``assistant``
-    message then sends the tokens the pod computed, header and reply alike.
-    """
-    text = "\n".join(f"{message['role']}: {message['content']}" for message in messages)
-    return f"{text}\nassistant:" if generation_prompt else text
-
-
-def tokenize_chat(messages: Iterable[Mapping[str, str]]) -> list[int]:
-    """Token ids of chat ``messages`` (text contents), as the pods count and cache them."""
-    return tokenize(render_chat(messages))
 
 
 def root_hash(model: str) -> int:

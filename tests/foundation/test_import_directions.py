@@ -21,7 +21,8 @@ ROOT = "policyd"  # the package itself: its __init__ holds only __version__
 ALLOWED: dict[str, tuple[str, ...]] = {
     "fields": (),
     "cel": ("policyd.fields",),
-    "sim": (),
+    # The simulated pods tokenize with the router's contract for them; prefix never imports sim.
+    "sim": ("policyd.prefix.simulated",),
     "pool": ("policyd.cel.values", "policyd.fields"),
     "policy": ("policyd.cel", "policyd.fields"),
     "telemetry": (
@@ -31,7 +32,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "policyd.policy.request",
         "policyd.pool.pod",
     ),
-    "prefix": ("policyd.fields", "policyd.sim.tokenizer"),
+    "prefix": ("policyd.fields",),
     "flow": ("policyd.policy",),
     "extproc": (
         "policyd.flow",

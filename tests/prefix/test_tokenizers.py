@@ -117,7 +117,7 @@ def test_a_hugging_face_tokenizer_file_encodes_with_its_special_tokens(tmp_path:
     assert tokenizer.encode((Turn(None, ("hello world",)),)) == [1, 2, 3]
     assert tokenizer.encode((Turn(None, ("hello nonsense",)),)) == [1, 2, 0]
     chat = (Turn("system", ("be brief",)), Turn("user", ("hi",)))
-    # Rendered canonically ("system: be brief\nuser: hi"), not with the model's template.
+    # No chat template beside the file: rendered as the simulator does ("system: be brief\n...").
     assert tokenizer.encode(chat) == [1, 4, 6, 7, 8, 5, 6, 9]
     assert tokenizer.encode((Turn(None, (), (9, 9)),)) == [9, 9]
 

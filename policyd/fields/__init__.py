@@ -7,9 +7,9 @@ request) and its doc line. Everything else is derived from it: the CEL
 schema (``policyd.cel.schema``); the typed classes that
 ``python -m policyd.fields.generate`` writes and checks in (``Pod`` and
 ``PodMetrics`` in ``policyd.pool.pod_types``; ``Request`` and its ``decided``
-copy in ``policyd.policy.request``; ``PodView``, the ``Prefixed`` and
+copy in ``policyd.policy.request``; ``PolicyPod``, the ``Prefixed`` and
 ``AsSeen`` overlays and ``StaticPod``, the pods written by hand for
-``policyd test`` / ``explain``, in ``policyd.policy.pod_view``; ``PrefixMatch``
+``policyd test`` / ``explain``, in ``policyd.policy.pods``; ``PrefixMatch``
 in ``policyd.fields.prefix_match``; a test fails while one is stale); the
 datastore's copying; the metric presets and ``--metric-*`` flags; the
 decision log's and span's pod inputs; and the schema tables of

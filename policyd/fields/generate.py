@@ -11,7 +11,7 @@ the room that owns its class:
   and the policy room lays over pods: both may import this room;
 - ``policyd/pool/pod_types.py``: ``Pod`` (a snapshot's pod) and ``PodMetrics``
   (a scrape's fields);
-- ``policyd/policy/pod_view.py``: ``PodView``, the protocol the router reads
+- ``policyd/policy/pods.py``: ``PolicyPod``, the protocol the router reads
   pods through (the policy room may not import the pool room, and a protocol
   needs no import: ``Pod`` satisfies it by its attributes), the overlays
   ``Prefixed`` and ``AsSeen``, and ``StaticPod``, a pod written in a file;
@@ -247,11 +247,11 @@ def _delegates(fields: Iterable[Field]) -> list[str]:
     return lines
 
 
-def pod_view_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
+def pods_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     doc = (
         "Pods as the policy room reads them.\n\n"
-        "``PodView`` is every CEL ``pod`` field, read-only: the router, the nodes and the\n"
-        "scorers take pods as ``PodView``. It is a protocol because this room may not\n"
+        "``PolicyPod`` is every CEL ``pod`` field, read-only: the router, the nodes and the\n"
+        "scorers take pods as ``PolicyPod``. It is a protocol because this room may not\n"
         "import the pool's ``Pod``, which satisfies it by its attributes, as ``StaticPod``\n"
         "(a pod written in a file, for ``policyd explain`` and ``policyd test``) and the\n"
         "two overlays do: ``Prefixed`` (one request's prefix match laid over a pod) and\n"
@@ -259,7 +259,7 @@ def pod_view_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     )
     lines = [
         *_duration_constants(pod_fields),
-        "class PodView(Protocol):",
+        "class PolicyPod(Protocol):",
         '    """A pod as policies read it."""',
     ]
     for f in pod_fields:
@@ -274,7 +274,7 @@ def pod_view_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
         "",
         _slots(("pod", *prefix_names)),
         "",
-        "    def __init__(self, pod: PodView, match: PrefixMatch) -> None:",
+        "    def __init__(self, pod: PolicyPod, match: PrefixMatch) -> None:",
         "        self.pod = pod",
         *(f"        self.{f.name} = match.{f.name}" for f in prefix),
         *_delegates(f for f in pod_fields if f.name not in prefix_names),
@@ -285,7 +285,7 @@ def pod_view_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
         "",
         _slots(("pod", IN_FLIGHT)),
         "",
-        f"    def __init__(self, pod: PodView, {IN_FLIGHT}: int) -> None:",
+        f"    def __init__(self, pod: PolicyPod, {IN_FLIGHT}: int) -> None:",
         "        self.pod = pod",
         f"        self.{IN_FLIGHT} = {IN_FLIGHT}",
         *_delegates(f for f in pod_fields if f.name != IN_FLIGHT),
@@ -343,7 +343,7 @@ def sources(
     return {
         "policyd.fields.prefix_match": prefix_match_source(pod_fields),
         "policyd.pool.pod_types": pod_types_source(pod_fields),
-        "policyd.policy.pod_view": pod_view_source(pod_fields),
+        "policyd.policy.pods": pods_source(pod_fields),
         "policyd.policy.request": request_source(request_fields),
     }
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from policyd.policy.pod_view import PodView
+from policyd.policy.pods import PolicyPod
 from policyd.policy.request import Request
 
 if TYPE_CHECKING:  # both import this module
@@ -108,12 +108,12 @@ class Decision:
     survivors: tuple[str, ...] = ()
     # The pods the policy chose from (its pool), as the snapshot holds them: for
     # telemetry's record of the inputs. Not a copy: read it soon.
-    candidates: Sequence[PodView] = ()
+    candidates: Sequence[PolicyPod] = ()
     # What deciding the policy's shadow policies needs (None: it has none).
     shadow_inputs: ShadowInputs | None = None
     # The picked pod object itself (None unless routed), so the server can count
     # the request against it without searching the candidates.
-    chosen: PodView | None = None
+    chosen: PolicyPod | None = None
     # For a policy that reads the prefix fields: the chosen pod's prefix-cache
     # match and the best any candidate offered (None: not computed).
     prefix_match: float | None = None
@@ -175,8 +175,8 @@ class ShadowInputs:
 
     policies: tuple[CompiledPolicy, ...]
     request: Request
-    candidates: Sequence[PodView]
-    picked: PodView | None  # the live decision's pod (None unless routed)
+    candidates: Sequence[PolicyPod]
+    picked: PolicyPod | None  # the live decision's pod (None unless routed)
     picked_in_flight: int
     prompt: PrefixMatcher | None = None  # the live decision's, for shadows that read it
 

@@ -3,7 +3,7 @@
 Both read YAML (JSON is read the same way), so a mistake in a snapshot or a
 test case is reported as ``file:line:col`` like a mistake in a policy. Pods are
 ``StaticPod`` objects, generated from the pod field declarations
-(``policyd.policy.pod_view``); the policy room does not import the pool room.
+(``policyd.policy.pods``); the policy room does not import the pool room.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 from policyd.cel import Duration
 from policyd.fields import POD_FIELDS, REQUEST_FIELDS
 from policyd.policy.diagnostics import Diagnostic
-from policyd.policy.pod_view import StaticPod
+from policyd.policy.pods import StaticPod
 from policyd.policy.reader import Fields, is_int, is_number, parse_duration
 from policyd.policy.request import Request
 from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name
 
-# StaticPod is generated into pod_view; `policyd test` imports it from here, with its reader.
+# StaticPod is generated into pods.py; `policyd test` imports it from here, with its reader.
 __all__ = ["DEFAULT_PORT", "StaticPod", "read_pods", "read_request"]
 
 DEFAULT_PORT = 8000

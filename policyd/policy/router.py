@@ -41,9 +41,9 @@ import heapq
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from policyd.fields.prefix_match import PrefixMatch
 from policyd.policy.compiler import CompiledPolicy
@@ -60,7 +60,7 @@ from policyd.policy.document import CRITICALITIES
 from policyd.policy.evaluation import Evaluation
 from policyd.policy.flow import Band, CompiledFlow
 from policyd.policy.nodes import pod_names
-from policyd.policy.pod_view import AsSeen, PodView, Prefixed
+from policyd.policy.pods import AsSeen, PolicyPod, Prefixed
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
 from policyd.policy.scoring import score
@@ -74,7 +74,7 @@ _log = logging.getLogger(__name__)
 class PrefixMatcher(Protocol):
     """One request's prompt against the prefix-cache index (``policyd.prefix``)."""
 
-    def match(self, model: str, pods: Sequence[PodView]) -> Sequence[PrefixMatch]:
+    def match(self, model: str, pods: Sequence[PolicyPod]) -> Sequence[PrefixMatch]:
         """Per pod, in order: its prefix fields for this prompt served as ``model``
         (the target model or adapter)."""
         ...
@@ -84,8 +84,8 @@ class PrefixMatcher(Protocol):
 class _Walk:
     """Where the filter tree led for one request key over one candidate tuple."""
 
-    pods: Sequence[PodView]  # the candidates in the policy's pool
-    survivors: Sequence[PodView]
+    pods: Sequence[PolicyPod]  # the candidates in the policy's pool
+    survivors: Sequence[PolicyPod]
     survivor_names: tuple[str, ...]
     trace: tuple[NodeTrace, ...]
     outcome: Outcome | None  # NO_CAPACITY / SHED when the walk already decided, else None
@@ -108,13 +108,13 @@ class Admission:
     request: Request
     pool_labels: tuple[tuple[str, str], ...]
 
-    def room(self, candidates: Sequence[PodView]) -> list[PodView]:
+    def room(self, candidates: Sequence[PolicyPod]) -> list[PolicyPod]:
         """The candidates in the policy's pool that are not saturated for this request."""
         return self.flow.room(in_pool(self.pool_labels, candidates), self.request)
 
 
 # The candidate tuple the walks were made over, and the walks by (policy, key).
-_Walks = tuple[Sequence[PodView] | None, dict[tuple[CompiledPolicy, Any], _Walk]]
+_Walks = tuple[Sequence[PolicyPod] | None, dict[tuple[CompiledPolicy, Hashable], _Walk]]
 
 
 class Router:
@@ -138,7 +138,7 @@ class Router:
     def decide(
         self,
         request: Request,
-        candidates: Sequence[PodView],
+        candidates: Sequence[PolicyPod],
         prompt: PrefixMatcher | None = None,
     ) -> Decision:
         """Decide ``request`` over ``candidates``; ``prompt`` gives its prefix-cache
@@ -211,10 +211,10 @@ class Router:
         self,
         policy: CompiledPolicy,
         request: Request,
-        candidates: Sequence[PodView],
+        candidates: Sequence[PolicyPod],
         rng: random.Random,
         prompt: PrefixMatcher | None,
-    ) -> tuple[Decision, PodView | None]:
+    ) -> tuple[Decision, PolicyPod | None]:
         """The decision and the picked pod (None unless routed)."""
         try:
             return self._decide(policy, request, candidates, rng, prompt)
@@ -233,10 +233,10 @@ class Router:
         self,
         policy: CompiledPolicy,
         request: Request,
-        candidates: Sequence[PodView],
+        candidates: Sequence[PolicyPod],
         rng: random.Random,
         prompt: PrefixMatcher | None,
-    ) -> tuple[Decision, PodView | None]:
+    ) -> tuple[Decision, PolicyPod | None]:
         resolved = self._resolve(policy, request, rng)
         best_prefix: float | None = None
         if policy.reads_prefix and prompt is not None and candidates:
@@ -294,7 +294,7 @@ class Router:
         return decision, pod
 
     def _walk(
-        self, policy: CompiledPolicy, request: Request, candidates: Sequence[PodView]
+        self, policy: CompiledPolicy, request: Request, candidates: Sequence[PolicyPod]
     ) -> tuple[_Walk, Evaluation | None]:
         """The walk for this request: reused from an earlier request when it may be.
 
@@ -336,7 +336,7 @@ class Router:
         *,
         reason: str,
         trace: Sequence[NodeTrace] = (),
-        candidates: Sequence[PodView] = (),
+        candidates: Sequence[PolicyPod] = (),
     ) -> tuple[Decision, None]:
         decision = Decision(
             outcome,
@@ -362,8 +362,8 @@ def _criticality(policy: CompiledPolicy, request: Request) -> str:
 
 
 def in_pool(
-    labels: tuple[tuple[str, str], ...], candidates: Sequence[PodView]
-) -> Sequence[PodView]:
+    labels: tuple[tuple[str, str], ...], candidates: Sequence[PolicyPod]
+) -> Sequence[PolicyPod]:
     """The candidates carrying every label of the policy's ``pool``."""
     if not labels:
         return candidates
@@ -374,7 +374,7 @@ def _has_labels(pod_labels: Mapping[str, str], wanted: tuple[tuple[str, str], ..
     return all(pod_labels.get(name) == value for name, value in wanted)
 
 
-def _walk_tree(policy: CompiledPolicy, candidates: Sequence[PodView], ev: Evaluation) -> _Walk:
+def _walk_tree(policy: CompiledPolicy, candidates: Sequence[PolicyPod], ev: Evaluation) -> _Walk:
     """Keep the policy's pool, then walk the filter tree from its first node."""
     pods = in_pool(policy.pool_labels, candidates)
     if not pods:
@@ -382,7 +382,7 @@ def _walk_tree(policy: CompiledPolicy, candidates: Sequence[PodView], ev: Evalua
         return _Walk(pods, (), (), (), Outcome.NO_CAPACITY, reason)
     trace: list[NodeTrace] = []
     node = policy.start
-    survivors: Sequence[PodView] = pods
+    survivors: Sequence[PolicyPod] = pods
     while node is not None:
         step, survivors, node, shed = node.visit(survivors, ev)
         trace.append(step)

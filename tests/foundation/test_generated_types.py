@@ -13,7 +13,7 @@ from policyd.cel import Duration
 from policyd.fields import POD_FIELDS, REQUEST_FIELDS, Field
 from policyd.fields.generate import COMMAND, path_of, sources
 from policyd.fields.prefix_match import PrefixMatch
-from policyd.policy.pod_view import AsSeen, PodView, Prefixed, StaticPod
+from policyd.policy.pods import AsSeen, PolicyPod, Prefixed, StaticPod
 from policyd.policy.request import Request
 from policyd.pool.exposition import NO_METRICS
 from policyd.pool.pod import InFlight, Pod
@@ -96,7 +96,7 @@ def test_a_prefix_field_is_one_declaration(monkeypatch: pytest.MonkeyPatch) -> N
     record = _load(
         "policyd.fields.prefix_match", generated["policyd.fields.prefix_match"], monkeypatch
     )
-    view = _load("policyd.policy.pod_view", generated["policyd.policy.pod_view"], monkeypatch)
+    view = _load("policyd.policy.pods", generated["policyd.policy.pods"], monkeypatch)
     pod_types = _load("policyd.pool.pod_types", generated["policyd.pool.pod_types"], monkeypatch)
 
     match = record.PrefixMatch(prefix_match=0.25, prefix_tokens=16, prefix_blocks=1)
@@ -106,12 +106,12 @@ def test_a_prefix_field_is_one_declaration(monkeypatch: pytest.MonkeyPatch) -> N
     assert (laid.prefix_match, laid.prefix_tokens, laid.prefix_blocks) == (0.25, 16, 1)
     assert view.AsSeen(laid, 0).prefix_blocks == 1
     assert view.StaticPod("a", "a:8000", prefix_blocks=2).prefix_blocks == 2
-    assert "prefix_blocks" in {name for name in dir(view.PodView) if not name.startswith("_")}
+    assert "prefix_blocks" in {name for name in dir(view.PolicyPod) if not name.startswith("_")}
 
 
-def test_the_generated_classes_satisfy_the_pod_view() -> None:
+def test_the_generated_classes_satisfy_the_policy_pod_protocol() -> None:
     """Structurally, as mypy checks it: every protocol member is an attribute of each."""
-    members = {name for name in dir(PodView) if not name.startswith("_")}
+    members = {name for name in dir(PolicyPod) if not name.startswith("_")}
     assert members == {f.name for f in POD_FIELDS}
     pod = Pod("a", "a:8000")
     for view in (pod, StaticPod("a", "a:8000"), Prefixed(pod, PrefixMatch()), AsSeen(pod, 0)):

@@ -8,14 +8,20 @@ computes the match.
 
 from __future__ import annotations
 
-from typing import Final, NamedTuple
+from dataclasses import dataclass
+from typing import Final
 
 
-class PrefixMatch(NamedTuple):
-    """One request's prefix-cache match on one pod."""
+@dataclass(slots=True)
+class PrefixMatch:
+    """One request's prefix-cache match on one pod.
 
-    prefix_match: float = 0.0
-    prefix_tokens: int = 0
+    Read-only to mypy (``Final``) rather than frozen: the probe makes one per pod
+    and request, and a frozen or named-tuple record costs twice a slotted one.
+    """
+
+    prefix_match: Final[float] = 0.0
+    prefix_tokens: Final[int] = 0
 
 
 NO_MATCH: Final = PrefixMatch()

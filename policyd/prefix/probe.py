@@ -78,8 +78,8 @@ class PrefixProbe:
         return keys
 
     def match(self, model: str, pods: Sequence[Addressed]) -> list[PrefixMatch]:
-        """Per pod, in order: the fraction 0..1 of the prompt's tokens cached there, and
-        those tokens.
+        """Per pod, in order, its ``PrefixMatch``: the fraction 0..1 of the prompt's
+        tokens cached there, and those tokens.
 
         ``model`` is the name the request is served as (the target model or
         adapter).
@@ -92,7 +92,7 @@ class PrefixProbe:
         names = [pod.address for pod in pods]
         if all(size == default for size in index.block_sizes()):  # every pod cuts alike
             return [
-                PrefixMatch(prefix_match=blocks * default / prompt, prefix_tokens=blocks * default)
+                PrefixMatch(blocks * default / prompt, blocks * default)
                 for blocks in index.match(self.keys(model, default), names)
             ]
         sizes = [index.block_size(name) or default for name in names]
@@ -102,9 +102,7 @@ class PrefixProbe:
             group = [names[i] for i in positions]
             matched = index.match(self.keys(model, size), group)
             for i, blocks in zip(positions, matched, strict=True):
-                result[i] = PrefixMatch(
-                    prefix_match=blocks * size / prompt, prefix_tokens=blocks * size
-                )
+                result[i] = PrefixMatch(blocks * size / prompt, blocks * size)
         return result
 
     def routed(self, model: str, pod: str) -> None:

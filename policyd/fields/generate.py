@@ -139,7 +139,7 @@ def _call(indent: str, head: str, arguments: Sequence[str], tail: str = ")") -> 
     return [indent + head, *(f"{inner}{argument}," for argument in arguments), indent + tail]
 
 
-def _module(doc: str, standard: Iterable[str], ours: Iterable[str], body: list[str]) -> str:
+def _module(doc: str, standard: list[str], ours: list[str], body: list[str]) -> str:
     """A module: the header, its docstring, imports sorted as ruff sorts them, the body."""
     imports = ["from __future__ import annotations", "", *sorted(standard)]
     if ours:
@@ -151,9 +151,9 @@ def _module(doc: str, standard: Iterable[str], ours: Iterable[str], body: list[s
 
 
 def _type_imports(
-    fields: Iterable[Field], typing: Iterable[str], *, dataclass: bool = True, factory: bool = False
+    fields: Iterable[Field], typing: Iterable[str], *, factory: bool = False
 ) -> tuple[list[str], list[str]]:
-    """The standard-library and policyd imports of a module of classes of these fields.
+    """The standard-library and policyd imports of a module of dataclasses of these fields.
 
     ``typing`` names what it imports from ``typing`` besides what the fields
     need; ``factory`` says it uses ``dataclasses.field`` for more than mappings.
@@ -163,9 +163,8 @@ def _type_imports(
     standard = []
     if "map<string,string>" in kinds:
         standard.append("from collections.abc import Mapping")
-        factory = factory or dataclass
-    if dataclass:
-        standard.append(f"from dataclasses import dataclass{', field' if factory else ''}")
+        factory = True
+    standard.append(f"from dataclasses import dataclass{', field' if factory else ''}")
     ours = []
     if "duration" in kinds:
         ours.append("from policyd.cel.values import Duration")

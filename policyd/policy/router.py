@@ -3,8 +3,7 @@
 The router reads the current ``PolicySet`` by one reference at the start of a
 decision and uses only that set to the end, so a policy swapped in meanwhile
 never mixes with the old one; nothing is locked and nothing blocks. Candidates
-are any objects carrying the CEL schema's ``pod`` attributes
-(``policyd.pool.pod.Pod`` in the service).
+are ``PolicyPod``s (``policyd.pool.pod.Pod`` in the service).
 
 Steps: choose the policy (none: 404), resolve criticality and target model,
 keep the policy's pool, walk the filter tree (shed or nothing left: 429; no
@@ -12,9 +11,10 @@ candidates at all: 503), score the survivors if the picker uses scores, pick.
 
 A policy that reads the prefix fields (``pod.prefix_match``,
 ``pod.prefix_tokens``) sees each candidate with this request's values laid
-over it: the caller passes a ``PrefixMatcher`` for the request's prompt, and
-the router asks it once per decision, only for such a policy, so a policy
-that reads neither pays nothing for them. The decision carries the chosen
+over it (``Prefixed``): the caller passes a ``PrefixMatcher`` for the
+request's prompt, and the router asks it for one ``PrefixMatch`` per candidate
+once per decision, only for such a policy, so a policy that reads neither
+pays nothing for them. The decision carries the chosen
 pod's match and the best one on offer, to show whether locality won.
 
 When the policy has shadow policies, the decision carries ``ShadowInputs``

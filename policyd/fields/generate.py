@@ -322,9 +322,13 @@ def request_source(request_fields: Sequence[Field] = REQUEST_FIELDS) -> str:
         "class Request:",
         '    """One OpenAI-style request; the policy decides '
         + ", ".join(f"``{f.name}``" for f in decided_fields)
-        + '."""',
+        + ".",
         "",
-        *(_attribute(f, f.default) for f in (*given, *decided_fields)),
+        "    Read-only to mypy (``Final``), not frozen, as ``Pod`` is; what the policy",
+        "    decides goes on a copy (``decided``).",
+        '    """',
+        "",
+        *(_attribute(f, f.default, wrap="Final") for f in (*given, *decided_fields)),
         "",
         # Spelt out, not a star-call or ``dataclasses.replace``: the router copies
         # one request per decision, and those cost measurably more.
@@ -336,7 +340,7 @@ def request_source(request_fields: Sequence[Field] = REQUEST_FIELDS) -> str:
             [*(f"self.{f.name}" for f in given), *(f.name for f in decided_fields)],
         ),
     ]
-    standard, ours = _type_imports(request_fields, ())
+    standard, ours = _type_imports(request_fields, ("Final",))
     return _module(doc, standard, ours, body)
 
 

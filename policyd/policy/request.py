@@ -11,21 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 
 @dataclass(slots=True)
 class Request:
-    """One OpenAI-style request; the policy decides ``target_model``, ``criticality``."""
+    """One OpenAI-style request; the policy decides ``target_model``, ``criticality``.
 
-    model: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    stream: bool = False
-    path: str = "/v1/completions"
-    id: str = ""
-    target_model: str = ""
-    criticality: str = "standard"
+    Read-only to mypy (``Final``), not frozen, as ``Pod`` is; what the policy
+    decides goes on a copy (``decided``).
+    """
+
+    model: Final[str]
+    headers: Final[Mapping[str, str]] = field(default_factory=dict)
+    prompt_tokens: Final[int] = 0
+    max_tokens: Final[int] = 0
+    stream: Final[bool] = False
+    path: Final[str] = "/v1/completions"
+    id: Final[str] = ""
+    target_model: Final[str] = ""
+    criticality: Final[str] = "standard"
 
     def decided(self, target_model: str, criticality: str) -> Request:
         """A copy carrying what the policy decided; this request stays as it was."""

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import types
 
+import mypy.api
 import pytest
 
 from policyd.cel import Duration
@@ -116,3 +117,23 @@ def test_the_generated_classes_satisfy_the_policy_pod_protocol() -> None:
     pod = Pod("a", "a:8000")
     for view in (pod, StaticPod("a", "a:8000"), Prefixed(pod, PrefixMatch()), AsSeen(pod, 0)):
         assert all(hasattr(view, name) for name in members), type(view).__name__
+
+
+def test_the_type_checker_refuses_changes_to_requests_and_prefix_matches() -> None:
+    """They are read-only to mypy rather than frozen at run time (their docstrings say why)."""
+    request_fields = [f.name for f in dataclasses.fields(Request)]
+    match_fields = [f.name for f in dataclasses.fields(PrefixMatch)]
+    program = (
+        "from policyd.fields.prefix_match import PrefixMatch\n"
+        "from policyd.policy.request import Request\n"
+        "request = Request('m')\nmatch = PrefixMatch()\n"
+    )
+    program += "".join(f"request.{name} = request.{name}\n" for name in request_fields)
+    program += "".join(f"match.{name} = match.{name}\n" for name in match_fields)
+    report, _, status = mypy.api.run(
+        ["--config-file=", "--cache-dir=/dev/null", "--follow-imports=silent", "-c", program]
+    )
+    errors = [line for line in report.splitlines() if ": error:" in line]
+    assert status == 1
+    assert len(errors) == len(request_fields) + len(match_fields), report
+    assert all("Cannot assign to final attribute" in line for line in errors), report

@@ -4,12 +4,16 @@
 from (the pod's identity, a metric the model server exports and how its
 series combine under each preset, the serving path, the scrape's time, the
 request) and its doc line. Everything else is derived from it: the CEL
-schema (``policyd.cel.schema``), the ``Pod`` and ``PodMetrics`` types and
-the datastore's copying (``policyd.pool``), the ``Request`` type and the
-router's copy of it (``policyd.policy.request``), the metric presets and
-``--metric-*`` flags, the pods written by hand for ``policyd test`` /
-``explain``, the decision log's and span's pod inputs, and the schema tables
-of docs/policy-language.md (a test holds the tables to the declarations).
+schema (``policyd.cel.schema``); the typed classes that
+``python -m policyd.fields.generate`` writes and checks in (``Pod`` and
+``PodMetrics`` in ``policyd.pool.pod_types``; ``Request`` and its ``decided``
+copy in ``policyd.policy.request``; ``PolicyPod``, the ``Prefixed`` and
+``AsSeen`` overlays and ``StaticPod``, the pods written by hand for
+``policyd test`` / ``explain``, in ``policyd.policy.pods``; ``PrefixMatch``
+in ``policyd.fields.prefix_match``; a test fails while one is stale); the
+datastore's copying; the metric presets and ``--metric-*`` flags; the
+decision log's and span's pod inputs; and the schema tables of
+docs/policy-language.md (a test holds the tables to the declarations).
 
 This room imports nothing of policyd, so every other room may import it.
 """
@@ -29,7 +33,6 @@ from policyd.fields.declared import (
     WAITING,
     Field,
     Metric,
-    dataclass_fields,
 )
 
 __all__ = [
@@ -47,5 +50,4 @@ __all__ = [
     "WAITING",
     "Field",
     "Metric",
-    "dataclass_fields",
 ]

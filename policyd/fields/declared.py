@@ -2,23 +2,25 @@
 
 To add a pod field a model server exports: declare its ``Metric`` (its name
 under each preset that publishes it, how its series combine) and its
-``Field``, and add the field's row to docs/policy-language.md. A field whose
-value is not scraped (``in_flight``, counted by the serving path; per-request
-values such as a prefix-cache match) is declared with its origin and no
-metric, and the code that computes it sets it.
+``Field``, run ``python -m policyd.fields.generate`` (it rewrites the typed
+classes made from these declarations) and add the field's row to
+docs/policy-language.md. A field whose value is not scraped (``in_flight``,
+counted by the serving path; per-request values such as a prefix-cache match)
+is declared with its origin and no metric, and the code that computes it sets
+it: a field of origin ``"prefix"`` is a field of ``PrefixMatch``, which the
+prefix probe fills and the router lays over pods.
 
 To add a request field: declare its ``Field`` in ``REQUEST_FIELDS`` with its
-default, fill it where ``policyd.extproc.openai`` builds the ``Request``, and
-add its row to docs/policy-language.md.
+default, regenerate, fill it where ``policyd.extproc.openai`` builds the
+``Request``, and add its row to docs/policy-language.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 # CEL kinds: "string" | "int" | "double" | "bool" | "duration" (default in
 # seconds) | "list<string>" | "map<string,string>".
@@ -356,19 +358,3 @@ REQUEST_FIELDS: Final[tuple[Field, ...]] = (
     Field("path", "string", "request", "HTTP path, e.g. `/v1/completions`", "/v1/completions"),
     Field("id", "string", "request", "request id", ""),
 )
-
-
-def dataclass_fields(
-    fields: Iterable[Field], default_of: Callable[[Field], object]
-) -> list[tuple[str, Any, Any]]:
-    """``dataclasses.make_dataclass`` field specs for classes whose attributes are
-    these fields (``default_of`` turns a declared default into a value)."""
-    specs: list[tuple[str, Any, Any]] = []
-    for field in fields:
-        if field.default is REQUIRED:
-            specs.append((field.name, object, dataclasses.field()))
-        elif field.kind.startswith("map<"):  # a mapping is no shareable default
-            specs.append((field.name, object, dataclasses.field(default_factory=dict)))
-        else:
-            specs.append((field.name, object, dataclasses.field(default=default_of(field))))
-    return specs

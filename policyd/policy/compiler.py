@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
@@ -52,6 +52,7 @@ from policyd.policy.kinds import PICKERS
 from policyd.policy.nodes import Node, NodeSpec
 from policyd.policy.pickers import Picker
 from policyd.policy.reader import Expression
+from policyd.policy.request import Request
 from policyd.policy.scoring import Scorer
 from policyd.policy.source import YNode
 
@@ -69,7 +70,7 @@ _NOT_CACHEABLE: Final = _PREFIX_READS | {
     "request.id",
 }
 
-WalkKey = Callable[[Any], Any]
+WalkKey = Callable[[Request], Hashable]
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,7 +478,7 @@ def _walk_key(reads: set[str]) -> WalkKey | None:
     return operator.attrgetter(*fields)
 
 
-def _no_key(request: Any) -> None:
+def _no_key(request: Request) -> None:
     """A tree that reads no request field walks the same way for every request."""
     return None
 

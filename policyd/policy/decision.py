@@ -18,9 +18,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from policyd.policy.pods import PolicyPod
 from policyd.policy.request import Request
+
+if TYPE_CHECKING:  # both import this module
+    from policyd.policy.compiler import CompiledPolicy
+    from policyd.policy.router import PrefixMatcher
 
 
 class Outcome(enum.Enum):
@@ -103,12 +108,12 @@ class Decision:
     survivors: tuple[str, ...] = ()
     # The pods the policy chose from (its pool), as the snapshot holds them: for
     # telemetry's record of the inputs. Not a copy: read it soon.
-    candidates: Sequence[Any] = ()
+    candidates: Sequence[PolicyPod] = ()
     # What deciding the policy's shadow policies needs (None: it has none).
     shadow_inputs: ShadowInputs | None = None
     # The picked pod object itself (None unless routed), so the server can count
     # the request against it without searching the candidates.
-    chosen: Any = None
+    chosen: PolicyPod | None = None
     # For a policy that reads the prefix fields: the chosen pod's prefix-cache
     # match and the best any candidate offered (None: not computed).
     prefix_match: float | None = None
@@ -168,12 +173,12 @@ class ShadowInputs:
     decision did.
     """
 
-    policies: tuple[Any, ...]
+    policies: tuple[CompiledPolicy, ...]
     request: Request
-    candidates: Sequence[Any]
-    picked: Any  # the live decision's pod (None unless routed)
+    candidates: Sequence[PolicyPod]
+    picked: PolicyPod | None  # the live decision's pod (None unless routed)
     picked_in_flight: int
-    prompt: Any = None  # the live decision's PrefixMatcher, for shadows that read it
+    prompt: PrefixMatcher | None = None  # the live decision's, for shadows that read it
 
 
 @dataclass(frozen=True, slots=True)

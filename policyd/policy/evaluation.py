@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from policyd.cel import Activation, CelEvalError
+from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Expression
 from policyd.policy.request import Request
 
@@ -73,7 +74,7 @@ class Evaluation:
         self._scopes: dict[int, dict[str, Any]] = {}  # id(pod) -> its activation
         self._failures: dict[tuple[int, str], str] = {}  # (id(pod), variable) -> error
 
-    def scope(self, pod: Any, needs: Needs) -> dict[str, Any]:
+    def scope(self, pod: PolicyPod, needs: Needs) -> dict[str, Any]:
         """The pod's own activation, with every variable in ``needs`` evaluated.
 
         Raises ``CelEvalError`` naming the first needed variable that failed for
@@ -107,7 +108,7 @@ class PodExpression:
     needs: Needs
 
     def values(
-        self, pods: Sequence[Any], ev: Evaluation
+        self, pods: Sequence[PolicyPod], ev: Evaluation
     ) -> tuple[list[Any], list[tuple[str, str]]]:
         """The value for each pod (``FAILED`` where it failed) and the errors."""
         evaluate = self.evaluate
@@ -134,8 +135,8 @@ class PodExpression:
         return values, errors
 
     def select(
-        self, pods: Sequence[Any], ev: Evaluation, *, keep_failed: bool
-    ) -> tuple[list[Any], list[tuple[str, str]]]:
+        self, pods: Sequence[PolicyPod], ev: Evaluation, *, keep_failed: bool
+    ) -> tuple[list[PolicyPod], list[tuple[str, str]]]:
         """The pods for which the expression is ``true``, and the errors.
 
         Written out rather than filtering ``values()``: the extra list and pass
@@ -143,7 +144,7 @@ class PodExpression:
         (``benchmarks/decision.py``).
         """
         evaluate = self.evaluate
-        kept: list[Any] = []
+        kept: list[PolicyPod] = []
         errors: list[tuple[str, str]] = []
         if self.needs:
             needs = self.needs

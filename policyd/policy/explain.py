@@ -17,6 +17,7 @@ from typing import Any
 from policyd.policy.compiler import CompiledPolicy
 from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
 from policyd.policy.evaluation import FAILED, Evaluation
+from policyd.policy.pods import PolicyPod
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
 from policyd.policy.router import Router, in_pool
@@ -52,7 +53,7 @@ class Explanation:
 
 
 def explain(
-    policies: PolicySet, request: Request, pods: Sequence[Any], *, seed: int = 0
+    policies: PolicySet, request: Request, pods: Sequence[PolicyPod], *, seed: int = 0
 ) -> Explanation:
     """Decide ``request`` over ``pods`` and gather the detail of every step."""
     router = Router(policies, rng=random.Random(seed))
@@ -95,7 +96,7 @@ def explain(
     )
 
 
-def would_hold(router: Router, request: Request, pods: Sequence[Any]) -> str:
+def would_hold(router: Router, request: Request, pods: Sequence[PolicyPod]) -> str:
     """Why flow control would hold ``request`` over ``pods`` ("": it would not): every
     pod of the policy's pool is saturated for it. (On the serving path a request is
     also held while others of its policy are.)"""
@@ -109,7 +110,7 @@ def would_hold(router: Router, request: Request, pods: Sequence[Any]) -> str:
     )
 
 
-def _errors(trace: NodeTrace, pods: Sequence[Any]) -> list[str]:
+def _errors(trace: NodeTrace, pods: Sequence[PolicyPod]) -> list[str]:
     errors = dict(trace.errors)
     return [errors.get(pod.name, "") for pod in pods]
 
@@ -124,7 +125,9 @@ def _show(value: Any, error: str) -> str:
     return str(value)
 
 
-def _scores(policy: CompiledPolicy, pods: Sequence[Any], ev: Evaluation) -> tuple[ScoreDetail, ...]:
+def _scores(
+    policy: CompiledPolicy, pods: Sequence[PolicyPod], ev: Evaluation
+) -> tuple[ScoreDetail, ...]:
     columns = [scorer.expression.values(pods, ev) for scorer in policy.scorers]
     details: list[ScoreDetail] = []
     for index, pod in enumerate(pods):

@@ -31,6 +31,7 @@ from typing import Any, Final
 
 from policyd.cel import CelEvalError
 from policyd.policy.evaluation import BOOL, Compiling, Evaluation, Evaluator, PodExpression
+from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Expression, Fields, expression, is_number, parse_duration
 from policyd.policy.request import Request
 from policyd.policy.source import YMapping, YScalar, kind_name
@@ -278,7 +279,7 @@ class CompiledFlow:
                 return now + int(text) / 1000
         return now + band.max_wait_s
 
-    def room(self, pods: Sequence[Any], request: Request) -> list[Any]:
+    def room(self, pods: Sequence[PolicyPod], request: Request) -> list[PolicyPod]:
         """The pods not saturated for ``request`` (a pod whose predicate fails counts
         as having room: a broken predicate must not hold every request)."""
         ev = Evaluation(request)

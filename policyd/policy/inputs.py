@@ -2,51 +2,26 @@
 
 Both read YAML (JSON is read the same way), so a mistake in a snapshot or a
 test case is reported as ``file:line:col`` like a mistake in a policy. Pods are
-``StaticPod`` objects made from the pod field declarations (``policyd.fields``);
-the policy room does not import the pool room.
+``StaticPod`` objects, generated from the pod field declarations
+(``policyd.policy.pods``); the policy room does not import the pool room.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from policyd.cel import Duration
-from policyd.fields import POD_FIELDS, REQUEST_FIELDS, Field, dataclass_fields
+from policyd.fields import POD_FIELDS, REQUEST_FIELDS
 from policyd.policy.diagnostics import Diagnostic
+from policyd.policy.pods import StaticPod
 from policyd.policy.reader import Fields, is_int, is_number, parse_duration
 from policyd.policy.request import Request
 from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name
 
+# StaticPod is generated into pods.py; `policyd test` imports it from here, with its reader.
+__all__ = ["DEFAULT_PORT", "StaticPod", "read_pods", "read_request"]
+
 DEFAULT_PORT = 8000
-
-
-def _pod_default(field: Field) -> object:
-    if field.kind == "duration":
-        return Duration.from_seconds(float(field.default))  # type: ignore[arg-type]
-    return field.default
-
-
-if TYPE_CHECKING:
-
-    class StaticPod:
-        """A pod described in a file; its attributes are the CEL ``pod`` fields."""
-
-        @property
-        def name(self) -> str: ...
-        def __init__(self, name: str, address: str, **fields: Any) -> None: ...
-        def __getattr__(self, name: str) -> Any: ...
-
-else:
-    # Every declared pod field, with its default; ``in_flight`` is a plain value here.
-    StaticPod = dataclasses.make_dataclass(
-        "StaticPod",
-        dataclass_fields(POD_FIELDS, _pod_default),
-        frozen=True,
-        slots=True,
-        namespace={"__doc__": "A pod described in a file; its attributes are the CEL pod fields."},
-    )
-    StaticPod.__module__ = __name__
 
 
 _POD_KINDS = {f.name: f.kind for f in POD_FIELDS}

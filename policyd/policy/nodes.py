@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Protocol, Self
 
 from policyd.policy.decision import NodeTrace
 from policyd.policy.evaluation import Compiling, Evaluation, PodExpression
+from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Expression, Fields, Reference, expression, reference
 from policyd.policy.source import YScalar
 
@@ -35,14 +36,14 @@ _pod_name = operator.attrgetter("name")
 LINKS = ("next", "on_success", "on_failure")
 
 
-def pod_names(pods: Sequence[Any]) -> tuple[str, ...]:
+def pod_names(pods: Sequence[PolicyPod]) -> tuple[str, ...]:
     return tuple(map(_pod_name, pods))
 
 
 # What one node did: its trace, the pods handed on, the next node (None: the walk
 # ends), and a shed reason (non-empty: stop and answer 429). A plain tuple, as it
 # is built once per node and decision.
-Visit = tuple[NodeTrace, Sequence[Any], "Node | None", str]
+Visit = tuple[NodeTrace, Sequence[PolicyPod], "Node | None", str]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -79,9 +80,9 @@ class Node(Protocol):
     @property
     def description(self) -> str: ...
 
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit: ...
+    def visit(self, pods: Sequence[PolicyPod], ev: Evaluation) -> Visit: ...
 
-    def explain(self, pods: Sequence[Any], ev: Evaluation) -> tuple[str, list[Any]]:
+    def explain(self, pods: Sequence[PolicyPod], ev: Evaluation) -> tuple[str, list[Any]]:
         """The expression as written, and its value on each pod (empty: not per pod)."""
         ...
 
@@ -211,17 +212,17 @@ class Filtering:
             **spec.settings,
         )
 
-    def explain(self, pods: Sequence[Any], ev: Evaluation) -> tuple[str, list[Any]]:
+    def explain(self, pods: Sequence[PolicyPod], ev: Evaluation) -> tuple[str, list[Any]]:
         return self.expression.source, self.expression.values(pods, ev)[0]
 
     def _continue(
         self,
-        pods: Sequence[Any],
-        kept: list[Any],
+        pods: Sequence[PolicyPod],
+        kept: list[PolicyPod],
         errors: list[tuple[str, str]],
         band: tuple[float, float] | None = None,
     ) -> Visit:
-        forward: Sequence[Any] = kept
+        forward: Sequence[PolicyPod] = kept
         if kept:
             following, branch = self.on_success, "on_success"
         else:

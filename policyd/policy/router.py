@@ -3,8 +3,7 @@
 The router reads the current ``PolicySet`` by one reference at the start of a
 decision and uses only that set to the end, so a policy swapped in meanwhile
 never mixes with the old one; nothing is locked and nothing blocks. Candidates
-are any objects carrying the CEL schema's ``pod`` attributes
-(``policyd.pool.pod.Pod`` in the service).
+are ``PolicyPod``s (``policyd.pool.pod.Pod`` in the service).
 
 Steps: choose the policy (none: 404), resolve criticality and target model,
 keep the policy's pool, walk the filter tree (shed or nothing left: 429; no
@@ -12,9 +11,10 @@ candidates at all: 503), score the survivors if the picker uses scores, pick.
 
 A policy that reads the prefix fields (``pod.prefix_match``,
 ``pod.prefix_tokens``) sees each candidate with this request's values laid
-over it: the caller passes a ``PrefixMatcher`` for the request's prompt, and
-the router asks it once per decision, only for such a policy, so a policy
-that reads neither pays nothing for them. The decision carries the chosen
+over it (``Prefixed``): the caller passes a ``PrefixMatcher`` for the
+request's prompt, and the router asks it for one ``PrefixMatch`` per candidate
+once per decision, only for such a policy, so a policy that reads neither
+pays nothing for them. The decision carries the chosen
 pod's match and the best one on offer, to show whether locality won.
 
 When the policy has shadow policies, the decision carries ``ShadowInputs``
@@ -41,11 +41,11 @@ import heapq
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
-from policyd.fields import PREFIX_POD_FIELDS
+from policyd.fields.prefix_match import PrefixMatch
 from policyd.policy.compiler import CompiledPolicy
 from policyd.policy.decision import (
     Decision,
@@ -60,6 +60,7 @@ from policyd.policy.document import CRITICALITIES
 from policyd.policy.evaluation import Evaluation
 from policyd.policy.flow import Band, CompiledFlow
 from policyd.policy.nodes import pod_names
+from policyd.policy.pods import AsSeen, PolicyPod, Prefixed
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
 from policyd.policy.scoring import score
@@ -68,16 +69,14 @@ from policyd.policy.store import PolicyStore
 TOP_SCORES: Final = 5  # how many (pod, score) pairs a decision carries
 MAX_WALKS: Final = 1024  # walks kept per snapshot; past it the cache starts again
 _log = logging.getLogger(__name__)
-if tuple(f.name for f in PREFIX_POD_FIELDS) != ("prefix_match", "prefix_tokens"):
-    raise AssertionError("_Prefixed lays prefix_match and prefix_tokens over a pod, in that order")
 
 
 class PrefixMatcher(Protocol):
     """One request's prompt against the prefix-cache index (``policyd.prefix``)."""
 
-    def match(self, model: str, pods: Sequence[Any]) -> Sequence[tuple[float, int]]:
-        """Per pod, in order: the fraction of the prompt's tokens cached there
-        when served as ``model`` (the target model or adapter), and those tokens."""
+    def match(self, model: str, pods: Sequence[PolicyPod]) -> Sequence[PrefixMatch]:
+        """Per pod, in order: its prefix fields for this prompt served as ``model``
+        (the target model or adapter)."""
         ...
 
 
@@ -85,8 +84,8 @@ class PrefixMatcher(Protocol):
 class _Walk:
     """Where the filter tree led for one request key over one candidate tuple."""
 
-    pods: Sequence[Any]  # the candidates in the policy's pool
-    survivors: Sequence[Any]
+    pods: Sequence[PolicyPod]  # the candidates in the policy's pool
+    survivors: Sequence[PolicyPod]
     survivor_names: tuple[str, ...]
     trace: tuple[NodeTrace, ...]
     outcome: Outcome | None  # NO_CAPACITY / SHED when the walk already decided, else None
@@ -109,13 +108,13 @@ class Admission:
     request: Request
     pool_labels: tuple[tuple[str, str], ...]
 
-    def room(self, candidates: Sequence[Any]) -> list[Any]:
+    def room(self, candidates: Sequence[PolicyPod]) -> list[PolicyPod]:
         """The candidates in the policy's pool that are not saturated for this request."""
         return self.flow.room(in_pool(self.pool_labels, candidates), self.request)
 
 
 # The candidate tuple the walks were made over, and the walks by (policy, key).
-_Walks = tuple[Sequence[Any] | None, dict[tuple[CompiledPolicy, Any], _Walk]]
+_Walks = tuple[Sequence[PolicyPod] | None, dict[tuple[CompiledPolicy, Hashable], _Walk]]
 
 
 class Router:
@@ -139,7 +138,7 @@ class Router:
     def decide(
         self,
         request: Request,
-        candidates: Sequence[Any],
+        candidates: Sequence[PolicyPod],
         prompt: PrefixMatcher | None = None,
     ) -> Decision:
         """Decide ``request`` over ``candidates``; ``prompt`` gives its prefix-cache
@@ -196,7 +195,9 @@ class Router:
         candidates = inputs.candidates
         picked = inputs.picked
         if picked is not None and picked.in_flight != inputs.picked_in_flight:
-            as_seen = _AsSeen(picked, inputs.picked_in_flight)
+            # The serving path has counted the live request against the picked pod by
+            # now; a shadow identical to the live policy must not see it one busier.
+            as_seen = AsSeen(picked, inputs.picked_in_flight)
             candidates = [as_seen if pod is picked else pod for pod in candidates]
         results = []
         for shadow in inputs.policies:
@@ -210,10 +211,10 @@ class Router:
         self,
         policy: CompiledPolicy,
         request: Request,
-        candidates: Sequence[Any],
+        candidates: Sequence[PolicyPod],
         rng: random.Random,
         prompt: PrefixMatcher | None,
-    ) -> tuple[Decision, Any]:
+    ) -> tuple[Decision, PolicyPod | None]:
         """The decision and the picked pod (None unless routed)."""
         try:
             return self._decide(policy, request, candidates, rng, prompt)
@@ -232,16 +233,16 @@ class Router:
         self,
         policy: CompiledPolicy,
         request: Request,
-        candidates: Sequence[Any],
+        candidates: Sequence[PolicyPod],
         rng: random.Random,
         prompt: PrefixMatcher | None,
-    ) -> tuple[Decision, Any]:
+    ) -> tuple[Decision, PolicyPod | None]:
         resolved = self._resolve(policy, request, rng)
         best_prefix: float | None = None
         if policy.reads_prefix and prompt is not None and candidates:
             matches = prompt.match(resolved.target_model, candidates)
-            candidates = [_Prefixed(pod, *m) for pod, m in zip(candidates, matches, strict=True)]
-            best_prefix = max(fraction for fraction, _ in matches)
+            candidates = [Prefixed(pod, m) for pod, m in zip(candidates, matches, strict=True)]
+            best_prefix = max(m.prefix_match for m in matches)
         walk, ev = self._walk(policy, resolved, candidates)
         if walk.outcome is not None:
             return self._answer(
@@ -265,7 +266,7 @@ class Router:
         chosen = policy.picker.pick(totals, count, policy.fallbacks, rng)
         pod = survivors[chosen[0]]
         prefix_match: float | None = None
-        if isinstance(pod, _Prefixed):
+        if isinstance(pod, Prefixed):
             prefix_match = pod.prefix_match
             pod = pod.pod
         top: tuple[tuple[str, float], ...] = ()
@@ -293,7 +294,7 @@ class Router:
         return decision, pod
 
     def _walk(
-        self, policy: CompiledPolicy, request: Request, candidates: Sequence[Any]
+        self, policy: CompiledPolicy, request: Request, candidates: Sequence[PolicyPod]
     ) -> tuple[_Walk, Evaluation | None]:
         """The walk for this request: reused from an earlier request when it may be.
 
@@ -335,7 +336,7 @@ class Router:
         *,
         reason: str,
         trace: Sequence[NodeTrace] = (),
-        candidates: Sequence[Any] = (),
+        candidates: Sequence[PolicyPod] = (),
     ) -> tuple[Decision, None]:
         decision = Decision(
             outcome,
@@ -360,39 +361,9 @@ def _criticality(policy: CompiledPolicy, request: Request) -> str:
     return (rule.criticality if rule else None) or policy.criticality_default
 
 
-class _Prefixed:
-    """A pod with one request's prefix-cache match laid over it."""
-
-    __slots__ = ("pod", "prefix_match", "prefix_tokens")
-
-    def __init__(self, pod: Any, prefix_match: float, prefix_tokens: int) -> None:
-        self.pod = pod
-        self.prefix_match = prefix_match
-        self.prefix_tokens = prefix_tokens
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pod, name)
-
-
-class _AsSeen:
-    """A pod as the live decision saw it: its own fields, the in-flight count then.
-
-    Shadows run after the serving path has counted the live request against the
-    picked pod; without this, a shadow identical to the live policy would see
-    that pod one request busier and disagree for no reason.
-    """
-
-    __slots__ = ("_pod", "in_flight")
-
-    def __init__(self, pod: Any, in_flight: int) -> None:
-        self._pod = pod
-        self.in_flight = in_flight
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pod, name)
-
-
-def in_pool(labels: tuple[tuple[str, str], ...], candidates: Sequence[Any]) -> Sequence[Any]:
+def in_pool(
+    labels: tuple[tuple[str, str], ...], candidates: Sequence[PolicyPod]
+) -> Sequence[PolicyPod]:
     """The candidates carrying every label of the policy's ``pool``."""
     if not labels:
         return candidates
@@ -403,7 +374,7 @@ def _has_labels(pod_labels: Mapping[str, str], wanted: tuple[tuple[str, str], ..
     return all(pod_labels.get(name) == value for name, value in wanted)
 
 
-def _walk_tree(policy: CompiledPolicy, candidates: Sequence[Any], ev: Evaluation) -> _Walk:
+def _walk_tree(policy: CompiledPolicy, candidates: Sequence[PolicyPod], ev: Evaluation) -> _Walk:
     """Keep the policy's pool, then walk the filter tree from its first node."""
     pods = in_pool(policy.pool_labels, candidates)
     if not pods:
@@ -411,7 +382,7 @@ def _walk_tree(policy: CompiledPolicy, candidates: Sequence[Any], ev: Evaluation
         return _Walk(pods, (), (), (), Outcome.NO_CAPACITY, reason)
     trace: list[NodeTrace] = []
     node = policy.start
-    survivors: Sequence[Any] = pods
+    survivors: Sequence[PolicyPod] = pods
     while node is not None:
         step, survivors, node, shed = node.visit(survivors, ev)
         trace.append(step)

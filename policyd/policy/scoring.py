@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from policyd.policy.evaluation import FAILED, Compiling, Evaluation
+from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Expression
 
 
@@ -27,7 +28,7 @@ class ScoreValues(Protocol):
     def source(self) -> str: ...
 
     def values(
-        self, pods: Sequence[Any], ev: Evaluation
+        self, pods: Sequence[PolicyPod], ev: Evaluation
     ) -> tuple[list[Any], list[tuple[str, str]]]:
         """Each pod's raw value (``FAILED`` where it failed), and the errors by pod."""
         ...
@@ -79,7 +80,7 @@ def clamp(value: float) -> float:
 
 
 def score(
-    scorers: Sequence[Scorer], pods: Sequence[Any], ev: Evaluation
+    scorers: Sequence[Scorer], pods: Sequence[PolicyPod], ev: Evaluation
 ) -> tuple[list[float], list[tuple[str, str]]]:
     """The total score of each pod, and the scorers' errors (named by scorer)."""
     totals = [0.0] * len(pods)

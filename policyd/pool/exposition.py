@@ -17,14 +17,17 @@ line says what is wrong).
 
 from __future__ import annotations
 
-import collections
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from policyd.fields import METRICS, SCRAPED_POD_FIELDS, Field, Metric
 from policyd.pool.metric_names import MetricNames, MetricSpec
+from policyd.pool.pod_types import PodMetrics
+
+# PodMetrics is generated into pod_types; the pool imports it from here, with its parser.
+__all__ = ["NO_METRICS", "ExpositionError", "MetricsParser", "PodMetrics"]
 
 
 class ExpositionError(ValueError):
@@ -42,38 +45,6 @@ _LoraState = tuple[tuple[str, ...], tuple[str, ...], int, bool]
 _NO_LORA_STATE: _LoraState = ((), (), 0, False)
 _LORA_PARTS = {"running": 0, "waiting": 1, "max": 2, "known": 3}
 
-
-def _absent(field: Field) -> object:
-    """A scraped field's value while its metric is not on the page (or not read)."""
-    if field.metric is not None and field.metric.combine == "lora-info":
-        return _NO_LORA_STATE[_LORA_PARTS[field.part]]  # nothing known: not a full pod
-    return field.default
-
-
-def _pod_metrics_type() -> Any:
-    # A named tuple: a thousand are made a second, and it crosses from the
-    # scraper child as a plain tuple (``scrape_process``).
-    make: Any = collections.namedtuple  # built from the declarations, unknown to mypy
-    cls = make(
-        "PodMetrics",
-        [field.name for field in SCRAPED_POD_FIELDS],
-        defaults=[_absent(field) for field in SCRAPED_POD_FIELDS],
-    )
-    cls.__module__ = __name__
-    cls.__doc__ = "The scraped CEL ``pod`` fields, in the order ``policyd.fields`` declares them."
-    return cls
-
-
-if TYPE_CHECKING:
-
-    class PodMetrics(tuple[Any, ...]):
-        """The scraped numbers the CEL ``pod`` fields are made of (``SCRAPED_POD_FIELDS``)."""
-
-        def __new__(cls, *values: Any, **fields: Any) -> PodMetrics: ...
-        def __getattr__(self, name: str) -> Any: ...
-
-else:
-    PodMetrics = _pod_metrics_type()
 
 # A pod never scraped.
 NO_METRICS = PodMetrics()

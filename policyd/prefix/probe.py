@@ -12,11 +12,19 @@ an empty cache, as its model server does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
+from policyd.fields.prefix_match import NO_MATCH, PrefixMatch
 from policyd.prefix.index import ApproximateIndex, PreciseIndex
 from policyd.prefix.keys import block_keys
 from policyd.prefix.tokenizers import Tokenizer, TurnLike
+
+
+class Addressed(Protocol):
+    """What the probe reads of a pod: where it is (``ip:port``), which names its cache."""
+
+    @property
+    def address(self) -> str: ...
 
 
 class PrefixLocator:
@@ -69,31 +77,32 @@ class PrefixProbe:
             keys = self._keys[model, block_size] = block_keys(self.tokens, block_size, model)
         return keys
 
-    def match(self, model: str, pods: Sequence[Any]) -> list[tuple[float, int]]:
-        """Per pod, in order: (fraction 0..1 of the prompt's tokens cached, those tokens).
+    def match(self, model: str, pods: Sequence[Addressed]) -> list[PrefixMatch]:
+        """Per pod, in order, its ``PrefixMatch``: the fraction 0..1 of the prompt's
+        tokens cached there, and those tokens.
 
         ``model`` is the name the request is served as (the target model or
-        adapter); ``pods`` are objects with an ``address``.
+        adapter).
         """
         prompt = len(self.tokens)
         if not prompt or not pods:
-            return [(0.0, 0)] * len(pods)
+            return [NO_MATCH] * len(pods)
         index = self._locator.index
         default = self._locator.block_size
         names = [pod.address for pod in pods]
         if all(size == default for size in index.block_sizes()):  # every pod cuts alike
             return [
-                (blocks * default / prompt, blocks * default)
+                PrefixMatch(blocks * default / prompt, blocks * default)
                 for blocks in index.match(self.keys(model, default), names)
             ]
         sizes = [index.block_size(name) or default for name in names]
-        result: list[tuple[float, int]] = [(0.0, 0)] * len(names)
+        result = [NO_MATCH] * len(names)
         for size in set(sizes):
             positions = [i for i, s in enumerate(sizes) if s == size]
             group = [names[i] for i in positions]
             matched = index.match(self.keys(model, size), group)
             for i, blocks in zip(positions, matched, strict=True):
-                result[i] = (blocks * size / prompt, blocks * size)
+                result[i] = PrefixMatch(blocks * size / prompt, blocks * size)
         return result
 
     def routed(self, model: str, pod: str) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from policyd.fields.prefix_match import PrefixMatch
 from policyd.policy import Outcome
 from policyd.pool.pod import Pod
 
@@ -34,9 +35,9 @@ class FakeMatcher:
         self.matches = matches
         self.asked: list[tuple[str, tuple[str, ...]]] = []
 
-    def match(self, model: str, pods: Sequence[Any]) -> list[tuple[float, int]]:
+    def match(self, model: str, pods: Sequence[Any]) -> list[PrefixMatch]:
         self.asked.append((model, tuple(p.name for p in pods)))
-        return [self.matches.get(p.name, (0.0, 0)) for p in pods]
+        return [PrefixMatch(*self.matches.get(p.name, (0.0, 0))) for p in pods]
 
 
 def pods() -> tuple[Pod, ...]:

@@ -350,8 +350,8 @@ def test_snapshots_are_immutable_and_old_ones_never_change() -> None:
 
 
 def test_the_type_checker_rejects_any_change_to_a_pod() -> None:
-    """Pods are read-only to mypy rather than frozen at run time (``pod.py``
-    says why), so mypy, which CI runs over policyd, is what must refuse them."""
+    """Pods are read-only to mypy rather than frozen at run time (``Pod``'s
+    docstring says why), so mypy, which CI runs over policyd, is what must refuse them."""
     fields = [field.name for field in dataclasses.fields(Pod)]
     program = "from policyd.pool.pod import Pod\npod = Pod('a', '10.0.0.1:8000')\n"
     program += "".join(f"print(pod.{name})\npod.{name} = pod.{name}\n" for name in fields)
@@ -360,13 +360,12 @@ def test_the_type_checker_rejects_any_change_to_a_pod() -> None:
     )
     errors = [line for line in report.splitlines() if ": error:" in line]
     assert status == 1
-    # The identity is a read-only property; the fields read through their
-    # declarations have no attribute to assign to.
+    # Every field is typed, and final: no read is an error, every assignment is.
     assert [line.split(": error:")[0] for line in errors] == [
         f"<string>:{4 + 2 * i}" for i in range(len(fields))
     ]
     for line in errors:
-        assert "is read-only" in line or "has no attribute" in line, line
+        assert "Cannot assign to final attribute" in line, line
 
 
 def test_unchanged_pods_keep_their_objects_and_the_candidates_tuple() -> None:

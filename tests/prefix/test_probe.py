@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from policyd.extproc.openai import Turn
+from policyd.fields.prefix_match import PrefixMatch
 from policyd.prefix.events import decode_batch
 from policyd.prefix.index import ApproximateIndex, PreciseIndex
 from policyd.prefix.probe import PrefixLocator
@@ -72,13 +73,13 @@ def test_precise_mode_predicts_the_cached_tokens_the_simulated_pod_finds() -> No
 
     second = chat("Where is my invoice?")
     probe = locator.probe(second)
-    (a_fraction, a_tokens), (b_fraction, b_tokens), _ = probe.match(BASE, PODS)
+    a, b, _ = probe.match(BASE, PODS)
     state = run(engine, SimRequest("r3", tuple(tokenizer.encode(second)), 4), 20.0)
-    assert a_tokens == state.cached_tokens > 250
-    assert a_fraction == pytest.approx(state.cached_tokens / len(probe.tokens))
-    assert (b_fraction, b_tokens) == (0.0, 0)
+    assert a.prefix_tokens == state.cached_tokens > 250
+    assert a.prefix_match == pytest.approx(state.cached_tokens / len(probe.tokens))
+    assert b == PrefixMatch(0.0, 0)
     # The adapter's blocks are its own: the same prompt under it matches its chain.
-    (adapter_fraction, _), _, _ = locator.probe(first).match("adapter-1", PODS)
+    adapter_fraction = locator.probe(first).match("adapter-1", PODS)[0].prefix_match
     assert adapter_fraction == pytest.approx(len(probe.tokens) // 16 * 16 / len(probe.tokens), 0.1)
     assert locator.mode == "precise"
 
@@ -87,15 +88,15 @@ def test_approximate_mode_learns_where_policyd_routed() -> None:
     locator = PrefixLocator(SimTokenizer(), ApproximateIndex(10_000), block_size=16)
     assert locator.mode == "approximate"
     first = locator.probe(chat("question one"))
-    assert first.match(BASE, PODS) == [(0.0, 0)] * 3
+    assert first.match(BASE, PODS) == [PrefixMatch(0.0, 0)] * 3
     first.routed(BASE, PODS[1].address)
     again = locator.probe(chat("question one")).match(BASE, PODS)
     prompt = len(first.tokens)
-    assert again[1] == (prompt // 16 * 16 / prompt, prompt // 16 * 16)
+    assert again[1] == PrefixMatch(prompt // 16 * 16 / prompt, prompt // 16 * 16)
     other = locator.probe(chat("question two"))
-    shared = other.match(BASE, PODS)[1][1]
+    shared = other.match(BASE, PODS)[1].prefix_tokens
     assert 0 < shared < prompt and shared % 16 == 0
-    assert other.match("adapter-1", PODS)[1] == (0.0, 0)
+    assert other.match("adapter-1", PODS)[1] == PrefixMatch(0.0, 0)
 
 
 def test_a_probe_tokenizes_once_and_only_when_asked() -> None:
@@ -114,7 +115,7 @@ def test_a_probe_tokenizes_once_and_only_when_asked() -> None:
 
 def test_an_empty_prompt_or_no_pods_match_nothing() -> None:
     locator = PrefixLocator(SimTokenizer(), ApproximateIndex(100), block_size=16)
-    assert locator.probe(()).match(BASE, PODS) == [(0.0, 0)] * 3
+    assert locator.probe(()).match(BASE, PODS) == [PrefixMatch(0.0, 0)] * 3
     assert locator.probe(chat("x")).match(BASE, []) == []
     with pytest.raises(ValueError, match="positive"):
         PrefixLocator(SimTokenizer(), ApproximateIndex(100), block_size=0)
@@ -134,7 +135,7 @@ def test_precise_mode_keys_each_pod_with_the_block_size_it_announced() -> None:
         assert batch is not None
         index.apply(pod.address, batch.events)
     matched = locator.probe(turns).match(BASE, PODS)
-    assert [cached for _, cached in matched] == [
+    assert [m.prefix_tokens for m in matched] == [
         len(tokens) // 16 * 16,
         len(tokens) // 32 * 32,
         0,
@@ -143,4 +144,4 @@ def test_precise_mode_keys_each_pod_with_the_block_size_it_announced() -> None:
     index.forget(PODS[1].address)
     assert list(index.block_sizes()) == [16]
     matched = locator.probe(turns).match(BASE, PODS)
-    assert [cached for _, cached in matched] == [len(tokens) // 16 * 16, 0, 0]
+    assert [m.prefix_tokens for m in matched] == [len(tokens) // 16 * 16, 0, 0]

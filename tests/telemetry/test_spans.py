@@ -11,6 +11,7 @@ import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 from telemetry_support import Spans, pods, request, router_for
 
+from policyd.fields.prefix_match import PrefixMatch
 from policyd.policy import Router
 from policyd.policy.loader import load_policy_set
 from policyd.pool.pod import Pod
@@ -333,8 +334,8 @@ def test_a_prefix_policy_records_the_chosen_and_best_match_and_the_cached_tokens
     tmp_path: Path, spans: Spans
 ) -> None:
     class Matcher:
-        def match(self, model: str, candidates: object) -> list[tuple[float, int]]:
-            return [(0.25, 64), (0.75, 192), (0.5, 128)]
+        def match(self, model: str, candidates: object) -> list[PrefixMatch]:
+            return [PrefixMatch(0.25, 64), PrefixMatch(0.75, 192), PrefixMatch(0.5, 128)]
 
     prefix_policy = """\
         name: live

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from policyd.policy.evaluation import FAILED, NUMBERS, Evaluation
 from policyd.policy.nodes import LINKS, Filtering, Visit, links_schema
+from policyd.policy.pods import PolicyPod
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -30,7 +31,7 @@ class BandNode(Filtering):
         "band: the pods whose value is within [min, min + (max - min) / N]",
     )
 
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
+    def visit(self, pods: Sequence[PolicyPod], ev: Evaluation) -> Visit:
         values, errors = self.expression.values(pods, ev)
         numbers = [v for v in values if v is not FAILED] if errors else values
         if not numbers:

@@ -11,6 +11,7 @@ from policyd.cel import CelEvalError
 from policyd.policy.decision import NodeTrace
 from policyd.policy.evaluation import BOOL, Compiling, Evaluation, Evaluator
 from policyd.policy.nodes import Node, NodeSpec, Visit
+from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Fields, expression, reference
 
 SEES: Final = (
@@ -75,7 +76,7 @@ class IfNode:
             spec.name, spec.description, spec.expression.source, evaluate, on_success, on_failure
         )
 
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
+    def visit(self, pods: Sequence[PolicyPod], ev: Evaluation) -> Visit:
         errors: tuple[tuple[str, str], ...] = ()
         try:
             result = self.evaluate(ev.activation) is True
@@ -94,5 +95,5 @@ class IfNode:
         )
         return trace, pods, following, ""
 
-    def explain(self, pods: Sequence[Any], ev: Evaluation) -> tuple[str, list[Any]]:
+    def explain(self, pods: Sequence[PolicyPod], ev: Evaluation) -> tuple[str, list[Any]]:
         return self.source, []

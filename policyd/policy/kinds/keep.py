@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from policyd.policy.evaluation import BOOL, Evaluation
 from policyd.policy.nodes import LINKS, Filtering, Visit, links_schema
+from policyd.policy.pods import PolicyPod
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -23,6 +24,6 @@ class KeepNode(Filtering):
         "keep: the pods for which a bool CEL expression is true",
     )
 
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
+    def visit(self, pods: Sequence[PolicyPod], ev: Evaluation) -> Visit:
         kept, errors = self.expression.select(pods, ev, keep_failed=self.keep_failed)
         return self._continue(pods, kept, errors)

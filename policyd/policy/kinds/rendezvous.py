@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Final
 
 from policyd.policy.evaluation import FAILED, Compiling, Evaluation, PodExpression
+from policyd.policy.pods import PolicyPod
 from policyd.policy.scoring import ScorerSpec
 
 _HASH_SPACE: Final = float(1 << 64)
@@ -63,7 +64,7 @@ class RendezvousScore:
         return cls(spec.expression.source, key) if key is not None else None
 
     def values(
-        self, pods: Sequence[Any], ev: Evaluation
+        self, pods: Sequence[PolicyPod], ev: Evaluation
     ) -> tuple[list[Any], list[tuple[str, str]]]:
         """Each pod's weight for its key (``FAILED`` where the key failed)."""
         keys, errors = self.key.values(pods, ev)

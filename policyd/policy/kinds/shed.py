@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from policyd.policy.decision import NodeTrace
 from policyd.policy.evaluation import Compiling, Evaluation
 from policyd.policy.nodes import Node, NodeSpec, Visit
+from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Fields
 
 
@@ -51,9 +52,9 @@ class ShedNode:
     ) -> ShedNode:
         return cls(spec.name, spec.description, **spec.settings)
 
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
+    def visit(self, pods: Sequence[PolicyPod], ev: Evaluation) -> Visit:
         trace = NodeTrace(self.name, self.kind, len(pods), (), note=self.reason)
         return trace, (), None, self.reason
 
-    def explain(self, pods: Sequence[Any], ev: Evaluation) -> tuple[str, list[Any]]:
+    def explain(self, pods: Sequence[PolicyPod], ev: Evaluation) -> tuple[str, list[Any]]:
         return "", []

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 from policyd.policy.evaluation import FAILED, NUMBERS, Evaluation
 from policyd.policy.nodes import LINKS, Filtering, NodeSpec, Visit, links_schema
+from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Fields, expression
 
 
@@ -53,7 +54,7 @@ class TopKNode(Filtering):
         found = expression(fields, fields.node.entries[end][1], f"'{end}' of node '{spec.name}'")
         return cls.read_links(spec, fields, found, k=k, highest=end == "highest")
 
-    def visit(self, pods: Sequence[Any], ev: Evaluation) -> Visit:
+    def visit(self, pods: Sequence[PolicyPod], ev: Evaluation) -> Visit:
         values, errors = self.expression.values(pods, ev)
         ranked = [i for i, value in enumerate(values) if value is not FAILED]
         if len(ranked) > self.k:

@@ -45,6 +45,7 @@ import msgpack
 import pytest
 
 from policyd.extproc.openai import api_of, prompt_of
+from policyd.fields.prefix_match import PrefixMatch
 from policyd.prefix.chat_template import ChatTemplate, ChatTemplateError
 from policyd.prefix.events import decode_batch
 from policyd.prefix.index import PreciseIndex
@@ -191,17 +192,23 @@ def test_precise_mode_matches_a_chat_prompt_a_vllm_pod_announced(
 
     cached = len(served) // BLOCK_SIZE * BLOCK_SIZE
     assert cached >= 3 * BLOCK_SIZE
-    same = locator.probe(prompt_of({"messages": first}, "chat")).match(MODEL, pods)
+    same = pairs(locator.probe(prompt_of({"messages": first}, "chat")).match(MODEL, pods))
     assert same == [(cached / len(served), cached), (0.0, 0)]
 
     # The next turn renders the history as the first request rendered it, generation
     # prompt included: every block the pod cached is the next turn's too.
     later = vllm_ids(follow_up)
     assert later[: len(served)] == served and len(later) > len(served)
-    match = locator.probe(prompt_of({"messages": follow_up}, "chat")).match(MODEL, pods)
+    match = pairs(locator.probe(prompt_of({"messages": follow_up}, "chat")).match(MODEL, pods))
     assert match == [(cached / len(later), cached), (0.0, 0)]
     # Another adapter's or model's name is another cache entry on the pod.
-    assert locator.probe(prompt_of({"messages": first}, "chat")).match("other", pods)[0] == (0.0, 0)
+    other = pairs(locator.probe(prompt_of({"messages": first}, "chat")).match("other", pods))
+    assert other[0] == (0.0, 0)
+
+
+def pairs(matches: list[PrefixMatch]) -> list[tuple[float, int]]:
+    """Each pod's match as (share of the prompt cached, tokens cached)."""
+    return [(m.prefix_match, m.prefix_tokens) for m in matches]
 
 
 # -- loading and rendering a template -------------------------------------------------------------

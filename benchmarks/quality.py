@@ -65,15 +65,18 @@ the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 Flow control's workloads (``--workload overload``, ``tenants``, ``priorities``)
 are run by ``benchmarks/flow_quality.py``, whose docstring says how.
 
-``--profile`` picks the simulated pods: ``l4-llama2-7b`` (the default: vLLM V0
-rules, the published experiment's hardware; the figures above) or
-``h100-llama3.1-8b`` (vLLM V1 rules on an H100, docs/simulator.md). Each
-open-loop workload sweeps rates of its own per profile; the published figures
-are printed beside the seed experiment on the default profile only.
+``--profile`` picks the simulated pods, for every workload: ``l4-llama2-7b``
+(the default: vLLM V0 rules, the published experiment's hardware; the figures
+above), ``h100-llama3.1-8b`` or ``l4-llama3.1-8b`` (vLLM V1 rules on an H100
+or an L4, docs/simulator.md). Each open-loop workload sweeps rates of its own
+per profile; the published figures are printed beside the seed experiment on
+the default profile only.
 
     python benchmarks/quality.py --profile h100-llama3.1-8b                  # the seed experiment
     python benchmarks/quality.py --profile h100-llama3.1-8b --workload shared-prefix \
         --seeds 1 --duration 60                                               # tens of minutes
+    python benchmarks/quality.py --profile l4-llama3.1-8b --workload shared-prefix \
+        --seeds 1 --duration 120                                              # about 15 minutes
 """
 
 from __future__ import annotations

@@ -25,8 +25,11 @@ Four ways of handling overload, on the same requests:
 connections) with ``rules/lora-prefix.yaml`` and the same section against
 ``rules/lora-balanced.yaml`` without it: whether late binding pays there.
 
-The pool's capacity is measured first: the requests ``none`` completes per
-second while offered far more than it can serve (60 requests/s). Throughput
+The pods are those of ``--profile`` (any of ``policyd.sim.profile.PROFILES``;
+default ``l4-llama2-7b``). The pool's capacity is measured first, on that
+profile: the requests ``none`` completes per second while offered far more than
+it can serve, ``CALIBRATION_OVERLOAD`` times an upper bound of the pool's
+capacity derived from the profile (``calibration_rate``). Throughput
 counts the requests (and output tokens) completed while requests arrive, per
 second: the pool's rate under the load, not the drain after it. Idle figures (TTFT of each class
 on an idle pool) come from ``none`` at a fifth of the capacity. TTFT is
@@ -58,6 +61,7 @@ from policyd.pool.pod import Pod
 from policyd.prefix.probe import PrefixLocator
 from policyd.sim.experiment import SEED_PROMPT_TEXT, _Run, percentile
 from policyd.sim.open_loop import OpenLoopResult, OpenRequest, Turn, _OpenRun
+from policyd.sim.profile import Profile, get_profile
 from policyd.sim.workloads import Classes, Overload, Priorities, Tenants
 
 RULES: Final = quality.RULES
@@ -99,7 +103,10 @@ WORKLOADS: Final[dict[str, Callable[[], Classes]]] = {
 MULTIPLES: Final = {"overload": (1.5, 2.0, 3.0), "tenants": (2.0, 3.0), "priorities": (2.0,)}
 CRITICALITY: Final = "x-gateway-inference-criticality"
 IDLE_SHARE: Final = 0.2  # of the capacity: the idle reference
-CALIBRATION_RATE: Final = 60.0  # requests/s offered to `none` to measure the capacity
+POD_COUNT: Final = 6
+# The calibration offers this many times an upper bound of the pool's capacity:
+# far more than it serves on any profile, so ``none`` completes what the pool can.
+CALIBRATION_OVERLOAD: Final = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,14 +140,15 @@ class _FlowSignals:
     dispatches on each).
 
     Mixed into both runs (open loop and the seed experiment's closed loop),
-    which carry ``loop``, ``pods``, ``pod_of``, ``_views``, ``control``,
+    which carry ``loop``, ``pods``, ``profile``, ``pod_of``, ``_views``, ``control``,
     ``waiters``, ``version``, ``_expiry``, ``peak_held(_bytes)``, ``_decide``
     and ``refuse``.
     """
 
     def _snapshot(self) -> Snapshot:
         views = self._views(self.loop.now)
-        return Snapshot(self.version, tuple(quality.pod_from_view(view) for view in views))
+        pods = tuple(quality.pod_from_view(view, profile=self.profile) for view in views)
+        return Snapshot(self.version, pods)
 
     def _scrape(self) -> None:
         super()._scrape()
@@ -193,12 +201,18 @@ class FlowRun(_FlowSignals, _OpenRun):
     answers it instead.
     """
 
-    def __init__(self, contender: Contender, requests: Sequence[OpenRequest], seed: int) -> None:
+    def __init__(
+        self,
+        contender: Contender,
+        requests: Sequence[OpenRequest],
+        seed: int,
+        profile: Profile = quality.PROFILE,
+    ) -> None:
         super().__init__(
             route=self._chosen_pod,
             requests=requests,
-            pods=6,
-            profile=quality.PROFILE,
+            pods=POD_COUNT,
+            profile=profile,
             seed=seed,
             scrape_interval_s=0.1,
             timeout_s=120.0,
@@ -209,7 +223,9 @@ class FlowRun(_FlowSignals, _OpenRun):
         self.contender = contender
         self.router = Router(PolicyStore.open(contender.policy), rng=random.Random(f"p-{seed}"))
         self.locator: PrefixLocator | None = (
-            quality.prefix_locator(quality.APPROXIMATE) if contender.prefix else None
+            quality.prefix_locator(quality.APPROXIMATE, profile=profile)
+            if contender.prefix
+            else None
         )
         self.control = FlowControl(lambda: self.router, self._snapshot, lambda: self.loop.now)
         count = len(requests)
@@ -394,10 +410,37 @@ def contenders(directory: Path, combined: Path, saturated: str) -> list[Contende
 
 
 def run_one(
-    contender: Contender, workload: Classes, rate: float, duration_s: float, seed: int
+    contender: Contender,
+    workload: Classes,
+    rate: float,
+    duration_s: float,
+    seed: int,
+    *,
+    profile: Profile = quality.PROFILE,
 ) -> RunFigures:
     requests = workload.requests(rate=rate, duration_s=duration_s, seed=seed)
-    return figures_of(FlowRun(contender, requests, seed).outcome(), duration_s)
+    return figures_of(FlowRun(contender, requests, seed, profile).outcome(), duration_s)
+
+
+def calibration_rate(profile: Profile, workload: Classes, pods: int = POD_COUNT) -> float:
+    """Requests/s to offer ``none`` when measuring the pool's capacity on ``profile``.
+
+    ``CALIBRATION_OVERLOAD`` times an upper bound of what ``pods`` pods can
+    serve of ``workload``: however steps batch, a request costs a pod at least
+    its prompt tokens times the per-token prefill cost and its output tokens
+    times the per-sequence decode cost (the step's fixed part and the context
+    read only add to it), taking the workload's mean lengths.
+    """
+    prompt = sum(workload.prompt_tokens) / 2
+    output = sum(workload.output_tokens) / 2
+    if profile.scheduler == "v1":
+        per_prompt_token = profile.step_per_prefill_token_s
+        per_output_token = profile.step_per_decode_sequence_s
+    else:
+        per_prompt_token = profile.prefill_per_token_s
+        per_output_token = profile.decode_per_sequence_s
+    least_work_s = prompt * per_prompt_token + output * per_output_token
+    return CALIBRATION_OVERLOAD * pods / least_work_s
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -407,6 +450,7 @@ def _mean(values: Sequence[float]) -> float:
 def main_flow(arguments: argparse.Namespace) -> None:
     name = arguments.workload
     workload = WORKLOADS[name]()
+    profile = get_profile(arguments.profile)
     seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
     duration = arguments.duration
     began = time.perf_counter()
@@ -415,18 +459,22 @@ def main_flow(arguments: argparse.Namespace) -> None:
         field = contenders(Path(scratch), arguments.combined_policy, saturated)
         print(f"flow control: saturated when {saturated}", flush=True)
         none = field[0]
+        offered = calibration_rate(profile, Overload())
         capacity = _mean(
             [
-                run_one(none, Overload(), CALIBRATION_RATE, duration, s).completed_per_s
+                run_one(none, Overload(), offered, duration, s, profile=profile).completed_per_s
                 for s in seeds
             ]
         )
         print(
             f"capacity: {none.name} completes {capacity:.2f} requests/s offered "
-            f"{CALIBRATION_RATE:g}/s ({workload}, 6 pods of {quality.PROFILE.name})",
+            f"{offered:.1f}/s ({workload}, {POD_COUNT} pods of {profile.name})",
             flush=True,
         )
-        idle = [run_one(none, workload, capacity * IDLE_SHARE, duration, s) for s in seeds]
+        idle = [
+            run_one(none, workload, capacity * IDLE_SHARE, duration, s, profile=profile)
+            for s in seeds
+        ]
         idle_p90 = {c: _mean([f.classes[c].ttft_p90 for f in idle]) for c in idle[0].classes}
         idle_p99 = {c: _mean([f.classes[c].ttft_p99 for f in idle]) for c in idle[0].classes}
         print(
@@ -442,7 +490,7 @@ def main_flow(arguments: argparse.Namespace) -> None:
             for contender in field:
                 started = time.perf_counter()
                 results[multiple][contender.name] = [
-                    run_one(contender, workload, rate, duration, s) for s in seeds
+                    run_one(contender, workload, rate, duration, s, profile=profile) for s in seeds
                 ]
                 print(
                     f"  {multiple:g}x {contender.name}: {len(seeds)} runs in "
@@ -577,17 +625,20 @@ class SeedFlowRun(_FlowSignals, _Run):
     gateway, held or not, as a real client's would.
     """
 
-    def __init__(self, policy: Path, seed: int) -> None:
+    def __init__(self, policy: Path, seed: int, profile: Profile = quality.PROFILE) -> None:
         super().__init__(
             route=self._chosen_pod,
             workload=quality.SEED_WORKLOAD,
-            pods=6,
-            profile=quality.PROFILE,
+            pods=POD_COUNT,
+            profile=profile,
             seed=seed,
             scrape_interval_s=0.1,
         )
+        self.profile = profile
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
-        self.locator = quality.prefix_locator(quality.APPROXIMATE, quality.SERVING_TOKENIZER)
+        self.locator = quality.prefix_locator(
+            quality.APPROXIMATE, quality.SERVING_TOKENIZER, profile=profile
+        )
         self.turns = (Turn(None, texts=(SEED_PROMPT_TEXT,)),)
         self.control = FlowControl(lambda: self.router, self._snapshot, lambda: self.loop.now)
         self.version = 0
@@ -662,17 +713,22 @@ def main_seed_flow(arguments: argparse.Namespace) -> None:
     seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
     saturated = arguments.saturated or SATURATED
     balanced = RULES / "lora-balanced.yaml"
+    profile = get_profile(arguments.profile)
     with tempfile.TemporaryDirectory() as scratch:
         flow = flow_policy(arguments.combined_policy, Path(scratch), saturated)
-        plain = [quality.run_policy(balanced, s, workload=quality.SEED_WORKLOAD) for s in seeds]
-        held = [SeedFlowRun(flow, s) for s in seeds]
+        plain = [
+            quality.run_policy(balanced, s, workload=quality.SEED_WORKLOAD, profile=profile)
+            for s in seeds
+        ]
+        held = [SeedFlowRun(flow, s, profile) for s in seeds]
         results = [run.run() for run in held]
     done = _mean([r.completed for r in results])
     reference = _mean([r.completed for r in plain])
     plain_p90 = _mean([percentile(r.ttft_s(), 0.9) for r in plain])
     held_p90 = _mean([percentile(run.ttft_s(r), 0.9) for run, r in zip(held, results, strict=True)])
     print(
-        f"seed experiment, seeds {seeds.start}-{seeds.stop - 1}: lora-balanced completes "
+        f"seed experiment on {profile.name}, seeds {seeds.start}-{seeds.stop - 1}: "
+        f"lora-balanced completes "
         f"{reference:.0f} (TTFT p90 {plain_p90:.2f} s from the send); "
         f"{arguments.combined_policy.stem} with flow control ({saturated}) completes {done:.0f} "
         f"(TTFT p90 {held_p90:.2f} s from the send, time held included; peak held "

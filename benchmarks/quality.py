@@ -65,15 +65,18 @@ the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 Flow control's workloads (``--workload overload``, ``tenants``, ``priorities``)
 are run by ``benchmarks/flow_quality.py``, whose docstring says how.
 
-``--profile`` picks the simulated pods: ``l4-llama2-7b`` (the default: vLLM V0
-rules, the published experiment's hardware; the figures above) or
-``h100-llama3.1-8b`` (vLLM V1 rules on an H100, docs/simulator.md). Each
-open-loop workload sweeps rates of its own per profile; the published figures
-are printed beside the seed experiment on the default profile only.
+``--profile`` picks the simulated pods, for every workload: ``l4-llama2-7b``
+(the default: vLLM V0 rules, the published experiment's hardware; the figures
+above), ``h100-llama3.1-8b`` or ``l4-llama3.1-8b`` (vLLM V1 rules on an H100
+or an L4, docs/simulator.md). Each open-loop workload sweeps rates of its own
+per profile; the published figures are printed beside the seed experiment on
+the default profile only.
 
     python benchmarks/quality.py --profile h100-llama3.1-8b                  # the seed experiment
     python benchmarks/quality.py --profile h100-llama3.1-8b --workload shared-prefix \
         --seeds 1 --duration 60                                               # tens of minutes
+    python benchmarks/quality.py --profile l4-llama3.1-8b --workload shared-prefix \
+        --seeds 1 --duration 120                                              # about 15 minutes
 """
 
 from __future__ import annotations
@@ -401,7 +404,8 @@ class Contender:
 @dataclass(frozen=True, slots=True)
 class OpenWorkload:
     """An open-loop workload of the benchmark and the rates (requests/s) it is swept over,
-    per profile: a pool of H100s serves about a hundred times the requests of a pool of L4s."""
+    per profile name: a pool of H100s serves about a hundred times the requests of a pool of
+    L4s. Each sweep brackets random routing's knee on that profile and 1.5x it."""
 
     name: str
     workload: SharedPrefix | MultiTurn
@@ -412,6 +416,7 @@ _PREFIX_RATES: Final = MappingProxyType(
     {
         "l4-llama2-7b": (0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
         "h100-llama3.1-8b": (50.0, 100.0, 150.0, 200.0, 250.0, 300.0),
+        "l4-llama3.1-8b": (1.0, 2.0, 4.0, 6.0, 7.0, 8.0, 10.5, 12.0),
     }
 )
 OPEN_WORKLOADS: Final = {
@@ -425,6 +430,7 @@ OPEN_WORKLOADS: Final = {
                 {
                     "l4-llama2-7b": (2.0, 3.0, 4.0, 5.0, 6.0),
                     "h100-llama3.1-8b": (100.0, 200.0, 300.0, 400.0, 500.0),
+                    "l4-llama3.1-8b": (2.0, 4.0, 8.0, 12.0, 16.0, 20.0, 25.0, 30.0),
                 }
             ),
         ),
@@ -436,6 +442,7 @@ OPEN_WORKLOADS: Final = {
                     "l4-llama2-7b": _PREFIX_RATES["l4-llama2-7b"],
                     # 12 adapters on 4 slots per pod: adapter loads, not prefills, bound it
                     "h100-llama3.1-8b": (5.0, 10.0, 15.0, 20.0, 30.0, 40.0),
+                    "l4-llama3.1-8b": (1.0, 2.0, 3.0, 3.5, 4.0, 5.25, 6.0),
                 }
             ),
         ),
@@ -852,7 +859,7 @@ def main() -> None:
         choices=sorted(PROFILES),
         default=PROFILE.name,
         help="the simulated pods (default %(default)s, the published experiment's; "
-        "h100-llama3.1-8b runs vLLM V1's scheduler)",
+        "h100-llama3.1-8b and l4-llama3.1-8b run vLLM V1's scheduler)",
     )
     parser.add_argument(
         "--seeds", type=int, help="how many seeds (default 10 for seed, 3 for the others)"
@@ -928,8 +935,6 @@ def main() -> None:
         parser.error("--duration and --rates must be positive")
     if arguments.replicas < 1:
         parser.error("--replicas must be at least 1")
-    if arguments.workload in FLOW_WORKLOADS and arguments.profile != PROFILE.name:
-        parser.error(f"flow control's workloads run on {PROFILE.name} only (flow_quality.py)")
     if arguments.workload == "seed":
         main_seed(arguments)
     elif arguments.workload in FLOW_WORKLOADS:

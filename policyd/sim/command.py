@@ -24,8 +24,8 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         "--profile",
         default="l4-llama2-7b",
         choices=sorted(PROFILES),
-        help="calibration profile: l4-llama2-7b (vLLM V0, the seed experiment's; default) or "
-        "h100-llama3.1-8b (vLLM V1)",
+        help="calibration profile: l4-llama2-7b (vLLM V0, the seed experiment's; default), "
+        "h100-llama3.1-8b or l4-llama3.1-8b (vLLM V1)",
     )
     parser.add_argument(
         "--adapters", type=int, default=12, help="LoRA adapters per pod, adapter-0.. (default 12)"

@@ -7,7 +7,10 @@ scheduler it runs: ``v0`` (vLLM V0 without chunked prefill, ``engine.py``) or
 
 ``h100-llama3.1-8b`` is Llama-3.1-8B-Instruct on one H100 80GB under vLLM V1
 defaults; its constants and their sources are in ``docs/simulator.md`` ("The
-profile h100-llama3.1-8b"). ``l4-llama2-7b`` is the seed
+profile h100-llama3.1-8b"). ``l4-llama3.1-8b`` is the same model and
+engine on one NVIDIA L4 24GB, a pool that saturates at a few requests per
+second and whose KV cache holds about one copy of the open-loop workloads'
+system prompts ("The profile l4-llama3.1-8b"). ``l4-llama2-7b`` is the seed
 experiment's hardware: Llama-2-7B on one NVIDIA L4, ``--max-loras 4
 --max-cpu-loras 12``. Prefill ``max(0.04, 0.02 + 0.0002 * tokens)``, the LoRA
 load costs and the 700 KV blocks are the design's figures. The decode step
@@ -187,7 +190,21 @@ H100_LLAMA31_8B: Final = Profile(
     chat_generation_prompt=True,
 )
 
-PROFILES: Final[dict[str, Profile]] = {p.name: p for p in (L4_LLAMA2_7B, H100_LLAMA31_8B)}
+L4_LLAMA31_8B: Final = H100_LLAMA31_8B.with_changes(
+    name="l4-llama3.1-8b",
+    step_base_s=0.071,
+    step_per_prefill_token_s=0.000221,
+    step_per_decode_sequence_s=0.000221,
+    step_per_context_token_s=0.000000583,
+    max_num_seqs=256,
+    max_num_batched_tokens=2048,
+    max_model_len=32768,
+    num_gpu_blocks=2300,
+)
+
+PROFILES: Final[dict[str, Profile]] = {
+    p.name: p for p in (L4_LLAMA2_7B, H100_LLAMA31_8B, L4_LLAMA31_8B)
+}
 
 
 def get_profile(name: str) -> Profile:

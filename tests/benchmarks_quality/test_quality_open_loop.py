@@ -17,6 +17,7 @@ from test_quality_wiring import REPO, quality
 from policyd.prefix.index import ApproximateIndex, PreciseIndex
 from policyd.sim.experiment import PodView
 from policyd.sim.open_loop import Arrival, OpenRequest, PoolTruth, Turn, run_open_loop
+from policyd.sim.profile import PROFILES
 from policyd.sim.workloads import SharedPrefix
 
 BASE = quality.PROFILE.base_model
@@ -194,14 +195,14 @@ def test_two_approximate_replicas_serve_a_run_with_their_counts_back_to_zero(
     prefix_only: Path,
 ) -> None:
     contender = quality.Contender("x2", prefix_only, quality.APPROXIMATE, replicas=2)
-    tiny = quality.OpenWorkload("tiny", TINY, (3.0,))
+    tiny = quality.OpenWorkload("tiny", TINY, {quality.PROFILE.name: (3.0,)})
     result = quality.run_contender(contender, tiny, rate=3.0, duration_s=10.0, seed=1)
     assert result.completed == result.sent > 20
     assert result.hit_rate > 0.5
 
 
 def test_the_tokenizer_flag_changes_approximate_mode_only(prefix_only: Path) -> None:
-    tiny = quality.OpenWorkload("tiny", TINY, (3.0,))
+    tiny = quality.OpenWorkload("tiny", TINY, {quality.PROFILE.name: (3.0,)})
 
     def hits(mode: str, tokenizer: str) -> float:
         contender = quality.Contender(mode, prefix_only, mode)
@@ -213,3 +214,10 @@ def test_the_tokenizer_flag_changes_approximate_mode_only(prefix_only: Path) -> 
     # Precise mode with estimated ids would match nothing the pods announce.
     assert hits(quality.PRECISE, "estimate") == hits(quality.PRECISE, "sim") > 0.5
     assert hits(quality.APPROXIMATE, "estimate") > 0.5  # equal text, equal pseudo-ids
+
+
+def test_every_open_workload_sweeps_rates_on_every_profile() -> None:
+    for workload in quality.OPEN_WORKLOADS.values():
+        assert set(workload.rates) == set(PROFILES), workload.name
+        for rates in workload.rates.values():
+            assert list(rates) == sorted(set(rates)) and rates[0] > 0

@@ -25,7 +25,7 @@ from policyd.sim.server import SimServer
 from policyd.sim.tokenizer import block_hashes, tokenize
 
 BASE = L4_LLAMA2_7B.base_model
-WAIT_S = 5.0
+WAIT_S = 30.0  # generous: fails only what never happens
 
 
 def words(prefix: str, count: int) -> str:
@@ -45,10 +45,17 @@ def connects(subscriber: KvEventSubscriber, pod: str) -> int:
     return 0 if stats is None else stats.connects
 
 
-async def subscribed(subscriber: KvEventSubscriber, pod: str) -> None:
-    """Connected, and the subscription has had time to reach the publisher (slow joiner)."""
-    await eventually(lambda: connects(subscriber, pod) > 0, pod)
-    await asyncio.sleep(0.2)
+async def subscribed(publisher: KvEventPublisher | None, count: int = 1) -> None:
+    """The publisher has ``count`` subscriptions (ZMQ's slow joiner: a batch published
+    before a subscription arrives is not sent to its subscriber)."""
+    assert publisher is not None
+    await eventually(lambda: publisher.subscriptions() >= count, f"{count} subscriptions")
+
+
+async def xpub_subscribed(socket: zmq.asyncio.Socket) -> None:
+    """The test's own XPUB socket received a subscription (the slow joiner, as above)."""
+    message = await asyncio.wait_for(socket.recv(), WAIT_S)
+    assert message[:1] == b"\x01"
 
 
 def matched(index: PreciseIndex, pod: str, text: str, model: str = BASE) -> int:
@@ -145,7 +152,7 @@ async def test_stored_removed_and_cleared_blocks_arrive_in_the_index(
         assert pod.kv_events_endpoint is not None
         observer = Observer(pod.kv_events_endpoint)
         async with following(index, {pod.address: pod.kv_events_endpoint}) as subscriber:
-            await subscribed(subscriber, pod.address)
+            await subscribed(pod.driver.kv_events, 2)  # the observer's and the subscriber's
             shared = words("sys", 40)
             prompts = [(shared + " " + words("q", 40), BASE), (shared + " other", "adapter-1")]
             prompts += [(words(f"p{n}_", 64), BASE) for n in range(4)]
@@ -186,7 +193,7 @@ async def test_a_pod_followed_late_is_replayed_from_its_first_batch(
             await complete(client, pod, words(f"early{n}_", 40))
         replay: dict[str, str | None] = {pod.kv_events_endpoint: pod.kv_replay_endpoint}
         async with following(index, {pod.address: pod.kv_events_endpoint}, replay) as sub:
-            await subscribed(sub, pod.address)
+            await subscribed(pod.driver.kv_events)
             await complete(client, pod, words("late", 40))
             await eventually(lambda: matched(index, pod.address, words("late", 40)) == 2, "late")
             assert [matched(index, pod.address, words(f"early{n}_", 40)) for n in range(3)] == [
@@ -208,6 +215,9 @@ class DroppingPub:
     def send_multipart(self, frames: Any, flags: int = 0) -> None:
         if not self.dropping:
             self.socket.send_multipart(frames, flags)
+
+    def recv(self, flags: int = 0) -> bytes:
+        return bytes(self.socket.recv(flags))
 
     def close(self, linger: int | None = None) -> None:
         self.socket.close(linger=linger)
@@ -237,7 +247,7 @@ async def test_a_dropped_range_is_replayed_or_else_the_pod_is_cleared(
     replays = {publisher.endpoint: publisher.replay_endpoint}
     try:
         async with following(index, {"pod-a": publisher.endpoint}, replays) as subscriber:
-            await subscribed(subscriber, "pod-a")
+            await subscribed(publisher)
             publisher.publish([stored(words("zero", 40))], 1.0)
             await eventually(lambda: matched(index, "pod-a", words("zero", 40)) == 2, "seq 0")
             pub.dropping = True
@@ -263,14 +273,14 @@ async def test_a_restarted_pod_clears_its_entries(client: aiohttp.ClientSession)
         assert pod.kv_events_endpoint is not None and pod.kv_replay_endpoint is not None
         replay: dict[str, str | None] = {pod.kv_events_endpoint: pod.kv_replay_endpoint}
         async with following(index, {pod.address: pod.kv_events_endpoint}, replay) as sub:
-            await subscribed(sub, pod.address)
+            await subscribed(pod.driver.kv_events)
             for n in range(3):
                 await complete(client, pod, words(f"old{n}_", 40))
             await eventually(lambda: index.blocks(pod.address) == 6, "old blocks")
             await pod.go_away()
             await pod.come_back()  # a fresh engine on the same ports, seq from 0
             await eventually(lambda: connects(sub, pod.address) >= 2, "reconnected")
-            await asyncio.sleep(0.2)
+            await subscribed(pod.driver.kv_events)  # the fresh publisher's
             await complete(client, pod, words("new", 40))
             await eventually(lambda: matched(index, pod.address, words("new", 40)) == 2, "new")
             assert index.blocks(pod.address) == 2
@@ -283,7 +293,7 @@ async def test_pods_come_and_go_and_bad_messages_are_skipped(
 ) -> None:
     index = PreciseIndex()
     context = zmq.asyncio.Context.instance()
-    sockets = [context.socket(zmq.PUB) for _ in range(3)]
+    sockets = [context.socket(zmq.XPUB) for _ in range(3)]  # a PUB that hears subscriptions
     endpoints = [f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for s in sockets]
 
     async def send(socket: zmq.asyncio.Socket, seq: int, text: str, topic: bytes) -> None:
@@ -292,8 +302,8 @@ async def test_pods_come_and_go_and_bad_messages_are_skipped(
 
     try:
         async with following(index, {"a": endpoints[0], "b": endpoints[1]}) as subscriber:
-            await subscribed(subscriber, "a")
-            await subscribed(subscriber, "b")
+            await xpub_subscribed(sockets[0])
+            await xpub_subscribed(sockets[1])
             with caplog.at_level(logging.WARNING, "policyd.prefix"):
                 await sockets[0].send_multipart((b"kv@a@" + BASE.encode(), b"short"))
                 await sockets[0].send_multipart((b"kv", b"\0" * 8, b"\xc1not msgpack"))
@@ -307,7 +317,7 @@ async def test_pods_come_and_go_and_bad_messages_are_skipped(
             subscriber.follow({"a": endpoints[0], "c": endpoints[2]})
             assert subscriber.stats("b") is None and index.blocks("b") == 0
             assert dict(subscriber.pods) == {"a": endpoints[0], "c": endpoints[2]}
-            await subscribed(subscriber, "c")
+            await xpub_subscribed(sockets[2])
             await send(sockets[2], 0, words("c", 40), f"kv@c@{BASE}".encode())
             await eventually(lambda: matched(index, "c", words("c", 40)) == 2, "c")
             assert matched(index, "a", words("a", 40)) == 2
@@ -345,7 +355,7 @@ async def test_a_long_replay_is_applied_without_holding_the_event_loop() -> None
     replays: dict[str, str | None] = {publisher.endpoint: publisher.replay_endpoint}
     try:
         async with following(index, {"pod-a": publisher.endpoint}, replays) as subscriber:
-            await subscribed(subscriber, "pod-a")
+            await subscribed(publisher)
             ticker = asyncio.create_task(tick())
             publisher.publish([stored(words("last", 40))], 0.0)
             await eventually(lambda: index.blocks("pod-a") == 10 * len(texts) + 2, "replayed")

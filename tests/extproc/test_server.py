@@ -163,14 +163,13 @@ async def test_mutual_tls_refuses_clients_without_a_certificate(
 
 
 async def test_stopping_refuses_new_streams_and_lets_open_ones_finish() -> None:
-    server, telemetry, _ = make_server(grace_seconds=5.0)
+    server, telemetry, _ = make_server(grace_seconds=600.0)  # longer than the test may take
     port = await server.start()
     envoy = EnvoySide(port)
     call = envoy.open()
     for message in (request_headers(), request_body(BODY)):
         await call.write(message)
         await call.read()
-    started = time.monotonic()
     stopping = asyncio.create_task(server.stop())
     await asyncio.sleep(0.2)
     assert not stopping.done()  # waiting for the open stream
@@ -180,8 +179,7 @@ async def test_stopping_refuses_new_streams_and_lets_open_ones_finish() -> None:
     assert await call.read() is grpc.aio.EOF  # the response's end: answered by status OK
     assert await call.code() == grpc.StatusCode.OK
     await call.done_writing()
-    await asyncio.wait_for(stopping, 5)
-    assert time.monotonic() - started < 4  # ended by the stream, not by the grace period
+    await asyncio.wait_for(stopping, 30)  # ended by the stream, not by the grace period
     assert telemetry.spans[0].ends[0]["completed"] is True
     await envoy.close()
 

@@ -65,8 +65,8 @@ async def status_of(channel: grpc.aio.Channel, service: str) -> int:
 
 
 async def settles_to(channel: grpc.aio.Channel, service: str, status: int) -> bool:
-    """Whether ``service`` reaches ``status`` within a few seconds (readiness is polled)."""
-    for _ in range(250):
+    """Whether ``service`` reaches ``status`` within 30 s (readiness is polled)."""
+    for _ in range(1500):
         if await status_of(channel, service) == status:
             return True
         await asyncio.sleep(0.02)
@@ -194,7 +194,7 @@ async def test_streams_still_open_after_the_grace_period_are_cut_and_settled() -
         await call.read()
     assert pod.in_flight == 1
     await asyncio.wait_for(server.stop(), 5)
-    for _ in range(100):
+    for _ in range(3000):
         if telemetry.spans[0].ends:
             break
         await asyncio.sleep(0.01)

@@ -38,7 +38,7 @@ async def test_items_wait_for_the_delay_then_settle_together_in_order() -> None:
     await asyncio.sleep(0.01)
     assert settled == []
     assert not settlement.idle
-    for _ in range(100):
+    for _ in range(3000):
         await asyncio.sleep(0.01)
         if settled:
             break

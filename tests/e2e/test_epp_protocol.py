@@ -303,7 +303,7 @@ async def test_a_stream_comes_back_live_and_its_usage_is_read(rig: Rig) -> None:
     ) as response:
         assert response.status == 200
         # The first event reaches the client while the pod holds back the rest.
-        first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 5)
+        first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 30)
         assert gateway.pods["pod-b"].in_flight == 1
         upstream.release_stream.set()
         rest = await response.content.read()

@@ -175,7 +175,7 @@ async def test_an_inference_pool_gateway_holds_and_dispatches_too(
         assert not waiting.done()
         for upstream in rig.upstreams.values():
             upstream.release_stream.set()  # the streams end: the pods free up
-        async with await asyncio.wait_for(waiting, 10) as response:
+        async with await asyncio.wait_for(waiting, 30) as response:
             assert response.status == 200
             assert (await response.json())["choices"]
         await asyncio.gather(*streams)

@@ -193,7 +193,7 @@ async def test_streams_still_open_after_the_grace_period_are_cut_and_settled() -
         await call.write(message)
         await call.read()
     assert pod.in_flight == 1
-    await asyncio.wait_for(server.stop(), 5)
+    await asyncio.wait_for(server.stop(), 30)
     for _ in range(3000):
         if telemetry.spans[0].ends:
             break

@@ -102,7 +102,7 @@ async def test_the_first_set_is_listed_in_pages_with_kubeconfig_credentials(
 
     updates = KubernetesDiscovery(options(tmp_path, server, page_size=3)).updates()
     try:
-        pods = await asyncio.wait_for(anext(updates), 5)
+        pods = await asyncio.wait_for(anext(updates), 30)
     finally:
         await updates.aclose()  # type: ignore[attr-defined]
 
@@ -326,7 +326,7 @@ async def test_an_unreachable_api_server_at_start_is_waited_for(tmp_path: Path) 
         await asyncio.sleep(0.3)
         assert not first.done()
         await server.start(port)
-        assert [pod.name for pod in await asyncio.wait_for(first, 5)] == ["a"]
+        assert [pod.name for pod in await asyncio.wait_for(first, 30)] == ["a"]
     finally:
         await updates.aclose()  # type: ignore[attr-defined]
         await server.stop()
@@ -343,7 +343,7 @@ async def test_refused_access_at_start_is_an_error(
         server.forbidden = True
     updates = KubernetesDiscovery(settings).updates()
     with pytest.raises(DiscoveryError) as error:
-        await asyncio.wait_for(anext(updates), 5)
+        await asyncio.wait_for(anext(updates), 30)
     code = "401" if refusal == "wrong token" else "403"
     assert str(error.value).startswith(
         f"the Kubernetes API refused to list pods in namespace '{NAMESPACE}' "
@@ -356,7 +356,7 @@ async def test_missing_credentials_are_an_error(tmp_path: Path) -> None:
         selector="app=vllm", target_port=8000, kubeconfig=str(tmp_path / "absent")
     )
     with pytest.raises(DiscoveryError, match="cannot load Kubernetes credentials"):
-        await asyncio.wait_for(anext(KubernetesDiscovery(settings).updates()), 5)
+        await asyncio.wait_for(anext(KubernetesDiscovery(settings).updates()), 30)
 
 
 async def test_closing_the_source_ends_its_watch_thread(

@@ -380,7 +380,7 @@ async def test_a_hung_metrics_endpoint_answers_once_released(
     async with client.get(server.url + "/health") as response:
         assert response.status == 200
     server.set_faults()
-    response = await asyncio.wait_for(pending, 5)
+    response = await asyncio.wait_for(pending, 30)
     assert response.status == 200
     assert "vllm:num_requests_waiting" in await response.text()
     response.release()

@@ -221,7 +221,7 @@ def start_policyd(port: int, workers: int) -> subprocess.Popen[bytes]:
 
 
 async def wait_serving(port: int, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # generous: workers start slowly on a loaded machine
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         while time.monotonic() < deadline:
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
@@ -234,7 +234,7 @@ async def wait_serving(port: int, process: subprocess.Popen[bytes]) -> None:
     raise AssertionError("policyd did not become ready")
 
 
-def wait_exit(process: subprocess.Popen[bytes], timeout: float = 15) -> int:
+def wait_exit(process: subprocess.Popen[bytes], timeout: float = 60) -> int:
     try:
         return process.wait(timeout)
     finally:
@@ -268,8 +268,8 @@ async def worker_pids(port: int, expected: int) -> set[int]:
     connections may all land on the one that is up.
     """
     pids: set[int] = set()
-    deadline = time.monotonic() + 20
-    for _ in range(400):
+    deadline = time.monotonic() + 60
+    for _ in range(1200):
         pids.add(await worker_pid_of_one_stream(port))
         if len(pids) >= expected or time.monotonic() > deadline:
             break
@@ -338,7 +338,7 @@ async def test_workers_stop_when_their_parent_is_killed() -> None:
         assert len(pids) == 2 and all(running(pid) for pid in pids)
         process.kill()  # SIGKILL: the parent passes nothing on
         process.wait()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while any(running(pid) for pid in pids) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert not any(running(pid) for pid in pids)

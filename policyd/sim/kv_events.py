@@ -23,6 +23,11 @@ batches for a ROUTER replay socket (``vllm/distributed/kv_events.py``,
 - Replay: a client sends ``[b"", seq]`` (8 bytes big-endian) from a DEALER (or
   REQ) socket; the ROUTER answers every buffered batch from ``seq`` on as
   ``[b"", seq, payload]``, then ``[b"", -1 (8 bytes, signed), b""]``.
+
+The PUB socket is libzmq's XPUB, which sends exactly what a PUB sends but also
+hands up each subscription it receives: ``subscriptions()`` counts them, so a
+test can wait until a subscriber's subscription reached the pod (ZMQ's "slow
+joiner": a batch published before that is not sent to it) instead of sleeping.
 """
 
 from __future__ import annotations
@@ -97,8 +102,9 @@ class KvEventPublisher:
     ) -> KvEventPublisher:
         """Bind the sockets (0: a free port) and start answering replay requests."""
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        pub = context.socket(zmq.PUB)
+        pub = context.socket(zmq.XPUB)
         pub.set_hwm(_HWM)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only a topic's first
         router: zmq.Socket[bytes] | None = None
         try:
             port = await _bind(pub, host, port)
@@ -144,6 +150,7 @@ class KvEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._pub = pub
+        self._subscriptions = 0
         self.port = port
         self.replay_port = replay_port
         self.endpoint = f"tcp://{host}:{port}"
@@ -159,10 +166,21 @@ class KvEventPublisher:
         """The sequence number the next batch will carry."""
         return self._seq
 
+    def subscriptions(self) -> int:
+        """How many subscriptions have reached the socket so far (reconnections count again)."""
+        while True:
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return self._subscriptions
+            if message[:1] == b"\x01":  # b"\x00" + topic: an unsubscription
+                self._subscriptions += 1
+
     def publish(self, events: Sequence[KvEvent], ts: float) -> None:
         """Send one batch (nothing if ``events`` is empty) and keep it for replay."""
         if not events:
             return
+        self.subscriptions()  # read what the socket queued, so that it does not pile up
         payload = encode_batch(events, ts, self._block_size, self._lora_ids)
         seq = self._seq
         self._seq += 1

@@ -103,6 +103,7 @@ class SimServer:
         self._served = {profile.base_model, *self.adapters}
         self._metrics_released = asyncio.Event()
         self._metrics_released.set()
+        self.metrics_held = 0  # /metrics requests a hang_metrics fault holds now (tests wait on it)
         self._runner: web.AppRunner | None = None
         self._driver: RealTimeDriver | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -312,7 +313,12 @@ class SimServer:
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        await self._metrics_released.wait()
+        if not self._metrics_released.is_set():
+            self.metrics_held += 1
+            try:
+                await self._metrics_released.wait()
+            finally:
+                self.metrics_held -= 1
         return web.Response(body=render(self._registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:

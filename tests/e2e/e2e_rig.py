@@ -285,8 +285,9 @@ async def settled(server: ExtProcServer) -> None:
     await until(lambda: server.processor.settlement.idle, "policyd to settle its bookkeeping")
 
 
-async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    """Poll ``condition`` every 10 ms; fail the test with ``what`` after ``timeout``."""
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition`` every 10 ms; fail the test with ``what`` after ``timeout`` (generous:
+    it fails only what never happens, however loaded the machine)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -64,7 +64,8 @@ async def cold_pool(
         PolicyStore.open(REPO / "rules" / "default.yaml"),
         Pool(
             StaticFileDiscovery(pods_file(tmp_path, sim)),
-            ScrapeConfig(interval=SCRAPE_INTERVAL),
+            # Pods heard from stay candidates through rounds a loaded machine misses.
+            ScrapeConfig(interval=SCRAPE_INTERVAL, timeout=SCRAPE_INTERVAL, stale_after=30.0),
         ),
         ServerOptions(port=0, grace_seconds=5.0),
     )

@@ -23,7 +23,7 @@ async def test_a_stream_in_flight_finishes_while_policyd_drains(tmp_path: Path) 
         body = {"model": "m", "prompt": "p", "stream": True}
         async with gateway.client.post(gateway.url + "/v1/completions", json=body) as response:
             expected = sse_events("m")
-            first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 5)
+            first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 30)
             stopping = asyncio.create_task(gateway.server.stop())
             await asyncio.sleep(0.2)
             assert not stopping.done()
@@ -35,7 +35,7 @@ async def test_a_stream_in_flight_finishes_while_policyd_drains(tmp_path: Path) 
             upstream.release_stream.set()
             rest = await response.content.read()
         assert first + rest == b"".join(expected)
-        await asyncio.wait_for(stopping, 5)
+        await asyncio.wait_for(stopping, 30)
         span = gateway.telemetry.spans[gateway.router.seen[0].id]
         assert span.ended["completed"] is True
         assert (

@@ -303,7 +303,7 @@ async def test_a_stream_comes_back_live_and_its_usage_is_read(rig: Rig) -> None:
     ) as response:
         assert response.status == 200
         # The first event reaches the client while the pod holds back the rest.
-        first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 5)
+        first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 30)
         assert gateway.pods["pod-b"].in_flight == 1
         upstream.release_stream.set()
         rest = await response.content.read()
@@ -431,8 +431,13 @@ async def test_every_stream_ends_cleanly_and_envoy_stays_up(
     for _ in range(6):
         assert await asyncio.gather(*(one(i) for i in range(10))) == [200] * 10
     await settled(gateway.server)
-    await asyncio.sleep(0.2)  # the last streams' ends reach policyd after the responses
-    spans = list(gateway.telemetry.spans.values())[spans_before:]
+
+    def new_spans() -> list[Any]:
+        return list(gateway.telemetry.spans.values())[spans_before:]
+
+    # The last streams' ends reach policyd after the responses.
+    await until(lambda: all(span.ended for span in new_spans()), "every stream's end")
+    spans = new_spans()
     assert len(spans) == 60
     assert all(span.ended["completed"] for span in spans)
     # No stream was reset while policyd still waited on it.
@@ -492,14 +497,17 @@ async def test_the_inference_pool_shape_fails_closed_and_envoy_stays_up(
             ) as response:
                 assert response.status == 200
                 try:
+                    await response.content.readany()
+                    streaming.append(True)
                     await response.read()
                 except aiohttp.ClientPayloadError:
                     return False
                 return True
 
+        streaming: list[bool] = []
         streams = [asyncio.create_task(generation()) for _ in range(4)]
         await until(lambda: len(upstream.received) == 4, "the generations to start")
-        await asyncio.sleep(0.3)  # their first events are on their way to the clients
+        await until(lambda: len(streaming) == 4, "their first events at the clients")
         await gateway.server.stop(0)
         await asyncio.sleep(0.3)
         upstream.release_stream.set()

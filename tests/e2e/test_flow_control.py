@@ -128,7 +128,7 @@ async def test_the_max_wait_expires_into_the_configured_answer(gateway: PolicydG
     status, document, finished, headers = await post(gateway, 4, SHEDDABLE)
     assert status == 429 and document["error"]["code"] == "flow_expired"
     assert headers.get("retry-after") == "2", headers
-    assert 0.45 <= finished - started < 5
+    assert finished - started >= 0.45  # waited its max wait (the 429 says it expired)
     await asyncio.gather(*filling)
 
 
@@ -175,7 +175,7 @@ async def test_an_inference_pool_gateway_holds_and_dispatches_too(
         assert not waiting.done()
         for upstream in rig.upstreams.values():
             upstream.release_stream.set()  # the streams end: the pods free up
-        async with await asyncio.wait_for(waiting, 10) as response:
+        async with await asyncio.wait_for(waiting, 30) as response:
             assert response.status == 200
             assert (await response.json())["choices"]
         await asyncio.gather(*streams)

@@ -136,7 +136,7 @@ async def test_a_stream_passes_through_byte_identical_and_live_with_usage_record
         expected = sse_events("m")
         # The first event arrives while the upstream still holds the rest back:
         # nothing between the pod and the client buffers the stream.
-        first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 5)
+        first = await asyncio.wait_for(response.content.readexactly(len(expected[0])), 30)
         assert first == expected[0]
         assert gateway.pods["pod-b"].in_flight == 1
         upstream.release_stream.set()

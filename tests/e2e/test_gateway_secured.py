@@ -140,7 +140,7 @@ async def test_an_envoy_without_a_trusted_client_certificate_gets_nothing_from_p
         url = f"http://127.0.0.1:{intruder.listen_port}/v1/completions"
         async with gateway.client.post(url, json={"model": "m", "prompt": "p"}) as response:
             assert response.status == 503, await response.text()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while (health := await policyd_health(gateway.client, intruder.admin_port)) == "healthy":
             assert time.monotonic() < deadline, "the health check never failed"
             await asyncio.sleep(0.1)
@@ -216,7 +216,7 @@ async def test_policyd_serve_and_envoy_config_tls_flags_route_end_to_end(
         body = {"model": sim.servers[0].profile.base_model, "prompt": "hi", "max_tokens": 2}
         async with aiohttp.ClientSession() as client:
             # Envoy's gRPC health check of policyd's readiness passes over mTLS.
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while await policyd_health(client, envoy.admin_port) != "healthy":
                 assert time.monotonic() < deadline, "the health check never passed"
                 await asyncio.sleep(0.1)

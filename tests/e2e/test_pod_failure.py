@@ -59,8 +59,9 @@ TIME_SCALE = 10.0
 # that the run without retries surely sends it some.
 SCRAPE_INTERVAL = 1.0
 RATE = 200.0  # requests a second, sent on a clock whatever the answers
-DURATION = 3.0
+DURATION = 3.0  # at least; and on for DURATION - KILL_AT after the kill, however late
 KILL_AT = 1.0
+DEADLINE = 60.0  # seconds a loaded machine may take to reach the kill
 # Envoy's reset reasons for a connection it could not open.
 CONNECT_FAILURES = ("reset reason: connection failure", "reset reason: remote connection failure")
 
@@ -204,20 +205,34 @@ async def kill_a_pod_under_load(tmp: Path, *, retries: bool) -> Run:
             tasks: list[asyncio.Task[None]] = []
             start = time.monotonic()
             round_before_kill = None
-            for index in range(int(RATE * DURATION)):
+
+            def sending() -> bool:
+                now = time.monotonic()
+                if run.killed_at:
+                    return now - run.killed_at < DURATION - KILL_AT
+                return now - start < DEADLINE
+
+            index = 0
+            while sending():
                 delay = start + index / RATE - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 if round_before_kill is None and time.monotonic() - start >= KILL_AT:
                     round_before_kill = pool.snapshot()
-                if not run.killed_at and pool.snapshot() not in (None, round_before_kill):
+                if (
+                    not run.killed_at
+                    and round_before_kill is not None
+                    and pool.snapshot() is not round_before_kill
+                ):
                     run.victim = "pod-0"  # just after a round: a whole interval till the next
                     pods.kill(run.victim)
                     run.killed_at = time.monotonic()
                 record = Sent(time.monotonic())
                 run.sent.append(record)
                 tasks.append(asyncio.create_task(send(client, url, record, f"request {index}")))
+                index += 1
             await asyncio.gather(*tasks)
+            assert run.killed_at, f"no scrape round came after {KILL_AT} s within {DEADLINE} s"
         run.envoy_stats = await envoy_counters(envoy, "cluster.model_servers.upstream_")
         return run
     finally:

@@ -29,6 +29,7 @@ from e2e_rig import (
 from e2e_support import RecordedSpan
 
 from policyd.extproc.envoy_process import free_port
+from policyd.policy import store as store_module
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -153,8 +154,18 @@ async def test_a_new_policy_routes_the_next_requests_and_open_streams_finish(
             stream.release()
 
 
+class Clock:
+    """The policy store's ``time``, moved by the test: settling counts these seconds only."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 async def test_a_bad_byte_a_cut_file_or_one_still_being_written_never_replaces_the_policy(
-    gateway: PolicydGateway,
+    gateway: PolicydGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The guards ``policyd serve`` turns on: a NUL byte is rejected at its place, a file
     cut before ``filters:`` is refused, one caught mid-number is never loaded, and the
@@ -185,16 +196,40 @@ async def test_a_bad_byte_a_cut_file_or_one_still_being_written_never_replaces_t
     assert span(gateway, "after-cut").decision.policy_version == version
 
     store.refuse_new_warnings = False  # only the settle interval keeps the next one out
+    clock = Clock()  # settling by the test's clock: a loaded machine cannot stretch it
+    monkeypatch.setattr(store_module, "time", clock)
+    looks = 0
+    poll = store.poll
+
+    def counted(now: float | None = None) -> Any:
+        nonlocal looks
+        try:
+            return poll(now)
+        finally:
+            looks += 1
+
+    async def two_looks() -> None:  # the second began after this call
+        target = looks + 2
+        await until(lambda: looks >= target, "two looks of the watcher")
+
+    monkeypatch.setattr(store, "poll", counted)
     seen = len(gateway.reloads)
     number = re.search(r"value: \d\d", SEED)  # cut after its first digit
     assert number is not None
     cut = number.end() - 1
     policy.write_text(SEED[:cut])  # the writer is still at it
-    await asyncio.sleep(0.3)  # polled three times meanwhile
+    await two_looks()  # the fragment settles from now
+    clock.now += 0.6
+    await two_looks()
     edited = SEED.replace("\ndescription: ", "\ndescription: edited. ", 1)
     policy.write_text(edited)
+    await two_looks()
+    clock.now += 0.6  # the fragment would have settled by now, the finished file has not
+    await two_looks()
+    assert len(gateway.reloads) == seen
+    clock.now += 0.6
     await until(lambda: len(gateway.reloads) > seen, "policyd to load the finished file")
-    await asyncio.sleep(0.3)
+    await two_looks()
     assert len(gateway.reloads) == seen + 1  # the fragment was never loaded, nor rejected
     assert gateway.reloads[-1].changed
     (loaded,) = store.current.policies

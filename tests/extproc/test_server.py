@@ -65,8 +65,8 @@ async def status_of(channel: grpc.aio.Channel, service: str) -> int:
 
 
 async def settles_to(channel: grpc.aio.Channel, service: str, status: int) -> bool:
-    """Whether ``service`` reaches ``status`` within a few seconds (readiness is polled)."""
-    for _ in range(250):
+    """Whether ``service`` reaches ``status`` within 30 s (readiness is polled)."""
+    for _ in range(1500):
         if await status_of(channel, service) == status:
             return True
         await asyncio.sleep(0.02)
@@ -163,14 +163,13 @@ async def test_mutual_tls_refuses_clients_without_a_certificate(
 
 
 async def test_stopping_refuses_new_streams_and_lets_open_ones_finish() -> None:
-    server, telemetry, _ = make_server(grace_seconds=5.0)
+    server, telemetry, _ = make_server(grace_seconds=600.0)  # longer than the test may take
     port = await server.start()
     envoy = EnvoySide(port)
     call = envoy.open()
     for message in (request_headers(), request_body(BODY)):
         await call.write(message)
         await call.read()
-    started = time.monotonic()
     stopping = asyncio.create_task(server.stop())
     await asyncio.sleep(0.2)
     assert not stopping.done()  # waiting for the open stream
@@ -180,8 +179,7 @@ async def test_stopping_refuses_new_streams_and_lets_open_ones_finish() -> None:
     assert await call.read() is grpc.aio.EOF  # the response's end: answered by status OK
     assert await call.code() == grpc.StatusCode.OK
     await call.done_writing()
-    await asyncio.wait_for(stopping, 5)
-    assert time.monotonic() - started < 4  # ended by the stream, not by the grace period
+    await asyncio.wait_for(stopping, 30)  # ended by the stream, not by the grace period
     assert telemetry.spans[0].ends[0]["completed"] is True
     await envoy.close()
 
@@ -195,8 +193,8 @@ async def test_streams_still_open_after_the_grace_period_are_cut_and_settled() -
         await call.write(message)
         await call.read()
     assert pod.in_flight == 1
-    await asyncio.wait_for(server.stop(), 5)
-    for _ in range(100):
+    await asyncio.wait_for(server.stop(), 30)
+    for _ in range(3000):
         if telemetry.spans[0].ends:
             break
         await asyncio.sleep(0.01)
@@ -223,7 +221,7 @@ def start_policyd(port: int, workers: int) -> subprocess.Popen[bytes]:
 
 
 async def wait_serving(port: int, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # generous: workers start slowly on a loaded machine
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         while time.monotonic() < deadline:
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
@@ -236,7 +234,7 @@ async def wait_serving(port: int, process: subprocess.Popen[bytes]) -> None:
     raise AssertionError("policyd did not become ready")
 
 
-def wait_exit(process: subprocess.Popen[bytes], timeout: float = 15) -> int:
+def wait_exit(process: subprocess.Popen[bytes], timeout: float = 60) -> int:
     try:
         return process.wait(timeout)
     finally:
@@ -270,8 +268,8 @@ async def worker_pids(port: int, expected: int) -> set[int]:
     connections may all land on the one that is up.
     """
     pids: set[int] = set()
-    deadline = time.monotonic() + 20
-    for _ in range(400):
+    deadline = time.monotonic() + 60
+    for _ in range(1200):
         pids.add(await worker_pid_of_one_stream(port))
         if len(pids) >= expected or time.monotonic() > deadline:
             break
@@ -340,7 +338,7 @@ async def test_workers_stop_when_their_parent_is_killed() -> None:
         assert len(pids) == 2 and all(running(pid) for pid in pids)
         process.kill()  # SIGKILL: the parent passes nothing on
         process.wait()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while any(running(pid) for pid in pids) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert not any(running(pid) for pid in pids)

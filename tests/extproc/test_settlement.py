@@ -33,16 +33,20 @@ def test_without_an_event_loop_an_item_is_settled_at_once() -> None:
 async def test_items_wait_for_the_delay_then_settle_together_in_order() -> None:
     settled: list[str] = []
     settlement = Settlement(delay_seconds=0.05)
+    loop = asyncio.get_running_loop()
+    added = loop.time()
+    at: list[float] = []
     for name in "abc":
         settlement.add(Item(name, settled).settle)
-    await asyncio.sleep(0.01)
+    settlement.add(lambda: at.append(loop.time()))
     assert settled == []
     assert not settlement.idle
-    for _ in range(100):
+    for _ in range(3000):
         await asyncio.sleep(0.01)
         if settled:
             break
     assert settled == ["a", "b", "c"]
+    assert at[0] - added >= 0.05  # not before the delay (a loaded machine only makes it later)
     assert settlement.idle
     settlement.add(Item("d", settled).settle)  # a new batch, a new timer
     await asyncio.sleep(0.1)

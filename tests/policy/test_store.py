@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
@@ -89,12 +90,45 @@ async def test_watch_swaps_changes_off_the_event_loop_and_reports_them(tmp_path:
             await task
 
 
-async def _until(condition: object, timeout: float = 5.0) -> None:
+async def _until(condition: object, timeout: float = 30.0) -> None:
+    """Wait for ``condition``; the generous bound fails only what never happens."""
+
     async def wait() -> None:
         while not condition():  # type: ignore[operator]
             await asyncio.sleep(0.005)
 
     await asyncio.wait_for(wait(), timeout)
+
+
+class _Looks:
+    """Counts the watcher's finished looks (its ``poll`` calls), to wait on instead of sleeping."""
+
+    def __init__(self, store: PolicyStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = store.poll
+
+        def poll(now: float | None = None) -> Reload | None:
+            try:
+                return real(now)
+            finally:
+                self.count += 1
+
+        monkeypatch.setattr(store, "poll", poll)
+
+    async def more(self, looks: int) -> None:
+        """Wait for ``looks`` more looks: all but the first began after this call."""
+        target = self.count + looks
+        await _until(lambda: self.count >= target)
+
+
+class _Clock:
+    """The store's ``time``, moved by the test: settling counts these seconds only."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 def test_decisions_during_swaps_each_see_one_whole_policy(tmp_path: Path) -> None:
@@ -194,21 +228,34 @@ def test_a_load_during_which_the_file_changed_is_dropped(
     assert Router(store).decide(request(), [pod("a", waiting_queue=50)]).outcome.value == "routed"
 
 
-async def test_the_watcher_waits_for_a_file_being_written(tmp_path: Path) -> None:
+async def test_the_watcher_waits_for_a_file_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write(tmp_path, GUARDED)
     store = PolicyStore.open(path, settle_seconds=1.0)
+    clock = _Clock()
+    monkeypatch.setattr(store_module, "time", clock)  # the watcher's clock, not the event loop's
+    looks = _Looks(store, monkeypatch)
     reports: list[Reload] = []
     task = asyncio.create_task(store.watch(interval=0.02, on_reload=reports.append))
     try:
         half = GUARDED.index("    on_failure")
         path.write_text(GUARDED[:half].replace("value: 50", "value: 5"))
-        await asyncio.sleep(0.2)  # polled ten times meanwhile
-        path.write_text(GUARDED.replace("every pod is busy", "all busy"))
+        await looks.more(2)  # the fragment is seen: it settles from now
+        clock.now += 0.6
+        await looks.more(2)
+        path.write_text(GUARDED.replace("every pod is busy", "all busy"))  # the writer is done
+        await looks.more(2)
+        clock.now += 0.6  # the fragment would have settled by now, the whole file has not
+        await looks.more(2)
+        assert reports == []
+        clock.now += 0.6
         await _until(lambda: len(reports) == 1)
-        await asyncio.sleep(0.1)
+        await looks.more(2)
         assert len(reports) == 1  # the fragment was never loaded, nor rejected
         assert reports[0].changed
         assert _outcome(store) == "routed"
+        assert Router(store).decide(request(), [pod("a", waiting_queue=60)]).reason == "all busy"
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -358,12 +405,13 @@ async def test_the_watcher_survives_an_exception_anywhere_in_a_reload(
     listener = _raise if where == "on_reload" else reports.append
     if where != "on_reload":
         monkeypatch.setattr(where, _raise)
+    looks = _Looks(store, monkeypatch)
     task = asyncio.create_task(store.watch(interval=0.01, on_reload=listener))  # type: ignore[arg-type]
     try:
         write(tmp_path, LONG)
         with caplog.at_level(logging.ERROR, logger="policyd.policy.store"):
             await _until(lambda: bool(caplog.records))
-            await asyncio.sleep(0.1)  # ten more looks: the same failure is logged once
+            await looks.more(10)  # the same failure is logged once
         assert not task.done()
         (record,) = caplog.records
         assert record.exc_info is not None
@@ -416,13 +464,12 @@ async def test_a_failure_while_a_change_settles_does_not_speed_up_the_looks(
 ) -> None:
     path = write(tmp_path, SHORT)
     store = PolicyStore.open(path, settle_seconds=0.3)
-    looks = 0
+    looks: list[float] = []  # when each began
     real_stamp = store_module._stamp
 
     def failing(files: list[Path]) -> object:
-        nonlocal looks
-        looks += 1
-        if looks > 1:  # the first look saw the change start settling
+        looks.append(time.monotonic())
+        if len(looks) > 1:  # the first look saw the change start settling
             raise OSError("stale NFS handle")
         return real_stamp(files)
 
@@ -430,8 +477,13 @@ async def test_a_failure_while_a_change_settles_does_not_speed_up_the_looks(
     task = asyncio.create_task(store.watch(interval=0.1))
     try:
         write(tmp_path, LONG)
-        await asyncio.sleep(1.0)  # ten intervals; past the settle time, looks stay 0.1 s apart
-        assert 2 <= looks <= 12
+        await _until(lambda: len(looks) >= 8)  # well past the settle time
+        # After each failed look the next waits a whole interval (a failure that
+        # kept the change settling would look every 10 ms once it was due). The
+        # look after the first, which saw the change start settling, may come
+        # sooner: the settle deadline draws near while a loaded machine is slow.
+        gaps = [later - earlier for earlier, later in itertools.pairwise(looks[1:])]
+        assert min(gaps) >= 0.09, gaps
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

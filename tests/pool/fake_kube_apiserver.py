@@ -105,6 +105,7 @@ class FakeKubeApiServer:
         self.serve_inference_pools = True  # False: the CRD is not installed
         self.expire_every_watch = False  # a broken server: every watch is "too old"
         self.bookmark_interval = bookmark_interval
+        self.bookmarks = 0  # sent so far, with the revision current at the time
         self.expired_watch_as_status = expired_watch_as_status
         self.split_events = split_events  # write each event in two chunks
         self.requests: list[Request] = []
@@ -450,6 +451,7 @@ class FakeKubeApiServer:
                     await response.write_eof()
                     return
                 await self._send(response, _bookmark(watcher.resource, self._revision))
+                self.bookmarks += 1
                 continue
             if item == _DROP:
                 assert request.transport is not None

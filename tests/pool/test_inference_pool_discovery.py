@@ -68,7 +68,7 @@ async def test_the_pools_selector_and_port_choose_the_pods(
     pool(server, ports=(8200,))
     updates = discovery(tmp_path, server)
     try:
-        first = await asyncio.wait_for(anext(updates), 5)
+        first = await asyncio.wait_for(anext(updates), 30)
     finally:
         await updates.aclose()  # type: ignore[attr-defined]
     assert first == (
@@ -225,7 +225,7 @@ async def test_a_pool_missing_at_start_is_waited_for(
         assert not first.done()
         assert not server.lists()  # no pods listed before the pool says which
         pool(server)
-        assert [p.name for p in await asyncio.wait_for(first, 5)] == ["a"]
+        assert [p.name for p in await asyncio.wait_for(first, 30)] == ["a"]
     finally:
         await updates.aclose()  # type: ignore[attr-defined]
 
@@ -242,7 +242,7 @@ async def test_a_bad_pool_at_start_is_waited_out(
             await _logged(caplog, "spec.targetPorts is missing or empty; waiting for a usable")
         assert not first.done() and not server.lists()
         pool(server)
-        assert [p.name for p in await asyncio.wait_for(first, 5)] == ["a"]
+        assert [p.name for p in await asyncio.wait_for(first, 30)] == ["a"]
     finally:
         await updates.aclose()  # type: ignore[attr-defined]
 
@@ -297,7 +297,7 @@ async def test_refusals_at_start_are_errors(
         server.forbidden_resources.add(POOLS if trouble == "pools forbidden" else "pods")
     updates = discovery(tmp_path, server)
     with pytest.raises(DiscoveryError) as error:
-        await asyncio.wait_for(anext(updates), 5)
+        await asyncio.wait_for(anext(updates), 30)
     assert str(error.value) == message
     await updates.aclose()  # type: ignore[attr-defined]
 

@@ -67,7 +67,7 @@ def options(tmp_path: Path, server: FakeKubeApiServer, **overrides: object) -> K
 
 
 async def until(
-    updates: Updates, condition: Callable[[dict[str, PodIdentity]], bool], timeout: float = 5
+    updates: Updates, condition: Callable[[dict[str, PodIdentity]], bool], timeout: float = 30
 ) -> dict[str, PodIdentity]:
     """Read pod sets until one satisfies ``condition`` (by pod name)."""
 
@@ -102,7 +102,7 @@ async def test_the_first_set_is_listed_in_pages_with_kubeconfig_credentials(
 
     updates = KubernetesDiscovery(options(tmp_path, server, page_size=3)).updates()
     try:
-        pods = await asyncio.wait_for(anext(updates), 5)
+        pods = await asyncio.wait_for(anext(updates), 30)
     finally:
         await updates.aclose()  # type: ignore[attr-defined]
 
@@ -218,9 +218,13 @@ async def test_a_server_that_expires_every_watch_is_not_relisted_in_a_loop(
     updates = KubernetesDiscovery(options(tmp_path, server)).updates()
     try:
         await until(updates, lambda p: set(p) == {"a"})
+        async with asyncio.timeout(30):
+            while len(server.lists()) < 2:  # the first expired watch lists again
+                await asyncio.sleep(0.01)
         await asyncio.sleep(0.6)
-        # Backing off from 50 ms and doubling leaves room for a handful of lists.
-        assert 2 <= len(server.lists()) <= 8
+        # Backing off from 50 ms and doubling leaves room for a handful of lists (a
+        # loaded machine makes fewer, never more).
+        assert len(server.lists()) <= 8
         server.expire_every_watch = False
         vllm(server, "b")
         await until(updates, lambda p: set(p) == {"a", "b"})
@@ -279,7 +283,10 @@ async def test_bookmarks_move_the_resume_version_past_compactions(tmp_path: Path
         await _watch_open(server)
         for i in range(3):  # changes this watch does not select, yet they move the version
             server.add_pod(f"web-{i}", namespace=NAMESPACE, labels={"app": "web"})
-        await asyncio.sleep(0.3)  # a few bookmarks
+        sent = server.bookmarks
+        async with asyncio.timeout(30):  # bookmarks with the version after those changes
+            while server.bookmarks < sent + 2:
+                await asyncio.sleep(0.01)
         server.compact()
         server.drop_watches()
         vllm(server, "b")
@@ -319,7 +326,7 @@ async def test_an_unreachable_api_server_at_start_is_waited_for(tmp_path: Path) 
         await asyncio.sleep(0.3)
         assert not first.done()
         await server.start(port)
-        assert [pod.name for pod in await asyncio.wait_for(first, 5)] == ["a"]
+        assert [pod.name for pod in await asyncio.wait_for(first, 30)] == ["a"]
     finally:
         await updates.aclose()  # type: ignore[attr-defined]
         await server.stop()
@@ -336,7 +343,7 @@ async def test_refused_access_at_start_is_an_error(
         server.forbidden = True
     updates = KubernetesDiscovery(settings).updates()
     with pytest.raises(DiscoveryError) as error:
-        await asyncio.wait_for(anext(updates), 5)
+        await asyncio.wait_for(anext(updates), 30)
     code = "401" if refusal == "wrong token" else "403"
     assert str(error.value).startswith(
         f"the Kubernetes API refused to list pods in namespace '{NAMESPACE}' "
@@ -349,7 +356,7 @@ async def test_missing_credentials_are_an_error(tmp_path: Path) -> None:
         selector="app=vllm", target_port=8000, kubeconfig=str(tmp_path / "absent")
     )
     with pytest.raises(DiscoveryError, match="cannot load Kubernetes credentials"):
-        await asyncio.wait_for(anext(KubernetesDiscovery(settings).updates()), 5)
+        await asyncio.wait_for(anext(KubernetesDiscovery(settings).updates()), 30)
 
 
 async def test_closing_the_source_ends_its_watch_thread(
@@ -359,10 +366,8 @@ async def test_closing_the_source_ends_its_watch_thread(
     updates = KubernetesDiscovery(options(tmp_path, server)).updates()
     await until(updates, lambda p: True)
     await _watch_open(server)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    await updates.aclose()  # type: ignore[attr-defined]
-    assert loop.time() - started < 2
+    async with asyncio.timeout(30):  # far less than the watch's 300 s it must not wait for
+        await updates.aclose()  # type: ignore[attr-defined]
     assert not [t for t in threading.enumerate() if t.name == "policyd-pod-watch"]
 
 
@@ -378,7 +383,7 @@ def test_the_fake_parses_label_selectors_like_the_api_server() -> None:
 
 async def _watch_open(server: FakeKubeApiServer) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
+    deadline = loop.time() + 30
     while server.open_watches == 0:
         assert loop.time() < deadline, "the discovery never opened a watch"
         await asyncio.sleep(0.01)

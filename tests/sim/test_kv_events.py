@@ -25,7 +25,7 @@ from policyd.sim.tokenizer import block_hashes, tokenize
 
 BASE = L4_LLAMA2_7B.base_model
 TIME_SCALE = 200.0
-RECEIVE_TIMEOUT_S = 5.0
+RECEIVE_TIMEOUT_S = 30.0  # generous: fails only what never arrives
 
 
 def words(prefix: str, count: int) -> str:
@@ -51,9 +51,14 @@ class Subscriber:
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(endpoint)
 
-    async def ready(self) -> None:
-        # ZMQ's slow joiner: a subscription takes a moment to reach the publisher.
-        await asyncio.sleep(0.2)
+    async def ready(self, pod: SimServer) -> None:
+        """Until the pod's publisher has this subscription (ZMQ's slow joiner: a batch
+        published before it arrives does not reach this socket)."""
+        publisher = pod.driver.kv_events
+        assert publisher is not None
+        async with asyncio.timeout(RECEIVE_TIMEOUT_S):
+            while publisher.subscriptions() < 1:
+                await asyncio.sleep(0.01)
 
     async def receive(self) -> tuple[str, int, bytes, list[Any]]:
         topic, seq, payload = await asyncio.wait_for(
@@ -110,7 +115,7 @@ async def test_prefill_publishes_block_stored_with_chained_hashes_and_token_ids(
         assert pod.kv_events_endpoint is not None
         sub = Subscriber(pod.kv_events_endpoint)
         try:
-            await sub.ready()
+            await sub.ready(pod)
             shared = words("sys", 20)  # 21 tokens: one full block shared by both prompts
             first = tokenize(shared + " " + words("a", 20))  # 41 tokens: 2 full blocks
             await complete(client, pod, BASE, shared + " " + words("a", 20))
@@ -153,7 +158,7 @@ async def test_eviction_under_pressure_publishes_block_removed_and_seqs_increase
         assert pod.kv_events_endpoint is not None
         sub = Subscriber(pod.kv_events_endpoint)
         try:
-            await sub.ready()
+            await sub.ready(pod)
             prompts = [tokenize(words(f"p{n}_", 64)) for n in range(4)]
             for n in range(4):
                 await complete(client, pod, BASE, words(f"p{n}_", 64))
@@ -209,7 +214,7 @@ async def test_reset_prefix_cache_publishes_all_blocks_cleared(
         assert pod.kv_events_endpoint is not None and pod.kv_replay_endpoint is None
         sub = Subscriber(pod.kv_events_endpoint)
         try:
-            await sub.ready()
+            await sub.ready(pod)
             await complete(client, pod, BASE, words("c", 20))
             async with client.post(pod.url + "/reset_prefix_cache") as response:
                 assert response.status == 200
@@ -236,7 +241,7 @@ async def test_a_restarted_pod_publishes_on_the_same_ports_from_seq_zero(
         assert pod.kv_events_endpoint is not None
         sub = Subscriber(pod.kv_events_endpoint)
         try:
-            await sub.ready()
+            await sub.ready(pod)
             await complete(client, pod, BASE, words("x", 20))  # a fresh engine: stored again
             _, seq, _, (_, events, _) = await sub.receive()
             assert seq == 0 and events[0][0] == "BlockStored"

@@ -87,7 +87,7 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignor
     def of(self, service: str) -> list[ReceivedSpan]:
         return [s for s in self.spans if s.service == service]
 
-    async def wait_for(self, service: str, count: int = 1, timeout: float = 10.0) -> None:
+    async def wait_for(self, service: str, count: int = 1, timeout: float = 30.0) -> None:
         for _ in range(int(timeout / 0.05)):
             if len(self.of(service)) >= count:
                 return

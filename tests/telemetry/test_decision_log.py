@@ -172,7 +172,7 @@ def test_a_file_log_is_appended_to_and_a_bad_path_is_a_clear_error(tmp_path: Pat
 
 
 def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not condition():
         assert time.monotonic() < deadline, "the writer thread did not get there"
         time.sleep(0.005)

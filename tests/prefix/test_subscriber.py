@@ -240,11 +240,15 @@ async def test_a_pod_followed_late_is_replayed_from_its_first_batch(
 
 
 class DroppingPub:
-    """The publisher's PUB socket, losing the messages sent while ``dropping`` is set."""
+    """The publisher's socket, losing the messages sent while ``dropping`` is set (what
+    it hears, the subscriptions, passes)."""
 
     def __init__(self, socket: Any) -> None:
         self.socket = socket
         self.dropping = False
+
+    def recv(self, flags: int = 0) -> bytes:
+        return bytes(self.socket.recv(flags))
 
     def send_multipart(self, frames: Any, flags: int = 0) -> None:
         if not self.dropping:

@@ -63,10 +63,10 @@ import random
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 import aiohttp
 import flow_quality
@@ -79,13 +79,24 @@ from policyd.sim.experiment import SeedWorkload, percentile
 from policyd.sim.names import adapter_names
 from policyd.sim.open_loop import OpenRequest
 from policyd.sim.profile import PROFILES, Profile, get_profile
-from policyd.sim.workloads import Mixed, MultiTurn, Priorities, SharedPrefix, Tenants
+from policyd.sim.workloads import (
+    Classes,
+    Mixed,
+    MultiTurn,
+    Priorities,
+    SharedPrefix,
+    Tenants,
+)
 
 RULES: Final = Path(__file__).resolve().parents[1] / "rules"
 SEED: Final = "seed"
 KNEES: Final = {"shared-prefix": 1.0, "mixed": 1.0, "multi-turn": 4.0}  # requests/s, simulated
-PREFIX: Final = {"shared-prefix": SharedPrefix, "mixed": Mixed, "multi-turn": MultiTurn}
-FLOW: Final = {"tenants": Tenants, "priorities": Priorities}
+PREFIX: Final[dict[str, Callable[[], SharedPrefix | MultiTurn]]] = {
+    "shared-prefix": SharedPrefix,
+    "mixed": Mixed,
+    "multi-turn": MultiTurn,
+}
+FLOW: Final[dict[str, Callable[[], Classes]]] = {"tenants": Tenants, "priorities": Priorities}
 FLOW_MULTIPLES: Final = {"tenants": (2.0, 3.0), "priorities": (2.0,)}
 CAPACITY: Final = 11.5  # requests/s the pool completes (benchmarks/flow_quality.py measures it)
 IDLE: Final = "idle"
@@ -193,7 +204,7 @@ def policy_of(picker: str, cell: Cell, directory: Path) -> Path:
     if picker == FLOW_PICKERS[0]:
         return RULES / "default.yaml"
     base = RULES / ("lora-prefix.yaml" if picker.endswith("lora-prefix") else "default.yaml")
-    return flow_quality.flow_policy(base, directory, flow_quality.SATURATED, cell.time_scale)
+    return Path(flow_quality.flow_policy(base, directory, flow_quality.SATURATED, cell.time_scale))
 
 
 async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -> CellRun:
@@ -271,29 +282,23 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
         )
         return Virtual(result.completed, percentile(result.ttft_s(), 0.9))
     if cell.workload in PREFIX:
-        workload = quality.OpenWorkload(
-            cell.workload, PodLengths(PREFIX[cell.workload](), profile), (cell.rate,)
-        )  # type: ignore[arg-type]
+        lengths = cast(SharedPrefix, PodLengths(PREFIX[cell.workload](), profile))  # duck-typed
+        workload = quality.OpenWorkload(cell.workload, lengths, (cell.rate,))
         contender = quality.Contender(
             cell.picker, RULES / f"{cell.picker}.yaml", quality.APPROXIMATE
         )
         run = quality.run_contender(
             contender, workload, rate=cell.rate, duration_s=arguments.duration, seed=seed
         )
-        return Virtual(run.completed, percentile(run.ttft_s(), 0.9))
+        return Virtual(run.completed, live_report.tail_percentile(run.ttft_s(), 0.9))
     virtual_cell = dataclasses.replace(cell, time_scale=1.0)
-    contender = flow_quality.Contender(
+    flow_contender = flow_quality.Contender(
         cell.picker,
         policy_of(cell.picker, virtual_cell, directory),
         prefix=cell.picker.endswith("lora-prefix"),
     )
-    figures = flow_quality.run_one(
-        contender,
-        PodLengths(FLOW[cell.workload](), profile),
-        cell.rate,
-        arguments.duration,
-        seed,  # type: ignore[arg-type]
-    )
+    classes = cast(Classes, PodLengths(FLOW[cell.workload](), profile))  # duck-typed
+    figures = flow_quality.run_one(flow_contender, classes, cell.rate, arguments.duration, seed)
     streamed = figures.classes.get(live_report.SMALL_TENANT) if cell.workload == "tenants" else None
     return Virtual(figures.total.completed, (streamed or figures.total).ttft_p90)
 
@@ -393,7 +398,7 @@ async def main_async(arguments: argparse.Namespace, directory: Path) -> list[Cel
             print(
                 f"  [{done}/{cells}] {run.workload} {run.load} x{run.time_scale:g} {run.picker} "
                 f"#{run.repeat}: {run.completed}/{run.offered} completed, TTFT p90 "
-                f"{run.ttft_p90:.2f} s, {run.wall_s:.0f} s wall",
+                f"{run.ttft_p90:.2f} s, {run.wall_s:.0f} s wall; not served: {run.answers or 0}",
                 flush=True,
             )
         print(f"    batch in {time.monotonic() - started:.0f} s; {load_average()}", flush=True)

@@ -90,6 +90,7 @@ class CellRun:
     busiest: float  # the busiest pod's routed requests over the mean
     window_per_s: float  # completed while requests arrived, per second: the pool's throughput
     classes: Mapping[str, ClassFigures] = field(default_factory=dict)
+    answers: Mapping[str, int] = field(default_factory=dict)  # why requests were not served
     peak_held: int = 0
     peak_rss_mib: float = 0.0
     wall_s: float = 0.0
@@ -114,8 +115,16 @@ def ttft_values(outcomes: Sequence[Outcome], scale: float, rule: str) -> list[fl
     return values
 
 
-def _p(values: Sequence[float], fraction: float) -> float:
-    return percentile(values, fraction) if values else math.inf
+def tail_percentile(values: Sequence[float], fraction: float) -> float:
+    """The percentile; ``inf`` when it falls on or next to a request that never got a token."""
+    if not values:
+        return math.inf
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * fraction
+    low = math.floor(position)
+    if math.isinf(ordered[min(low + 1, len(ordered) - 1)]) and position > low:
+        return math.inf
+    return percentile(ordered, fraction)
 
 
 def class_figures(outcomes: Sequence[Outcome], scale: float) -> dict[str, ClassFigures]:
@@ -129,8 +138,8 @@ def class_figures(outcomes: Sequence[Outcome], scale: float) -> dict[str, ClassF
             offered=len(mine),
             completed=sum(1 for o in mine if o.done is not None),
             answered=sum(1 for o in mine if _answered(o)),
-            ttft_p90=_p(ttft, 0.9),
-            ttft_p99=_p(ttft, 0.99),
+            ttft_p90=tail_percentile(ttft, 0.9),
+            ttft_p99=tail_percentile(ttft, 0.99),
         )
     return found
 
@@ -183,14 +192,15 @@ def cell_run(
         output_tokens=tokens,
         duration_s=duration,
         tokens_per_s=tokens / duration if duration > 0 else 0.0,
-        ttft_p50=_p(ttft, 0.5),
-        ttft_p90=_p(ttft, 0.9),
-        ttft_p99=_p(ttft, 0.99),
+        ttft_p50=tail_percentile(ttft, 0.5),
+        ttft_p90=tail_percentile(ttft, 0.9),
+        ttft_p99=tail_percentile(ttft, 0.99),
         hit_rate=counters.prefix_hits / counters.prefix_queries if counters.prefix_queries else 0,
         ceiling=ceiling_rate,
         busiest=busiest(counters.routed, pods),
         window_per_s=in_window / (window_s * scale) if window_s > 0 else 0.0,
         classes=class_figures(outcomes, scale) if flow else {},
+        answers=dict(Counter(o.answer for o in outcomes if o.answer is not None)),
         peak_held=counters.peak_held,
         peak_rss_mib=counters.peak_rss_kb / 1024,
         wall_s=wall_s,

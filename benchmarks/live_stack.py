@@ -42,6 +42,9 @@ READY_S: Final = 60.0  # wall seconds a process may take to come up on a loaded 
 CRITICALITY: Final = "x-gateway-inference-criticality"
 CRITICALITIES: Final = ("critical", "standard", "sheddable")
 READ_CHUNK: Final = 1 << 16
+# A loaded machine answers scrapes late: a pod leaves the candidates only after this many
+# wall seconds without an answer, so a cell measures the picker, not the machine's load.
+STALE_AFTER_S: Final = 1.0
 
 
 @dataclass
@@ -142,7 +145,8 @@ class Stack:
             [sys.executable, "-m", "policyd", "serve", "--policy", str(setup.policy),
              "--pods", str(self.directory / "pods.yaml"), "--host", "127.0.0.1",
              "--port", str(self.policyd_port), "--monitoring-port", str(self.monitoring_port),
-             "--scrape-interval", f"{scrape:g}", "--grace-seconds", "1",
+             "--scrape-interval", f"{scrape:g}", "--scrape-timeout", f"{scrape:g}",
+             "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--grace-seconds", "1",
              "--prefix-tokenizer", "sim", "--log-level", "warning"],
         )  # fmt: skip
         async with aiohttp.ClientSession() as session:
@@ -303,14 +307,10 @@ async def _send(
     if outcome.streamed:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     trace = SimpleNamespace(outcome=outcome, clock=clock)
-    timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+    timeout = session.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with session.post(
-            url,
-            json=body,
-            headers=dict(headers),
-            trace_request_ctx=trace,
-            **({"timeout": timeout} if timeout is not None else {}),
+            url, json=body, headers=dict(headers), trace_request_ctx=trace, timeout=timeout
         ) as response:
             if response.status != 200:
                 outcome.answer = f"{response.status} {_code(await response.read())}"

@@ -254,6 +254,7 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
             seen = await stack.counters(session)
         counters.prefix_hits, counters.prefix_queries = seen.prefix_hits, seen.prefix_queries
         counters.routed = seen.routed
+        counters.scrapes, counters.failed_scrapes = seen.scrapes, seen.failed_scrapes
         counters.peak_rss_kb = stack.peak_rss_kb()
     return live_report.cell_run(
         key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.picker, cell.repeat),
@@ -398,7 +399,8 @@ async def main_async(arguments: argparse.Namespace, directory: Path) -> list[Cel
             print(
                 f"  [{done}/{cells}] {run.workload} {run.load} x{run.time_scale:g} {run.picker} "
                 f"#{run.repeat}: {run.completed}/{run.offered} completed, TTFT p90 "
-                f"{run.ttft_p90:.2f} s, {run.wall_s:.0f} s wall; not served: {run.answers or 0}",
+                f"{run.ttft_p90:.2f} s, {run.wall_s:.0f} s wall, {run.failed_scrapes:.1%} of "
+                f"the scrapes failed; not served: {run.answers or 0}",
                 flush=True,
             )
         print(f"    batch in {time.monotonic() - started:.0f} s; {load_average()}", flush=True)

@@ -91,6 +91,7 @@ class CellRun:
     window_per_s: float  # completed while requests arrived, per second: the pool's throughput
     classes: Mapping[str, ClassFigures] = field(default_factory=dict)
     answers: Mapping[str, int] = field(default_factory=dict)  # why requests were not served
+    failed_scrapes: float = 0.0  # share of policyd's scrapes the pods did not answer in time
     peak_held: int = 0
     peak_rss_mib: float = 0.0
     wall_s: float = 0.0
@@ -201,6 +202,7 @@ def cell_run(
         window_per_s=in_window / (window_s * scale) if window_s > 0 else 0.0,
         classes=class_figures(outcomes, scale) if flow else {},
         answers=dict(Counter(o.answer for o in outcomes if o.answer is not None)),
+        failed_scrapes=counters.failed_scrapes / counters.scrapes if counters.scrapes else 0.0,
         peak_held=counters.peak_held,
         peak_rss_mib=counters.peak_rss_kb / 1024,
         wall_s=wall_s,
@@ -317,8 +319,15 @@ def table(group: Group, pickers: Mapping[str, Sequence[CellRun]]) -> list[str]:
             f"| {_of(mine, lambda r: r.busiest, '.2f')} "
             f"| {_gains(mine, pickers.get(RANDOM))} | {_gains(mine, pickers.get(BALANCED))} |"
         )
-    rows.append(f"(ceiling: {_of(runs, lambda r: r.ceiling, '.1%')} of the prompt tokens)")
+    rows.append(
+        f"(ceiling: {_of(runs, lambda r: r.ceiling, '.1%')} of the prompt tokens; {_scrapes(runs)})"
+    )
     return rows
+
+
+def _scrapes(runs: Sequence[CellRun]) -> str:
+    """How far the machine kept up: the scrapes the pods did not answer in time."""
+    return f"failed scrapes {_of(runs, lambda r: r.failed_scrapes, '.1%')}"
 
 
 def flow_table(
@@ -347,6 +356,7 @@ def flow_table(
             f"| {_of(mine, lambda r: r.peak_held, '.0f')} "
             f"| {_of(mine, lambda r: r.peak_rss_mib, '.0f')} |"
         )
+    rows.append(f"({_scrapes(runs)})")
     return rows
 
 

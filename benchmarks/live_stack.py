@@ -42,8 +42,10 @@ READY_S: Final = 60.0  # wall seconds a process may take to come up on a loaded 
 CRITICALITY: Final = "x-gateway-inference-criticality"
 CRITICALITIES: Final = ("critical", "standard", "sheddable")
 READ_CHUNK: Final = 1 << 16
-# A loaded machine answers scrapes late: a pod leaves the candidates only after this many
-# wall seconds without an answer, so a cell measures the picker, not the machine's load.
+# A loaded machine answers scrapes late. policyd keeps such pods as candidates
+# (--include-stale; the policies see the metrics' age) and calls them stale only after
+# this many wall seconds: a cell measures the picker, not the machine's load, and
+# reports the share of failed scrapes so a starved run shows.
 STALE_AFTER_S: Final = 1.0
 
 
@@ -86,6 +88,8 @@ class PoolCounters:
     routed: dict[str, float] = field(default_factory=dict)  # pod -> requests policyd routed there
     peak_held: int = 0
     peak_rss_kb: int = 0
+    scrapes: float = 0.0  # policyd's scrapes of the pods
+    failed_scrapes: float = 0.0
 
 
 class Stack:
@@ -124,12 +128,13 @@ class Stack:
         self.directory.mkdir(parents=True, exist_ok=True)
         base = free_port_range(PODS)
         self.pod_ports = list(range(base, base + PODS))
-        self._spawn(
-            "sim",
-            [sys.executable, "-m", "policyd", "sim", "--pods", str(PODS), "--base-port",
-             str(base), "--host", "127.0.0.1", "--time-scale", f"{setup.time_scale:g}",
-             "--profile", setup.profile, "--seed", str(setup.seed)],
-        )  # fmt: skip
+        for i, port in enumerate(self.pod_ports):  # a process per pod, as pods have a GPU each
+            self._spawn(
+                f"sim-{i}",
+                [sys.executable, "-m", "policyd", "sim", "--pods", "1", "--base-port", str(port),
+                 "--host", "127.0.0.1", "--time-scale", f"{setup.time_scale:g}",
+                 "--profile", setup.profile, "--seed", str(setup.seed * PODS + i)],
+            )  # fmt: skip
         pods = [
             {"name": f"vllm-{i}", "address": f"127.0.0.1:{p}"} for i, p in enumerate(self.pod_ports)
         ]
@@ -146,7 +151,8 @@ class Stack:
              "--pods", str(self.directory / "pods.yaml"), "--host", "127.0.0.1",
              "--port", str(self.policyd_port), "--monitoring-port", str(self.monitoring_port),
              "--scrape-interval", f"{scrape:g}", "--scrape-timeout", f"{scrape:g}",
-             "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--grace-seconds", "1",
+             "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--include-stale",
+             "--grace-seconds", "1",
              "--prefix-tokenizer", "sim", "--log-level", "warning"],
         )  # fmt: skip
         async with aiohttp.ClientSession() as session:
@@ -186,6 +192,8 @@ class Stack:
             found.prefix_queries += metric_sum(text, "vllm:prefix_cache_queries_total")
         text = await _get_text(session, f"http://127.0.0.1:{self.monitoring_port}/metrics")
         found.routed = routed_per_pod(text)
+        found.failed_scrapes = metric_sum(text, "policyd_pod_scrapes_total", 'result="failure"')
+        found.scrapes = metric_sum(text, "policyd_pod_scrapes_total")
         return found
 
     async def held(self, session: aiohttp.ClientSession) -> int:
@@ -203,11 +211,16 @@ class Stack:
         return sum(_status_kb(pid, "VmHWM") for pid in _family(self.policyd.pid))
 
 
-def metric_sum(text: str, name: str) -> float:
-    """The sum of every series of ``name`` in a Prometheus text page."""
+def metric_sum(text: str, name: str, label: str = "") -> float:
+    """The sum of the series of ``name`` in a Prometheus text page (those carrying
+    ``label``, such as ``result="failure"``, when given)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+        if (
+            line.startswith(name)
+            and line[len(name) : len(name) + 1] in ("{", " ")
+            and label in line.rpartition(" ")[0]
+        ):
             total += float(line.rpartition(" ")[2])
     return total
 

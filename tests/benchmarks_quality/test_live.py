@@ -259,7 +259,11 @@ def test_the_pods_and_policyds_counters_are_read_from_their_metrics(stack: Modul
         'policyd_decisions_total{outcome="routed",pod="vllm-1",policy="p"} 3.0\n'
         'policyd_decisions_total{outcome="routed",pod="vllm-2",policy="p"} 1.0\n'
         'policyd_decisions_total{outcome="shed",pod="",policy="p"} 5.0\n'
+        'policyd_pod_scrapes_total{pod="vllm-0",result="success"} 8.0\n'
+        'policyd_pod_scrapes_total{pod="vllm-0",result="failure"} 2.0\n'
     )
+    assert stack.metric_sum(page, "policyd_pod_scrapes_total") == 10.0
+    assert stack.metric_sum(page, "policyd_pod_scrapes_total", 'result="failure"') == 2.0
     assert stack.metric_sum(page, "vllm:prefix_cache_hits_total") == 48.0
     assert stack.routed_per_pod(page) == {"vllm-1": 3.0, "vllm-2": 1.0}
     assert stack.class_headers("tenant-b", True) == {"x-tenant": "tenant-b"}

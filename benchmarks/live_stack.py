@@ -47,6 +47,9 @@ READ_CHUNK: Final = 1 << 16
 # this many wall seconds: a cell measures the picker, not the machine's load, and
 # reports the share of failed scrapes so a starved run shows.
 STALE_AFTER_S: Final = 1.0
+# For the same reason Envoy waits this long for policyd's reply instead of the shipped
+# 1 s, past which it lets the request through unrouted (a 503 no_destination).
+MESSAGE_TIMEOUT_MS: Final = 10_000
 
 
 @dataclass
@@ -141,7 +144,11 @@ class Stack:
         (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
         idle = max(300, round(setup.timeout_s / setup.time_scale) + 60)
         options = EnvoyConfigOptions(
-            port=0, admin_port=0, policyd_port=self.policyd_port, stream_idle_timeout_s=idle
+            port=0,
+            admin_port=0,
+            policyd_port=self.policyd_port,
+            stream_idle_timeout_s=idle,
+            message_timeout_ms=MESSAGE_TIMEOUT_MS,
         )
         self.envoy = await start_envoy(self.directory, options)
         scrape = 0.1 / setup.time_scale  # the virtual runs' 100 ms, in simulated time

@@ -5,11 +5,13 @@
     python benchmarks/live.py --workload shared-prefix --virtual --json live.json
 
 Every cell (a picker on a workload, at a load and a time scale) gets a stack
-of its own (``live_stack.py``): six simulated pods (``policyd sim --profile
---time-scale``), Envoy from ``policyd envoy-config`` and ``policyd serve``
-with the picker's policy (approximate prefix index, the pods' tokenizer),
-on free loopback ports, stopped when the cell ends. The client is aiohttp
-shaped like the workload's:
+of its own (``live_stack.py``): six simulated pods (``policyd sim --pods 1
+--profile --time-scale``, a process each), Envoy from ``policyd
+envoy-config`` and ``policyd serve`` with the picker's policy (approximate
+prefix index, the pods' tokenizer), on free loopback ports, stopped when the
+cell ends; a late scrape or decision on a loaded machine does not turn into
+a 503 (``live_stack.py`` says how). The client is aiohttp shaped like the
+workload's:
 
 - **seed**: the published client, 1,000 requests at once through a pool of
   100 connections, each naming one of 12 adapters (drawn as the virtual run

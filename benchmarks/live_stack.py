@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,13 +32,20 @@ import aiohttp
 import yaml
 
 from policyd.extproc.envoy_config import EnvoyConfigOptions
-from policyd.extproc.envoy_process import EnvoyProcess, free_port, free_port_range, start_envoy
+from policyd.extproc.envoy_process import (
+    EnvoyError,
+    EnvoyProcess,
+    free_port,
+    free_port_range,
+    start_envoy,
+)
 from policyd.sim.experiment import SeedWorkload
 from policyd.sim.open_loop import OpenRequest
 
 REPO: Final = Path(__file__).resolve().parents[1]
 PODS: Final = 6
 READY_S: Final = 60.0  # wall seconds a process may take to come up on a loaded machine
+START_ATTEMPTS: Final = 3  # fresh ports each time: other programs take free ports too
 CRITICALITY: Final = "x-gateway-inference-criticality"
 CRITICALITIES: Final = ("critical", "standard", "sheddable")
 READ_CHUNK: Final = 1 << 16
@@ -101,8 +108,8 @@ class Stack:
     def __init__(self, setup: Setup, directory: Path) -> None:
         self.setup = setup
         self.directory = directory
-        self.policyd_port = free_port()
-        self.monitoring_port = free_port()
+        self.policyd_port = 0  # chosen at each start
+        self.monitoring_port = 0
         self.pod_ports: list[int] = []
         self._processes: list[subprocess.Popen[bytes]] = []
         self.policyd: subprocess.Popen[bytes] | None = None
@@ -116,18 +123,31 @@ class Stack:
         return process
 
     async def __aenter__(self) -> Stack:
-        try:
-            await self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                await self._start()
+                return self
+            except (StartError, EnvoyError):
+                self.stop()  # another process took a port between the probe and the bind
+                if attempt == START_ATTEMPTS:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _check(self) -> None:
+        for process in self._processes:
+            if process.poll() is not None:
+                raise StartError(f"a process of the stack exited; see {self.directory}")
 
     async def __aexit__(self, *_: object) -> None:
         self.stop()
 
     async def _start(self) -> None:
         setup = self.setup
+        self.policyd_port = free_port()
+        self.monitoring_port = free_port()
         self.directory.mkdir(parents=True, exist_ok=True)
         base = free_port_range(PODS)
         self.pod_ports = list(range(base, base + PODS))
@@ -164,8 +184,8 @@ class Stack:
         )  # fmt: skip
         async with aiohttp.ClientSession() as session:
             for port in self.pod_ports:
-                await until_ok(session, f"http://127.0.0.1:{port}/health", READY_S)
-            await until_ok(session, f"http://127.0.0.1:{self.monitoring_port}/readyz", READY_S)
+                await until_ok(session, f"http://127.0.0.1:{port}/health", self._check)
+            await until_ok(session, f"http://127.0.0.1:{self.monitoring_port}/readyz", self._check)
         await asyncio.sleep(1.5)  # Envoy's health check of policyd marks it healthy
 
     @property
@@ -265,15 +285,23 @@ def _family(pid: int) -> list[int]:
     return found
 
 
-async def until_ok(session: aiohttp.ClientSession, url: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
+class StartError(RuntimeError):
+    """A process of the stack exited or did not come up in time."""
+
+
+async def until_ok(
+    session: aiohttp.ClientSession, url: str, check: Callable[[], None] = lambda: None
+) -> None:
+    """Poll ``url`` until it answers 200; ``check`` raises if waiting is pointless."""
+    deadline = time.monotonic() + READY_S
     while True:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
                 if response.status == 200:
                     return
+        check()
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not ready after {seconds:g} s")
+            raise StartError(f"{url} not ready after {READY_S:g} s")
         await asyncio.sleep(0.2)
 
 

@@ -163,12 +163,15 @@ class Stack:
         ]
         (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
         idle = max(300, round(setup.timeout_s / setup.time_scale) + 60)
+        # The load generator is a trusted client: its tenant and criticality headers
+        # reach policyd (a gateway removes them from clients by default).
         options = EnvoyConfigOptions(
             port=0,
             admin_port=0,
             policyd_port=self.policyd_port,
             stream_idle_timeout_s=idle,
             message_timeout_ms=MESSAGE_TIMEOUT_MS,
+            stripped_headers=(),
         )
         self.envoy = await start_envoy(self.directory, options)
         scrape = 0.1 / setup.time_scale  # the virtual runs' 100 ms, in simulated time

@@ -84,6 +84,7 @@ from policyd.policy.decision import Decision, Outcome, ShadowReport
 from policyd.policy.request import Request
 from policyd.pool.pod import InFlight, Pod
 from policyd.prefix.probe import PrefixLocator
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 log = logging.getLogger("policyd.extproc")
 
@@ -938,12 +939,14 @@ class Exchange:
                 self._first_body_at - self._decided_at if self._first_body_at is not None else None
             )
             span.end(
-                completed=self.state is not State.ABORTED,
-                duration_seconds=self._ended_at - self._decided_at,
-                first_body_seconds=first_body,
-                prompt_tokens=usage.prompt_tokens if usage else None,
-                completion_tokens=usage.completion_tokens if usage else None,
-                cached_tokens=usage.cached_tokens if usage else None,
+                ExchangeEnd(
+                    self.state is not State.ABORTED,
+                    self._ended_at - self._decided_at,
+                    first_body,
+                    usage.prompt_tokens if usage else None,
+                    usage.completion_tokens if usage else None,
+                    usage.cached_tokens if usage else None,
+                )
             )
         except Exception:
             log.exception("request %s: telemetry failed to end a span", self._request_id)

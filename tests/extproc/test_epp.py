@@ -34,6 +34,7 @@ from policyd.extproc.replies import DESTINATION_HEADER, STREAMED_CHUNK_BYTES
 from policyd.policy.decision import Decision
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 PODS = (Pod("pod-0", "10.0.0.1:8000"), Pod("pod-1", "10.0.0.2:8000"), Pod("pod-2", "10.0.0.3:9"))
 Replies = Any
@@ -51,7 +52,7 @@ class Recorder:
 
     def after_reply(self, shadows: Any = None) -> None: ...
     def response_headers(self, status: int, seconds: float) -> None: ...
-    def end(self, **outcome: Any) -> None: ...
+    def end(self, end: ExchangeEnd) -> None: ...
 
     def stream_error(self, kind: str, code: str) -> None:
         self.errors.append((kind, code))

@@ -30,6 +30,7 @@ from policyd.policy.decision import (
 )
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 BODY = {"model": "m", "prompt": "hello"}
 PODS = (Pod("pod-0", "10.0.0.1:8000"), Pod("pod-1", "10.0.0.2:8000"))
@@ -55,8 +56,8 @@ class CallLog:
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         self.calls.append(("response_headers", status))
 
-    def end(self, **outcome: Any) -> None:
-        self.calls.append(("end", outcome["completed"]))
+    def end(self, end: ExchangeEnd) -> None:
+        self.calls.append(("end", end.completed))
 
     def stream_error(self, kind: str, code: str) -> None:
         self.calls.append(("stream_error", kind, code))

@@ -28,9 +28,11 @@ from google.protobuf import struct_pb2
 from policyd.extproc import epp
 from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
 from policyd.extproc.errors import RequestError
-from policyd.extproc.exchange import Exchange, ServingSettings, State
+from policyd.extproc.exchange import Exchange
+from policyd.extproc.exchange_state import State
 from policyd.extproc.process_stream import ExternalProcessor
 from policyd.extproc.replies import DESTINATION_HEADER, STREAMED_CHUNK_BYTES
+from policyd.extproc.serving import ServingSettings
 from policyd.policy.decision import Decision
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod

@@ -18,8 +18,10 @@ from extproc_support import (
     response_headers,
 )
 
-from policyd.extproc.exchange import Exchange, ServingSettings, State
+from policyd.extproc.exchange import Exchange
+from policyd.extproc.exchange_state import State
 from policyd.extproc.process_stream import ExternalProcessor
+from policyd.extproc.serving import ServingSettings
 from policyd.policy.decision import (
     Agreement,
     Decision,

@@ -49,10 +49,10 @@ from policyd.extproc.envoy_config import (
     bootstrap,
 )
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions, TlsFiles
 from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.extproc.serve_command import check_arguments
+from policyd.extproc.serving import ServingSettings
 from policyd.policy import PolicyStore
 from policyd.policy.decision import Decision
 from policyd.policy.request import Request

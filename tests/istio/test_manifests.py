@@ -40,7 +40,6 @@ from e2e_support import ScriptedRouter, SwappablePool, TestUpstream
 
 from policyd.cli import build_parser
 from policyd.extproc.envoy_config import (
-    CREDENTIAL_HEADERS,
     GRACEFUL_CLOSE_FLAG,
     PRIORITY_HEADERS,
     RUNTIME_FLAGS,
@@ -48,6 +47,7 @@ from policyd.extproc.envoy_config import (
     PolicydTls,
     bootstrap,
 )
+from policyd.extproc.envoy_ext_proc import CREDENTIAL_HEADERS
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions, TlsFiles
 from policyd.extproc.replies import DESTINATION_HEADER

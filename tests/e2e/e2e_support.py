@@ -23,7 +23,7 @@ import asyncio
 import json
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -287,7 +287,7 @@ class RecordedSpan:
         self.seconds_to_headers = seconds_to_headers
 
     def end(self, end: ExchangeEnd) -> None:
-        self.ended = asdict(end)
+        self.ended = end._asdict()
         self.end_calls += 1
 
 

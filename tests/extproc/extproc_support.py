@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -190,7 +190,7 @@ class Span:
             raise RuntimeError("telemetry bug")
 
     def end(self, end: ExchangeEnd) -> None:
-        self.ends.append(asdict(end))
+        self.ends.append(end._asdict())
         if self.fail_on == "end":
             raise RuntimeError("telemetry bug")
 

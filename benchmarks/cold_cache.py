@@ -47,8 +47,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
-from policyd.extproc.exchange import Exchange, ServingSettings
+from policyd.extproc.exchange import Exchange
 from policyd.extproc.process_stream import ExternalProcessor
+from policyd.extproc.serving import ServingSettings
 from policyd.extproc.settlement import Settlement, Work
 from policyd.policy import PolicyStore, Router
 from policyd.telemetry import DecisionTracer, build_telemetry

@@ -51,6 +51,7 @@ from policyd.policy import PolicyStore, Request, Router
 from policyd.policy.decision import Decision, ShadowReport
 from policyd.pool.pod import Pod
 from policyd.telemetry import DecisionLog, DecisionMetrics, DecisionTelemetry, DecisionTracer
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 RULES = Path(__file__).resolve().parents[1] / "rules"
 SHADOWS = ("default.yaml", "random.yaml", "round-robin.yaml")
@@ -140,11 +141,13 @@ def per_request(
             record.after_reply()
             record.response_headers(200, 0.05)
             record.end(
-                completed=True,
-                duration_seconds=0.5,
-                first_body_seconds=0.1,
-                prompt_tokens=200,
-                completion_tokens=64,
+                ExchangeEnd(
+                    completed=True,
+                    duration_seconds=0.5,
+                    first_body_seconds=0.1,
+                    prompt_tokens=200,
+                    completion_tokens=64,
+                )
             )
             t2 = time.perf_counter()
             b += t1 - t0

@@ -16,6 +16,7 @@ from typing import Final
 
 from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowReport
 from policyd.policy.request import Request
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 LABEL_HEADER: Final = "x-demo-request"  # the demo client's name for a request
 
@@ -95,23 +96,14 @@ class DemoSpan:
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         self.record.status = status
 
-    def end(
-        self,
-        *,
-        completed: bool,
-        duration_seconds: float,
-        first_body_seconds: float | None,
-        prompt_tokens: int | None,
-        completion_tokens: int | None,
-        cached_tokens: int | None = None,
-    ) -> None:
+    def end(self, end: ExchangeEnd) -> None:
         record = self.record
-        record.prompt_tokens = prompt_tokens
-        record.cached_tokens = cached_tokens
-        record.completed = completed
-        record.duration_seconds = duration_seconds
-        record.first_body_seconds = first_body_seconds
-        record.completion_tokens = completion_tokens
+        record.prompt_tokens = end.prompt_tokens
+        record.cached_tokens = end.cached_tokens
+        record.completed = end.completed
+        record.duration_seconds = end.duration_seconds
+        record.first_body_seconds = end.first_body_seconds
+        record.completion_tokens = end.completion_tokens
         if record.status is None:
             record.status = record.outcome.http_status
         self._feed.finished(record)

@@ -106,31 +106,23 @@ from typing import Any, Final
 
 import yaml
 
-from policyd.extproc.epp import SUBSET_NAMESPACE
-from policyd.extproc.health import READINESS
-from policyd.extproc.replies import DESTINATION_HEADER, LB_METADATA_NAMESPACE
+from policyd.extproc.envoy_clusters import grpc_cluster, model_cluster, policyd_cluster
+from policyd.extproc.envoy_edge import listener
+from policyd.extproc.envoy_proto import TYPE_URL, is_ip, socket_address
+from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.policy.document import DEFAULT_CRITICALITY_HEADER
-from policyd.policy.flow import DEFAULT_DEADLINE_HEADER, MAX_HOLD_SECONDS
+from policyd.policy.flow import DEFAULT_DEADLINE_HEADER
 
 MIB: Final = 1024 * 1024
-_TYPE: Final = "type.googleapis.com/"
 GRACEFUL_CLOSE_FLAG: Final = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
 # Envoy runtime flags the bootstrap sets (see the module docstring): the
 # experimental graceful close stays off, even where a mesh-wide default turns it on.
 RUNTIME_FLAGS: Final = {GRACEFUL_CLOSE_FLAG: False}
-# What the inference route retries, on another pod (only with the override-host
-# cluster): a pod that refused the connection or the stream, or a connection
-# reset before the request went out. Never ``reset`` after the request was
-# sent: a request that crashes its pod must not be sent to two more.
-RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request"
 # The ext_proc filter's shapes: policyd's own (BUFFERED request body, STREAMED
 # response body) and Istio's for an InferencePool (see the module docstring).
 EXT_PROC_MODES: Final = ("buffered", "inference-pool")
 # Envoy's wait for each policyd reply, by mode when not given: Istio's is 1000 s.
 DEFAULT_MESSAGE_TIMEOUT_MS: Final = {"buffered": 1000, "inference-pool": 1_000_000}
-# The longest policyd may extend one message's timeout (``override_message_timeout``)
-# while flow control holds a request: a band's max_wait stays under it.
-MAX_MESSAGE_TIMEOUT: Final = f"{MAX_HOLD_SECONDS:g}s"
 # Envoy's limits on receiving a request (see the module docstring): the whole
 # request well beyond a hold, the headers in seconds.
 DEFAULT_REQUEST_TIMEOUT_S: Final = 300.0
@@ -141,19 +133,7 @@ TENANT_HEADER: Final = "x-tenant"
 # request arrives unless the operator trusts what sets them (docs/serving.md,
 # "Trust model").
 PRIORITY_HEADERS: Final = (DEFAULT_CRITICALITY_HEADER, DEFAULT_DEADLINE_HEADER, TENANT_HEADER)
-# Credentials Envoy never sends policyd (ext_proc forward_rules); policyd reads none.
-CREDENTIAL_HEADERS: Final = (
-    "authorization",
-    "proxy-authorization",
-    "cookie",
-    "set-cookie",
-    "x-api-key",
-)
 _HEADER_NAME: Final = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
-_NO_ROUTE_BODY: Final = (
-    '{"error":{"message":"policyd did not route this request",'
-    '"type":"service_unavailable","code":"no_destination"}}'
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +166,7 @@ class EnvoyConfigOptions:
     max_connections: int = 50_000
     # Streams Envoy multiplexes on one connection to policyd before it opens
     # another: what lets `policyd serve --workers N` share the load (see
-    # _policyd_cluster).
+    # envoy_clusters.policyd_cluster).
     policyd_streams_per_connection: int = 32
     # Concurrent ext_proc streams (one per in-flight request) Envoy allows to
     # policyd before its circuit breaker answers 503.
@@ -231,18 +211,18 @@ class EnvoyConfigOptions:
 
 def bootstrap(options: EnvoyConfigOptions) -> dict[str, Any]:
     """The bootstrap as plain data (what ``render`` serialises)."""
-    clusters = [_policyd_cluster(options), _model_cluster(options)]
+    clusters = [policyd_cluster(options), model_cluster(options)]
     if options.otlp_endpoint:
         host, _, port = options.otlp_endpoint.rpartition(":")
-        clusters.append(_grpc_cluster("otlp_collector", host, int(port), "1s"))
+        clusters.append(grpc_cluster("otlp_collector", host, int(port), "1s"))
     return {
-        "admin": {"address": _socket("127.0.0.1", options.admin_port)},
+        "admin": {"address": socket_address("127.0.0.1", options.admin_port)},
         "overload_manager": {
             "resource_monitors": [
                 {
                     "name": "envoy.resource_monitors.global_downstream_max_connections",
                     "typed_config": {
-                        "@type": _TYPE
+                        "@type": TYPE_URL
                         + "envoy.extensions.resource_monitors.downstream_connections.v3"
                         ".DownstreamConnectionsConfig",
                         "max_active_downstream_connections": options.max_connections,
@@ -256,7 +236,7 @@ def bootstrap(options: EnvoyConfigOptions) -> dict[str, Any]:
                 {"name": "admin", "admin_layer": {}},
             ]
         },
-        "static_resources": {"listeners": [_listener(options)], "clusters": clusters},
+        "static_resources": {"listeners": [listener(options)], "clusters": clusters},
     }
 
 
@@ -266,367 +246,6 @@ def render(options: EnvoyConfigOptions) -> str:
         "# (ext_proc) where each inference request goes. See docs/serving.md.\n"
     )
     return header + yaml.safe_dump(bootstrap(options), sort_keys=False, width=100)
-
-
-def _socket(address: str, port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": address, "port_value": port}}
-
-
-def _listener(options: EnvoyConfigOptions) -> dict[str, Any]:
-    manager: dict[str, Any] = {
-        "@type": _TYPE
-        + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "inference",
-        "codec_type": "AUTO",
-        "use_remote_address": True,
-        "stream_idle_timeout": f"{options.stream_idle_timeout_s}s",
-        "request_timeout": f"{options.request_timeout_s:g}s",
-        "request_headers_timeout": f"{options.request_headers_timeout_s:g}s",
-        "route_config": _routes(options),
-        "early_header_mutation_extensions": [_strip_client_headers(options)],
-        "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(options)},
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"},
-            },
-        ],
-    }
-    if options.otlp_endpoint:
-        manager["tracing"] = {
-            "provider": {
-                "name": "envoy.tracers.opentelemetry",
-                "typed_config": {
-                    "@type": _TYPE + "envoy.config.trace.v3.OpenTelemetryConfig",
-                    "grpc_service": {
-                        "envoy_grpc": {"cluster_name": "otlp_collector"},
-                        "timeout": "1s",
-                    },
-                    "service_name": "envoy-inference-gateway",
-                },
-            }
-        }
-    return {
-        "name": "inference",
-        "address": _socket(options.listen_address, options.port),
-        "per_connection_buffer_limit_bytes": options.buffer_limit_bytes,
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": manager,
-                    }
-                ]
-            }
-        ],
-    }
-
-
-def _routes(options: EnvoyConfigOptions) -> dict[str, Any]:
-    return {
-        "name": "inference",
-        "virtual_hosts": [
-            {
-                "name": "inference",
-                "domains": ["*"],
-                "routes": [
-                    {
-                        "name": "to_chosen_pod",
-                        "match": {
-                            "prefix": "/",
-                            "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
-                        },
-                        "route": _chosen_pod_route(options),
-                    },
-                    {
-                        "name": "unrouted",
-                        "match": {"prefix": "/"},
-                        "direct_response": {
-                            "status": 503,
-                            "body": {"inline_string": _NO_ROUTE_BODY},
-                        },
-                        # Envoy labels a direct response text/plain.
-                        "response_headers_to_add": [
-                            {
-                                "header": {"key": "content-type", "value": "application/json"},
-                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                            }
-                        ],
-                    },
-                ],
-            }
-        ],
-    }
-
-
-def _chosen_pod_route(options: EnvoyConfigOptions) -> dict[str, Any]:
-    route: dict[str, Any] = {
-        "cluster": "model_servers",
-        "timeout": "0s",
-        "idle_timeout": f"{options.stream_idle_timeout_s}s",
-    }
-    if options.model_servers and options.retries > 0:
-        route["retry_policy"] = retry_policy(options.retries)
-    return route
-
-
-def retry_policy(retries: int) -> dict[str, Any]:
-    """The inference route's retries (what Istio makes of a VirtualService's
-    ``retries: {attempts: N, retryOn: RETRY_ON}``): each to a host not tried yet."""
-    return {
-        "retry_on": RETRY_ON,
-        "num_retries": retries,
-        "retry_host_predicate": [
-            {
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {
-                    "@type": _TYPE
-                    + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                },
-            }
-        ],
-        "host_selection_retry_max_attempts": 5,
-    }
-
-
-def override_host_policy() -> dict[str, Any]:
-    """Envoy's override-host load balancing: the addresses policyd named, in order
-    (one per attempt; an address not among the cluster's endpoints is skipped),
-    then the endpoint with the fewest active requests."""
-    return {
-        "policies": [
-            {
-                "typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.override_host",
-                    "typed_config": {
-                        "@type": _TYPE + "envoy.extensions.load_balancing_policies.override_host"
-                        ".v3.OverrideHost",
-                        "override_host_sources": [
-                            {"header": DESTINATION_HEADER},
-                            {
-                                "metadata": {
-                                    "key": LB_METADATA_NAMESPACE,
-                                    "path": [{"key": DESTINATION_HEADER}],
-                                }
-                            },
-                        ],
-                        "fallback_policy": {
-                            "policies": [
-                                {
-                                    "typed_extension_config": {
-                                        "name": "envoy.load_balancing_policies.least_request",
-                                        "typed_config": {
-                                            "@type": _TYPE
-                                            + "envoy.extensions.load_balancing_policies"
-                                            ".least_request.v3.LeastRequest"
-                                        },
-                                    }
-                                }
-                            ]
-                        },
-                    },
-                }
-            }
-        ]
-    }
-
-
-def _strip_client_headers(options: EnvoyConfigOptions) -> dict[str, Any]:
-    """Remove a client's destination header, and the headers that buy priority or
-    pick a flow, as the request arrives, before any filter or route sees them
-    (an early header mutation of the connection manager).
-
-    policyd removes the destination too, but ext_proc fails open (a policyd
-    crash must not cut streaming generations): a request policyd never answered
-    must reach the router without the header, which only policyd's reply may
-    set. A filter that runs later (authentication setting a header from a
-    verified claim) still sets the others.
-    """
-    removed = (DESTINATION_HEADER, *options.stripped_headers)
-    return {
-        "name": "envoy.http.early_header_mutation.header_mutation",
-        "typed_config": {
-            "@type": _TYPE
-            + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            "mutations": [{"remove": name} for name in removed],
-        },
-    }
-
-
-def forward_rules() -> dict[str, Any]:
-    """The ext_proc filter's ``forward_rules``: every header but the credentials."""
-    return {"disallowed_headers": {"patterns": [{"exact": name} for name in CREDENTIAL_HEADERS]}}
-
-
-def _ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
-    if options.ext_proc_mode == "inference-pool":
-        return _inference_pool_ext_proc(options)
-    return {
-        "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": "policyd"}},
-        "failure_mode_allow": True,
-        "status_on_error": {"code": 503},
-        "allow_mode_override": False,
-        "message_timeout": options.message_timeout,
-        "max_message_timeout": MAX_MESSAGE_TIMEOUT,
-        "forward_rules": forward_rules(),
-        "processing_mode": {
-            "request_header_mode": "SEND",
-            "request_body_mode": "BUFFERED",
-            "request_trailer_mode": "SKIP",
-            "response_header_mode": "SEND",
-            "response_body_mode": "STREAMED",
-            "response_trailer_mode": "SKIP",
-        },
-        "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
-    }
-
-
-def _inference_pool_ext_proc(options: EnvoyConfigOptions) -> dict[str, Any]:
-    """The filter as Istio generates it for an InferencePool (see the module docstring)."""
-    return {
-        "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": "policyd"}, "timeout": "10s"},
-        "failure_mode_allow": False,
-        "processing_mode": {
-            "request_header_mode": "SEND",
-            "request_body_mode": "FULL_DUPLEX_STREAMED",
-            "request_trailer_mode": "SEND",
-            "response_header_mode": "SEND",
-            "response_body_mode": "FULL_DUPLEX_STREAMED",
-            "response_trailer_mode": "SEND",
-        },
-        "message_timeout": options.message_timeout,
-        "max_message_timeout": MAX_MESSAGE_TIMEOUT,
-        "forward_rules": forward_rules(),
-        "metadata_options": {
-            "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
-            "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE, SUBSET_NAMESPACE]},
-        },
-    }
-
-
-def _grpc_cluster(name: str, host: str, port: int, connect_timeout: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
-        "connect_timeout": connect_timeout,
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(host, port)}}]}],
-        },
-    }
-
-
-def _policyd_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
-    cluster = _grpc_cluster("policyd", options.policyd_address, options.policyd_port, "1s")
-    if options.policyd_addresses:
-        hosts = [address.rpartition(":") for address in options.policyd_addresses]
-        cluster["type"] = "STATIC" if all(_is_ip(host) for host, _, _ in hosts) else "STRICT_DNS"
-        cluster["load_assignment"]["endpoints"] = [
-            {
-                "lb_endpoints": [
-                    {"endpoint": {"address": _socket(host, int(port))}} for host, _, port in hosts
-                ]
-            }
-        ]
-    protocol = cluster["typed_extension_protocol_options"][
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-    ]
-    protocol["explicit_http_config"]["http2_protocol_options"] = {
-        "max_concurrent_streams": options.policyd_streams_per_connection
-    }
-    limit = options.policyd_max_streams
-    cluster["circuit_breakers"] = {
-        "thresholds": [
-            {"max_connections": limit, "max_pending_requests": limit, "max_requests": limit}
-        ]
-    }
-    cluster["health_checks"] = [
-        {
-            "timeout": "1s",
-            "interval": "2s",
-            # Also before the cluster's first request (Envoy's default there is
-            # 60 s): a replica not ready at Envoy's start would stay out a minute.
-            "no_traffic_interval": "2s",
-            "unhealthy_threshold": 2,
-            "healthy_threshold": 1,
-            "grpc_health_check": {"service_name": READINESS},
-        }
-    ]
-    tls = options.policyd_tls
-    if tls is not None:
-        context: dict[str, Any] = {
-            "@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "common_tls_context": {
-                "alpn_protocols": ["h2"],
-                "validation_context": {"trusted_ca": {"filename": str(tls.ca)}},
-            },
-        }
-        if tls.cert is not None and tls.key is not None:
-            context["common_tls_context"]["tls_certificates"] = [
-                {
-                    "certificate_chain": {"filename": str(tls.cert)},
-                    "private_key": {"filename": str(tls.key)},
-                }
-            ]
-        if tls.server_name:
-            context["sni"] = tls.server_name
-        cluster["transport_socket"] = {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": context,
-        }
-    return cluster
-
-
-def _model_cluster(options: EnvoyConfigOptions) -> dict[str, Any]:
-    cluster: dict[str, Any] = {
-        "name": "model_servers",
-        "connect_timeout": f"{options.upstream_connect_timeout_s:g}s",
-        "per_connection_buffer_limit_bytes": options.buffer_limit_bytes,
-    }
-    if not options.model_servers:
-        return {
-            **cluster,
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "original_dst_lb_config": {
-                "use_http_header": True,
-                "http_header_name": DESTINATION_HEADER,
-            },
-        }
-    addresses = [address.rpartition(":") for address in options.model_servers]
-    endpoints = [{"endpoint": {"address": _socket(host, int(port))}} for host, _, port in addresses]
-    # Every request in flight holds an upstream request, and each retry a retry:
-    # Envoy's defaults (1024 and 3) would fail the 1025th generation and the
-    # fourth concurrent retry.
-    limit = options.policyd_max_streams
-    return {
-        **cluster,
-        "type": "STATIC" if all(_is_ip(host) for host, _, _ in addresses) else "STRICT_DNS",
-        "load_balancing_policy": override_host_policy(),
-        "circuit_breakers": {
-            "thresholds": [
-                {
-                    "max_connections": limit,
-                    "max_pending_requests": limit,
-                    "max_requests": limit,
-                    "max_retries": limit,
-                }
-            ]
-        },
-        "load_assignment": {
-            "cluster_name": "model_servers",
-            "endpoints": [{"lb_endpoints": endpoints}],
-        },
-    }
 
 
 def _policyd_hosts(options: EnvoyConfigOptions) -> list[str]:
@@ -642,14 +261,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 # -- the command -----------------------------------------------------------------------
@@ -782,7 +393,7 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
     for address in model_servers:
         if not address.rpartition(":")[2].isdigit():
             raise ValueError(f"--model-servers takes host:port addresses, not {address!r}")
-    if len(model_servers) > 1 and not all(_is_ip(a.rpartition(":")[0]) for a in model_servers):
+    if len(model_servers) > 1 and not all(is_ip(a.rpartition(":")[0]) for a in model_servers):
         raise ValueError("--model-servers takes ip:port addresses or one name:port")
     policyd_addresses = tuple(
         a.strip() for a in arguments.policyd_addresses.split(",") if a.strip()

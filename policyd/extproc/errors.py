@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Final
 
+from policyd.flow import FlowAnswer
 from policyd.policy.decision import Decision, Outcome
 
 # OpenAI's error "type" for each status policyd produces.
@@ -85,3 +86,8 @@ class RequestError(Exception):
         """The answer for a decision that did not route (shed, no capacity, ...)."""
         message = decision.reason or _DEFAULT_MESSAGE[decision.outcome]
         return cls(decision.outcome.http_status, message, _OUTCOME_CODE[decision.outcome])
+
+    @classmethod
+    def from_flow(cls, answer: FlowAnswer) -> RequestError:
+        """The answer flow control gave a request it did not let through."""
+        return cls(answer.status, answer.message, answer.code, retry_after=answer.retry_after_s)

@@ -32,64 +32,47 @@ policies, then telemetry's record of the decision and of the response) is
 queued from one place, ``Exchange._record_later``, on the server's
 ``Settlement``.
 
-Memory is bounded per request and per server (``ServingSettings``): a request
-whose header block, path, body or model name is over its limit gets a
-413/414/431/400 before anything is built from it, and the request-body bytes
-a server holds at once are capped (``BodyBudget``; a 429 with
-``Retry-After`` past it), reserved from the ``content-length`` at the
-headers phase, before Envoy sends the body (``budget``), and a body's JSON
-is bounded before it is parsed (``body_limits``). A routed request that sees no
-response headers within ``in_flight_expiry_seconds`` stops counting in its
-pod's in-flight (``ResponseWatch``), so streams that never reach a response
-cannot steer ``pod.in_flight`` for long.
+What the exchanges of one server share (their limits, the body and
+response budgets, the watch over routed requests still waiting for their
+response) is ``serving.py``'s, read here through ``ServingContext``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
 import logging
-import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import bodyless, epp, replies
-from policyd.extproc.budget import BODY_WAIT_SECONDS, BodyBudget, ByteBudget
 from policyd.extproc.errors import RequestError
-from policyd.extproc.holding import HeldReply, Holding
-from policyd.extproc.interfaces import (
-    NULL_SPAN,
-    RequestSpan,
-    RouterLike,
-    RouterSource,
-    SnapshotSource,
-    Telemetry,
-)
+from policyd.extproc.exchange_state import OVER, State
+from policyd.extproc.holding import HeldReply, HeldRequest
+from policyd.extproc.interfaces import NULL_SPAN, RequestSpan, RouterLike
 from policyd.extproc.openai import (
-    MAX_MODEL_BYTES,
     InferenceBody,
     parse_body,
     request_without_body,
     rewrite_model,
 )
-from policyd.extproc.settlement import Settlement
+from policyd.extproc.serving import ServingContext
+from policyd.extproc.trace_carrier import TraceCarrier
 from policyd.extproc.usage import UsageReader
 from policyd.flow import FlowAnswer, Held
 from policyd.policy.decision import Decision, Outcome, ShadowReport
 from policyd.policy.request import Request
 from policyd.pool.pod import InFlight, Pod
-from policyd.prefix.probe import PrefixLocator
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 log = logging.getLogger("policyd.extproc")
 
-TRACE_KEYS: Final = ("traceparent", "tracestate")
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _DUPLEX: Final = _BodyMode.FULL_DUPLEX_STREAMED
+
+RETRY_AFTER_SECONDS: Final = 1  # a 429 for a full body budget: bodies are held for milliseconds
 
 # What ``Exchange.handle`` gives for one message: one reply; several, in order
 # (FULL_DUPLEX_STREAMED; none while a body is being gathered); None, the
@@ -98,219 +81,6 @@ _DUPLEX: Final = _BodyMode.FULL_DUPLEX_STREAMED
 Answer = bytes | tuple[bytes, ...] | list[bytes] | None
 Replies = Answer | HeldReply
 NO_REPLY: Final[tuple[bytes, ...]] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ServingSettings:
-    """Per-server knobs of the request path.
-
-    ``send_fallbacks`` puts the decision's fallbacks after the chosen endpoint
-    (``a:1,b:2``) as the endpoint-picker protocol allows; enable it only when
-    Envoy's cluster understands a list (the override-host load-balancing
-    policy). An ORIGINAL_DST cluster, which ``policyd envoy-config``
-    generates, takes exactly one ``ip:port`` and fails on a list.
-    """
-
-    send_fallbacks: bool = False
-    # One request body (413 past it; Envoy's own buffer limit is 4 MiB by default).
-    max_body_bytes: int = 16 * 1024 * 1024
-    # Request-body bytes held at once over all of a server's exchanges (429 past it).
-    max_buffered_body_bytes: int = 64 * 1024 * 1024
-    # The request-headers message, all headers with names (431 past it; Envoy's
-    # own limit is 60 KiB by default), and the path without its query (414).
-    max_header_bytes: int = 64 * 1024
-    max_path_bytes: int = 2048
-    # A body reservation lapses this long after its headers if the bytes are needed.
-    body_wait_seconds: float = BODY_WAIT_SECONDS
-    # Response bytes all exchanges keep for usage (past it a response is not read).
-    max_usage_bytes: int = 16 * 1024 * 1024
-    # The body's model name (400 past it): no real model name is longer.
-    max_model_bytes: int = MAX_MODEL_BYTES
-    # A routed request with no response headers after this long stops counting
-    # in its pod's in-flight (0: never). Above Envoy's stream idle timeout
-    # (300 s in the generated config), after which no response can come.
-    in_flight_expiry_seconds: float = 330.0
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.max_buffered_body_bytes < self.max_body_bytes:
-            raise ValueError(
-                "the body limits must be positive, and the buffered total at least one body"
-            )
-        if self.in_flight_expiry_seconds < 0 or self.body_wait_seconds < 0:
-            raise ValueError("in_flight_expiry_seconds and body_wait_seconds must not be negative")
-
-
-RETRY_AFTER_SECONDS: Final = 1  # a 429 for a full body budget: bodies are held for milliseconds
-
-
-class ResponseWatch:
-    """Routed exchanges still waiting for response headers, oldest first.
-
-    An exchange past ``seconds`` without response headers is released from
-    its pod's in-flight count (``Exchange.expire``): an ext_proc stream held
-    open without a response (a client of the gRPC port that never sends
-    one, an upstream that never answers) must not steer ``pod.in_flight``
-    forever. Checked on a timer every tenth of ``seconds`` (at most every
-    5 s) while anything waits: a set, whose adding and removing per request
-    cost less than keeping the exchanges in order, walked whole by the timer.
-    """
-
-    __slots__ = ("_loopless", "_timer", "_waiting", "expired", "seconds")
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.expired = 0
-        self._waiting: set[Exchange] = set()
-        self._timer: asyncio.TimerHandle | None = None
-        self._loopless = False  # driven without an event loop (a benchmark): no expiry
-
-    def __len__(self) -> int:
-        return len(self._waiting)
-
-    def watch(self, exchange: Exchange) -> bool:
-        """Start watching ``exchange`` (just routed); whether it is."""
-        if self.seconds <= 0:
-            return False
-        self._waiting.add(exchange)
-        if self._timer is None and not self._loopless:
-            self._schedule()
-        return True
-
-    def forget(self, exchange: Exchange) -> None:
-        self._waiting.discard(exchange)
-
-    def _schedule(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loopless = True
-            return
-        interval = min(max(self.seconds / 10, 0.01), 5.0)
-        self._timer = loop.call_later(interval, self.sweep)
-
-    def sweep(self) -> None:
-        """Release the exchanges past their time; run by the timer."""
-        self._timer = None
-        waiting = self._waiting
-        due = time.perf_counter() - self.seconds
-        released = 0
-        for exchange in [e for e in waiting if e.routed_at <= due]:
-            waiting.discard(exchange)
-            if exchange.expire():
-                released += 1
-        if released:
-            self.expired += released
-            log.warning(
-                "%d routed request(s) saw no response headers within %.0f s: "
-                "no longer counted in their pods' in-flight",
-                released,
-                self.seconds,
-            )
-        if waiting:
-            self._schedule()
-
-
-class ServingContext(Protocol):
-    """What an exchange reads of its server (``ExternalProcessor``)."""
-
-    @property
-    def routers(self) -> RouterSource: ...
-    @property
-    def snapshots(self) -> SnapshotSource: ...
-    @property
-    def telemetry(self) -> Telemetry: ...
-    @property
-    def settings(self) -> ServingSettings: ...
-    @property
-    def route_replies(self) -> replies.RouteReplies: ...
-    @property
-    def settlement(self) -> Settlement: ...
-    @property
-    def rng(self) -> random.Random: ...
-    @property
-    def body_budget(self) -> BodyBudget: ...
-    @property
-    def usage_budget(self) -> ByteBudget: ...
-    @property
-    def response_watch(self) -> ResponseWatch: ...
-    @property
-    def subsets(self) -> epp.Subsets: ...
-    @property
-    def prefix(self) -> PrefixLocator | None: ...
-    @property
-    def holding(self) -> Holding: ...
-
-
-class _TraceCarrier(Mapping[str, str]):
-    """The trace context a decision span is parented on, worked out when first read.
-
-    Envoy's own (``traceparent`` / ``tracestate`` in the ext_proc stream's
-    gRPC metadata) when it sent one, else the client's HTTP headers. grpc
-    builds the stream's metadata anew on every ``invocation_metadata()``
-    call (a few microseconds), and only tracing and the decision log read
-    the carrier: without them it is never read.
-    """
-
-    __slots__ = ("_headers", "_items", "_metadata")
-
-    def __init__(self, metadata: Callable[[], Any], headers: Mapping[str, str]) -> None:
-        self._metadata = metadata
-        self._headers = headers
-        self._items: dict[str, str] | None = None
-
-    def _read(self) -> dict[str, str]:
-        items = self._items
-        if items is None:
-            items = {}
-            for key, value in self._metadata() or ():
-                text = value if isinstance(value, str) else value.decode()
-                if key in TRACE_KEYS and text:
-                    items[key] = text
-            if not items and "traceparent" in self._headers:
-                items = {k: v for k in TRACE_KEYS if (v := self._headers.get(k))}
-            self._items = items
-        return items
-
-    def __getitem__(self, key: str) -> str:
-        return self._read()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._read())
-
-    def __len__(self) -> int:
-        return len(self._read())
-
-
-class State(enum.Enum):
-    """Where an exchange is. Messages, replies and the stream's end move it on, never back.
-
-    ::
-
-        READING <--dispatched-- HELD (flow control holds the request; or answers it)
-        READING --decided--> DECIDED --reply out--> ROUTED --response headers--> RESPONDING
-           |                    |                      |                              |
-           |                    +-- not routed, or an error --> ANSWERED --reply out--> ENDED
-           +-- an error answer ----------------------------^                             ^
-                                                       +-- the response's last message --+
-        any state but ENDED --the stream goes--> ABORTED (ANSWERED --> ENDED: it had ended)
-
-    ANSWERED is an exchange policyd answered itself (an ImmediateResponse)
-    before the reply carrying its decision went out: it is over, but nothing
-    is recorded until that reply is out. An error answered after the routing
-    reply went out (Envoy repeating a request phase) goes straight to ENDED.
-    """
-
-    READING = "reading"  # the request's headers and body arrive; nothing decided yet
-    HELD = "held"  # the body is in; flow control holds it until a pod has room
-    DECIDED = "decided"  # decided, the span open; the reply carrying it not out yet
-    ROUTED = "routed"  # the routing reply is out; the response's headers not yet in
-    RESPONDING = "responding"  # the response's headers came; its body passes through
-    ANSWERED = "answered"  # policyd answered the request itself; that reply not out yet
-    ENDED = "ended"  # over: the response ended, or policyd's answer went out
-    ABORTED = "aborted"  # over: the stream went before the exchange ended
-
-
-_OVER: Final = (State.ANSWERED, State.ENDED, State.ABORTED)
 
 
 class Exchange:
@@ -335,7 +105,7 @@ class Exchange:
         "_first_body_at",
         "_headers",  # regular request headers: what policies see as request.headers
         "_held",  # bytes taken from the server's body budget
-        "_holding",  # while HELD: what dispatching needs (``_Hold``)
+        "_holding",  # while HELD: what dispatching needs (``HeldRequest``)
         "_load",
         "_metadata",
         "_method",
@@ -366,7 +136,7 @@ class Exchange:
         self._subset: tuple[str, ...] | None = None
         self._candidates: Sequence[Pod] = ()
         self._held = 0
-        self._holding: _Hold | None = None
+        self._holding: HeldRequest | None = None
         # The decision (set from DECIDED on) and the router that made it (None for
         # a body-less request), for its shadows; its span; the pod's in-flight count.
         self._decision: Decision | None = None
@@ -613,13 +383,13 @@ class Exchange:
             holding = self._server.holding
             verdict = holding.control.arrive(admission, body.request, len(document), self)
             if isinstance(verdict, FlowAnswer):
-                raise _flow_error(verdict)
+                raise RequestError.from_flow(verdict)
             if isinstance(verdict, Held):
                 self.state = State.HELD
                 reply = HeldReply(verdict.band.max_wait_s)
                 # Only the bytes are kept while held (the parsed document is several
                 # times their size); the body is parsed again at dispatch.
-                self._holding = _Hold(reply, verdict, document, trailers, time.perf_counter())
+                self._holding = HeldRequest(reply, verdict, document, trailers, time.perf_counter())
                 holding.held()
                 return reply
             candidates = verdict.candidates
@@ -720,7 +490,7 @@ class Exchange:
         self._holding = None
         self.state = State.READING
         self._report("rejected", answer.code)
-        hold.reply.resolve(self._reject(_flow_error(answer)))
+        hold.reply.resolve(self._reject(RequestError.from_flow(answer)))
 
     def _route_without_body(self) -> bytes:
         """Send a body-less GET or HEAD to the least busy ready pod (``bodyless``)."""
@@ -796,7 +566,7 @@ class Exchange:
         return decision
 
     def _start_span(self, request: Request, decision: Decision, seconds: float) -> RequestSpan:
-        carrier = _TraceCarrier(self._metadata, self._headers)
+        carrier = TraceCarrier(self._metadata, self._headers)
         try:
             return self._server.telemetry.start(request, decision, carrier, seconds)
         except Exception:
@@ -871,7 +641,7 @@ class Exchange:
         the decision is out.
         """
         before = self.state
-        if before in _OVER:
+        if before in OVER:
             return
         self._ended_at = time.perf_counter()
         self._let_go()
@@ -938,12 +708,14 @@ class Exchange:
                 self._first_body_at - self._decided_at if self._first_body_at is not None else None
             )
             span.end(
-                completed=self.state is not State.ABORTED,
-                duration_seconds=self._ended_at - self._decided_at,
-                first_body_seconds=first_body,
-                prompt_tokens=usage.prompt_tokens if usage else None,
-                completion_tokens=usage.completion_tokens if usage else None,
-                cached_tokens=usage.cached_tokens if usage else None,
+                ExchangeEnd(
+                    self.state is not State.ABORTED,
+                    self._ended_at - self._decided_at,
+                    first_body,
+                    usage.prompt_tokens if usage else None,
+                    usage.completion_tokens if usage else None,
+                    usage.cached_tokens if usage else None,
+                )
             )
         except Exception:
             log.exception("request %s: telemetry failed to end a span", self._request_id)
@@ -975,23 +747,6 @@ def _claim(decision: Decision, candidates: Sequence[Pod]) -> InFlight | None:
             pod.load.count += 1
             return pod.load
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class _Hold:
-    """A held request: its pending reply, its place in the queue, what deciding it needs."""
-
-    reply: HeldReply
-    held: Held
-    document: bytes
-    trailers: bool
-    since: float  # perf_counter when it was held
-
-
-def _flow_error(answer: FlowAnswer) -> RequestError:
-    return RequestError(
-        answer.status, answer.message, answer.code, retry_after=answer.retry_after_s
-    )
 
 
 def _value(header: Any) -> str:

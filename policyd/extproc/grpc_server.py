@@ -32,7 +32,6 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2_grpc
 
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.health import HealthReporter
 from policyd.extproc.interfaces import (
     NoTelemetry,
@@ -42,6 +41,7 @@ from policyd.extproc.interfaces import (
     Telemetry,
 )
 from policyd.extproc.process_stream import ExternalProcessor
+from policyd.extproc.serving import ServingSettings
 from policyd.prefix.probe import PrefixLocator
 
 log = logging.getLogger("policyd.extproc.server")

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -29,7 +30,7 @@ from google.protobuf import duration_pb2
 
 from policyd.extproc.interfaces import SnapshotSource
 from policyd.extproc.usage import UsageReader
-from policyd.flow import FlowAnswer, FlowControl
+from policyd.flow import FlowAnswer, FlowControl, Held
 from policyd.flow.control import AdmissionSource, FlowObserver
 from policyd.policy.flow import HOLD_MARGIN_SECONDS, MAX_HOLD_SECONDS
 
@@ -63,6 +64,17 @@ class HeldReply:
     def resolve(self, replies: object) -> None:
         if not self.result.done():
             self.result.set_result(replies)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRequest:
+    """A held request: its pending reply, its place in the queue, what deciding it needs."""
+
+    reply: HeldReply
+    held: Held
+    document: bytes
+    trailers: bool
+    since: float  # perf_counter when it was held
 
 
 class Holding:

@@ -22,6 +22,7 @@ from policyd.policy.decision import Decision, ShadowReport
 from policyd.policy.request import Request
 from policyd.policy.router import PrefixMatcher
 from policyd.pool.pod import Pod, PoolSnapshot
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 
 class RouterLike(Protocol):
@@ -72,24 +73,8 @@ class RequestSpan(Protocol):
         """The response status arrived; ``seconds_to_headers`` counts from the decision."""
         ...
 
-    def end(
-        self,
-        *,
-        completed: bool,
-        duration_seconds: float,
-        first_body_seconds: float | None,
-        prompt_tokens: int | None,
-        completion_tokens: int | None,
-        cached_tokens: int | None = None,
-    ) -> None:
-        """The exchange is over (called exactly once).
-
-        ``completed`` is False when the stream ended before the response did
-        (client gone, Envoy reset, policyd shutting down). Times count from the
-        decision; ``first_body_seconds`` is when the first response body bytes
-        arrived (the time to first token of a stream). Token counts are the
-        model server's ``usage`` when it sent one, else None.
-        """
+    def end(self, end: ExchangeEnd) -> None:
+        """The exchange is over (called exactly once), as ``end`` says."""
         ...
 
 
@@ -134,16 +119,7 @@ class NullSpan:
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         return None
 
-    def end(
-        self,
-        *,
-        completed: bool,
-        duration_seconds: float,
-        first_body_seconds: float | None,
-        prompt_tokens: int | None,
-        completion_tokens: int | None,
-        cached_tokens: int | None = None,
-    ) -> None:
+    def end(self, end: ExchangeEnd) -> None:
         return None
 
 

@@ -42,15 +42,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from policyd.extproc import epp, replies
 from policyd.extproc.budget import BodyBudget, ByteBudget
-from policyd.extproc.exchange import (
-    Answer,
-    Exchange,
-    ResponseWatch,
-    ServingSettings,
-    State,
-)
+from policyd.extproc.exchange import Answer, Exchange
+from policyd.extproc.exchange_state import State
 from policyd.extproc.holding import HeldReply, Holding
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
+from policyd.extproc.serving import ResponseWatch, ServingSettings
 from policyd.extproc.settlement import Settlement
 from policyd.flow.control import AdmissionSource
 from policyd.prefix.probe import PrefixLocator

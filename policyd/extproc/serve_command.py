@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 from policyd.extproc.assembly import Policyd
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.grpc_server import ServerOptions, TlsFiles
 from policyd.extproc.logs import FORMATS, LEVELS, configure_logging
+from policyd.extproc.serving import ServingSettings
 from policyd.extproc.workers import run_in_workers
 from policyd.policy import PolicyError, PolicyStore
 from policyd.pool import DiscoveryError

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from policyd.policy.decision import Decision, ShadowReport
 from policyd.policy.request import Request
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 log = logging.getLogger(__name__)
 
@@ -25,16 +26,7 @@ class SpanLike(Protocol):
     def upstream_headers(self) -> Mapping[str, str]: ...
     def after_reply(self, shadows: ShadowReport | None = None) -> None: ...
     def response_headers(self, status: int, seconds_to_headers: float) -> None: ...
-    def end(
-        self,
-        *,
-        completed: bool,
-        duration_seconds: float,
-        first_body_seconds: float | None,
-        prompt_tokens: int | None,
-        completion_tokens: int | None,
-        cached_tokens: int | None = None,
-    ) -> None: ...
+    def end(self, end: ExchangeEnd) -> None: ...
 
 
 class TelemetryLike(Protocol):
@@ -108,24 +100,5 @@ class FanoutSpan:
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         _each(self.spans, lambda span: span.response_headers(status, seconds_to_headers))
 
-    def end(
-        self,
-        *,
-        completed: bool,
-        duration_seconds: float,
-        first_body_seconds: float | None,
-        prompt_tokens: int | None,
-        completion_tokens: int | None,
-        cached_tokens: int | None = None,
-    ) -> None:
-        _each(
-            self.spans,
-            lambda span: span.end(
-                completed=completed,
-                duration_seconds=duration_seconds,
-                first_body_seconds=first_body_seconds,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                cached_tokens=cached_tokens,
-            ),
-        )
+    def end(self, end: ExchangeEnd) -> None:
+        _each(self.spans, lambda span: span.end(end))

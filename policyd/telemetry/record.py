@@ -47,6 +47,7 @@ from policyd.policy.decision import Decision, Outcome, ShadowReport, ShadowResul
 from policyd.policy.request import Request
 from policyd.telemetry import attributes as a
 from policyd.telemetry.decision_log import DecisionLog
+from policyd.telemetry.exchange_end import ExchangeEnd
 from policyd.telemetry.metrics import DecisionMetrics, FlowMetrics
 from policyd.telemetry.tracing import DecisionTracer, StartedSpan
 
@@ -321,16 +322,7 @@ class RequestRecord:
         self._status = status
         self._to_headers = seconds_to_headers
 
-    def end(
-        self,
-        *,
-        completed: bool,
-        duration_seconds: float,
-        first_body_seconds: float | None,
-        prompt_tokens: int | None,
-        completion_tokens: int | None,
-        cached_tokens: int | None = None,
-    ) -> None:
+    def end(self, end: ExchangeEnd) -> None:
         decision = self._decision
         routed = decision.outcome is Outcome.ROUTED
         metrics = self._owner.metrics
@@ -338,28 +330,28 @@ class RequestRecord:
             metrics.response(
                 decision.policy,
                 self._status,
-                completed=completed,
-                first_body_seconds=first_body_seconds,
-                duration_seconds=duration_seconds,
+                completed=end.completed,
+                first_body_seconds=end.first_body_seconds,
+                duration_seconds=end.duration_seconds,
             )
         span = self._span
         tracer = self._owner.tracer
         if span is not None and span.recording and tracer is not None:
             attributes = self._attributes
-            attributes[a.RESPONSE_COMPLETED] = completed
-            attributes[a.RESPONSE_DURATION] = duration_seconds
+            attributes[a.RESPONSE_COMPLETED] = end.completed
+            attributes[a.RESPONSE_DURATION] = end.duration_seconds
             if self._status:
                 attributes[a.HTTP_STATUS] = self._status
             if self._to_headers is not None:
                 attributes[a.TIME_TO_HEADERS] = self._to_headers
-            if first_body_seconds is not None:
-                attributes[a.TIME_TO_FIRST_TOKEN] = first_body_seconds
-            if prompt_tokens is not None:
-                attributes[a.GEN_AI_INPUT_TOKENS] = prompt_tokens
-            if completion_tokens is not None:
-                attributes[a.GEN_AI_OUTPUT_TOKENS] = completion_tokens
-            if cached_tokens is not None:
-                attributes[a.CACHED_TOKENS] = cached_tokens
+            if end.first_body_seconds is not None:
+                attributes[a.TIME_TO_FIRST_TOKEN] = end.first_body_seconds
+            if end.prompt_tokens is not None:
+                attributes[a.GEN_AI_INPUT_TOKENS] = end.prompt_tokens
+            if end.completion_tokens is not None:
+                attributes[a.GEN_AI_OUTPUT_TOKENS] = end.completion_tokens
+            if end.cached_tokens is not None:
+                attributes[a.CACHED_TOKENS] = end.cached_tokens
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
@@ -367,7 +359,7 @@ class RequestRecord:
             # not now: ``end`` is called milliseconds later, when it is recorded.
             tracer.finish(
                 span,
-                self._decided_ns + round(duration_seconds * 1e9),
+                self._decided_ns + round(end.duration_seconds * 1e9),
                 attributes=attributes,
                 events=self._shadow_events,
                 status=self._span_status,
@@ -377,13 +369,13 @@ class RequestRecord:
         if entry is not None and decision_log is not None:
             entry["response"] = {
                 "status": self._status,
-                "completed": completed,
+                "completed": end.completed,
                 "time_to_headers_seconds": self._to_headers,
-                "time_to_first_token_seconds": first_body_seconds,
-                "duration_seconds": duration_seconds,
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "cached_tokens": cached_tokens,
+                "time_to_first_token_seconds": end.first_body_seconds,
+                "duration_seconds": end.duration_seconds,
+                "prompt_tokens": end.prompt_tokens,
+                "completion_tokens": end.completion_tokens,
+                "cached_tokens": end.cached_tokens,
             }
             decision_log.write(entry)
 

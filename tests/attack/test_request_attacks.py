@@ -43,9 +43,9 @@ from policyd.extproc.body_limits import (
     MAX_PROMPT_ITEMS,
 )
 from policyd.extproc.errors import RequestError
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.openai import MAX_COMPLETION_TOKENS, parse_body
+from policyd.extproc.serving import ServingSettings
 from policyd.extproc.usage import MAX_USAGE_BYTES
 from policyd.pool.pod import Pod
 

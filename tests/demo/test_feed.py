@@ -6,6 +6,7 @@ from policyd.demo.feed import DecisionFeed, explain
 from policyd.demo.view import decision_line
 from policyd.policy.decision import Decision, NodeTrace, Outcome
 from policyd.policy.request import Request
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 
 def routed(
@@ -58,8 +59,10 @@ def test_the_feed_follows_a_request_to_its_end() -> None:
     assert "…" in decision_line(span.record)  # still on its way
     span.response_headers(200, 0.01)
     span.end(
-        completed=True, duration_seconds=0.5, first_body_seconds=0.02,
-        prompt_tokens=5, completion_tokens=9,
+        ExchangeEnd(
+            completed=True, duration_seconds=0.5, first_body_seconds=0.02,
+            prompt_tokens=5, completion_tokens=9,
+        )
     )  # fmt: skip
     line = decision_line(span.record)
     assert line.split()[:5] == ["r007", "adapter-1~", "std", "vllm-2", "200"]

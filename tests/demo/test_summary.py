@@ -9,6 +9,7 @@ from policyd.demo.traffic import TrafficResults
 from policyd.demo.view import RunFigures, compare, comparison, run_figures, summary
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 PODS = ("vllm-0", "vllm-1", "vllm-2")
 
@@ -28,8 +29,10 @@ def answer(
     span = feed.start(request, decision, {}, 0.0001)
     span.response_headers(200, 0.01)
     span.end(
-        completed=completed, duration_seconds=1.0, first_body_seconds=ttft,
-        prompt_tokens=prompt, completion_tokens=10, cached_tokens=cached,
+        ExchangeEnd(
+            completed=completed, duration_seconds=1.0, first_body_seconds=ttft,
+            prompt_tokens=prompt, completion_tokens=10, cached_tokens=cached,
+        )
     )  # fmt: skip
 
 

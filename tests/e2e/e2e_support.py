@@ -31,6 +31,7 @@ from aiohttp import web
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 
 def free_port() -> int:
@@ -285,8 +286,8 @@ class RecordedSpan:
         self.status = status
         self.seconds_to_headers = seconds_to_headers
 
-    def end(self, **outcome: Any) -> None:
-        self.ended = outcome
+    def end(self, end: ExchangeEnd) -> None:
+        self.ended = end._asdict()
         self.end_calls += 1
 
 

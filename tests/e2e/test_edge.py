@@ -32,11 +32,11 @@ import yaml
 from e2e_rig import Gateway, start_gateway, stop_gateway
 
 from policyd.extproc.envoy_config import (
-    CREDENTIAL_HEADERS,
     PRIORITY_HEADERS,
     EnvoyConfigOptions,
     bootstrap,
 )
+from policyd.extproc.envoy_ext_proc import CREDENTIAL_HEADERS
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]

@@ -33,8 +33,8 @@ from e2e_rig import until
 from policyd.extproc.assembly import Policyd
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyProcess, start_envoy
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.grpc_server import ServerOptions
+from policyd.extproc.serving import ServingSettings
 from policyd.policy import PolicyStore
 from policyd.pool import Pool, ScrapeConfig, StaticFileDiscovery
 from policyd.sim import L4_LLAMA2_7B

@@ -23,6 +23,7 @@ from policyd.extproc.grpc_server import ExtProcServer
 from policyd.policy.decision import Decision, Outcome
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 Mode = processing_mode_pb2.ProcessingMode.BodySendMode
 
@@ -188,8 +189,8 @@ class Span:
         if self.fail_on == "response_headers":
             raise RuntimeError("telemetry bug")
 
-    def end(self, **outcome: Any) -> None:
-        self.ends.append(outcome)
+    def end(self, end: ExchangeEnd) -> None:
+        self.ends.append(end._asdict())
         if self.fail_on == "end":
             raise RuntimeError("telemetry bug")
 

@@ -28,12 +28,15 @@ from google.protobuf import struct_pb2
 from policyd.extproc import epp
 from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap
 from policyd.extproc.errors import RequestError
-from policyd.extproc.exchange import Exchange, ServingSettings, State
+from policyd.extproc.exchange import Exchange
+from policyd.extproc.exchange_state import State
 from policyd.extproc.process_stream import ExternalProcessor
 from policyd.extproc.replies import DESTINATION_HEADER, STREAMED_CHUNK_BYTES
+from policyd.extproc.serving import ServingSettings
 from policyd.policy.decision import Decision
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 PODS = (Pod("pod-0", "10.0.0.1:8000"), Pod("pod-1", "10.0.0.2:8000"), Pod("pod-2", "10.0.0.3:9"))
 Replies = Any
@@ -51,7 +54,7 @@ class Recorder:
 
     def after_reply(self, shadows: Any = None) -> None: ...
     def response_headers(self, status: int, seconds: float) -> None: ...
-    def end(self, **outcome: Any) -> None: ...
+    def end(self, end: ExchangeEnd) -> None: ...
 
     def stream_error(self, kind: str, code: str) -> None:
         self.errors.append((kind, code))

@@ -18,8 +18,10 @@ from extproc_support import (
     response_headers,
 )
 
-from policyd.extproc.exchange import Exchange, ServingSettings, State
+from policyd.extproc.exchange import Exchange
+from policyd.extproc.exchange_state import State
 from policyd.extproc.process_stream import ExternalProcessor
+from policyd.extproc.serving import ServingSettings
 from policyd.policy.decision import (
     Agreement,
     Decision,
@@ -30,6 +32,7 @@ from policyd.policy.decision import (
 )
 from policyd.policy.request import Request
 from policyd.pool.pod import Pod
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 BODY = {"model": "m", "prompt": "hello"}
 PODS = (Pod("pod-0", "10.0.0.1:8000"), Pod("pod-1", "10.0.0.2:8000"))
@@ -55,8 +58,8 @@ class CallLog:
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         self.calls.append(("response_headers", status))
 
-    def end(self, **outcome: Any) -> None:
-        self.calls.append(("end", outcome["completed"]))
+    def end(self, end: ExchangeEnd) -> None:
+        self.calls.append(("end", end.completed))
 
     def stream_error(self, kind: str, code: str) -> None:
         self.calls.append(("stream_error", kind, code))

@@ -28,8 +28,8 @@ from extproc_support import (
     response_headers,
 )
 
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
+from policyd.extproc.serving import ServingSettings
 from policyd.pool.pod import Pod
 
 PODS = (Pod("pod-a", "10.0.0.1:8000"), Pod("pod-b", "10.0.0.2:8000"))

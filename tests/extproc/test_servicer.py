@@ -27,11 +27,12 @@ from extproc_support import (
     settled,
 )
 
-from policyd.extproc.exchange import Exchange, ServingSettings
+from policyd.extproc.exchange import Exchange
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.interfaces import NULL_SPAN
 from policyd.extproc.process_stream import ExternalProcessor
 from policyd.extproc.replies import DESTINATION_HEADER
+from policyd.extproc.serving import ServingSettings
 from policyd.policy.decision import Decision, Outcome
 from policyd.pool.pod import Pod
 

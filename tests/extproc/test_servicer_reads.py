@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 from extproc_support import PickFirst, RecordingTelemetry, Snapshot, request_body, request_headers
 
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.process_stream import ExternalProcessor
+from policyd.extproc.serving import ServingSettings
 from policyd.pool.pod import Pod
 
 

@@ -40,7 +40,6 @@ from e2e_support import ScriptedRouter, SwappablePool, TestUpstream
 
 from policyd.cli import build_parser
 from policyd.extproc.envoy_config import (
-    CREDENTIAL_HEADERS,
     GRACEFUL_CLOSE_FLAG,
     PRIORITY_HEADERS,
     RUNTIME_FLAGS,
@@ -48,11 +47,12 @@ from policyd.extproc.envoy_config import (
     PolicydTls,
     bootstrap,
 )
+from policyd.extproc.envoy_ext_proc import CREDENTIAL_HEADERS
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
-from policyd.extproc.exchange import ServingSettings
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions, TlsFiles
 from policyd.extproc.replies import DESTINATION_HEADER
 from policyd.extproc.serve_command import check_arguments
+from policyd.extproc.serving import ServingSettings
 from policyd.policy import PolicyStore
 from policyd.policy.decision import Decision
 from policyd.policy.request import Request

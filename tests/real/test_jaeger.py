@@ -24,6 +24,7 @@ from traced_gateway import ENVOY_SERVICE, traced_gateway
 
 from policyd.telemetry import attributes as a
 from policyd.telemetry import build_telemetry
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -128,11 +129,13 @@ async def test_a_decision_span_sent_over_otlp_comes_back_from_api_v3(
     record.after_reply(router.decide_shadows(decision))
     record.response_headers(200, 0.01)
     record.end(
-        completed=True,
-        duration_seconds=0.25,
-        first_body_seconds=0.05,
-        prompt_tokens=12,
-        completion_tokens=7,
+        ExchangeEnd(
+            completed=True,
+            duration_seconds=0.25,
+            first_body_seconds=0.05,
+            prompt_tokens=12,
+            completion_tokens=7,
+        )
     )
     await asyncio.to_thread(telemetry.tracer.force_flush)
     telemetry.shutdown()

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from policyd.policy import PolicyStore, Request, Router
 from policyd.pool.pod import Pod
 from policyd.telemetry import DecisionTelemetry, DecisionTracer
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 # The live policy: keep pods with a short queue, prefer free KV cache, one fallback.
 LIVE = """
@@ -95,12 +96,14 @@ def one_request(
     record.after_reply(router.decide_shadows(decision))
     record.response_headers(200, 0.02)
     record.end(
-        completed=True,
-        duration_seconds=0.9,
-        first_body_seconds=0.1,
-        prompt_tokens=12,
-        completion_tokens=30,
-        cached_tokens=8,
+        ExchangeEnd(
+            completed=True,
+            duration_seconds=0.9,
+            first_body_seconds=0.1,
+            prompt_tokens=12,
+            completion_tokens=30,
+            cached_tokens=8,
+        )
     )
 
 

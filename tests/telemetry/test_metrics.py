@@ -23,6 +23,7 @@ from policyd.telemetry import (
     PoolCollector,
     start_metrics_server,
 )
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -40,11 +41,13 @@ def served(metrics: DecisionMetrics, tmp_path: Path, count: int = 1, busy: bool 
         record.after_reply(router.decide_shadows(decision))
         record.response_headers(200 if not busy else 429, 0.01)
         record.end(
-            completed=True,
-            duration_seconds=0.8,
-            first_body_seconds=0.2 if not busy else None,
-            prompt_tokens=None,
-            completion_tokens=None,
+            ExchangeEnd(
+                completed=True,
+                duration_seconds=0.8,
+                first_body_seconds=0.2 if not busy else None,
+                prompt_tokens=None,
+                completion_tokens=None,
+            )
         )
 
 
@@ -329,11 +332,13 @@ def test_remembered_walks_do_not_grow_memory_without_bound(tmp_path: Path) -> No
             record = telemetry.start(asked, decision, {}, 0.0004)
             record.after_reply(router.decide_shadows(decision))
             record.end(
-                completed=True,
-                duration_seconds=0.8,
-                first_body_seconds=None,
-                prompt_tokens=None,
-                completion_tokens=None,
+                ExchangeEnd(
+                    completed=True,
+                    duration_seconds=0.8,
+                    first_body_seconds=None,
+                    prompt_tokens=None,
+                    completion_tokens=None,
+                )
             )
 
     tracemalloc.start()

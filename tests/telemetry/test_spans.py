@@ -17,6 +17,7 @@ from policyd.policy.loader import load_policy_set
 from policyd.pool.pod import Pod
 from policyd.telemetry import DecisionTelemetry
 from policyd.telemetry import attributes as a
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 ENVOY_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 ENVOY_SPAN = "00f067aa0ba902b7"
@@ -36,7 +37,7 @@ def routed_end(record: object, **overrides: object) -> None:
         "completion_tokens": 7,
     }
     figures.update(overrides)
-    record.end(**figures)  # type: ignore[attr-defined]
+    record.end(ExchangeEnd(**figures))  # type: ignore[arg-type]
 
 
 def test_the_span_is_parented_on_the_carrier_and_its_context_goes_upstream(

@@ -13,6 +13,7 @@ from telemetry_support import pods, request
 
 from policyd.policy.decision import Decision, Outcome
 from policyd.telemetry import DecisionTracer, build_telemetry, combine, tracing_configured
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 OTEL = (
     "OTEL_SDK_DISABLED",
@@ -155,8 +156,8 @@ class Feed:
     def response_headers(self, status: int, seconds_to_headers: float) -> None:
         self.events.append(f"status {status}")
 
-    def end(self, **figures: Any) -> None:
-        self.events.append(f"end {figures['completed']}")
+    def end(self, end: ExchangeEnd) -> None:
+        self.events.append(f"end {end.completed}")
 
     def stream_error(self, kind: str, code: str) -> None:
         self.events.append(f"error {kind}")
@@ -172,11 +173,13 @@ def test_combine_feeds_every_sink_and_isolates_failures() -> None:
     span.after_reply()
     span.response_headers(200, 0.1)
     span.end(
-        completed=True,
-        duration_seconds=1.0,
-        first_body_seconds=None,
-        prompt_tokens=None,
-        completion_tokens=None,
+        ExchangeEnd(
+            completed=True,
+            duration_seconds=1.0,
+            first_body_seconds=None,
+            prompt_tokens=None,
+            completion_tokens=None,
+        )
     )
     both.stream_error("aborted", "decided")
     expected = ["start a", "after_reply", "status 200", "end True", "error aborted"]

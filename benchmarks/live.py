@@ -15,16 +15,16 @@ workload's:
 
 - **seed**: the published client, 1,000 requests at once through a pool of
   100 connections, each naming one of 12 adapters (drawn as the virtual run
-  draws them), a 17-token prompt, ``max_tokens`` 750, no criticality header,
+  draws them), the published prompt's text, ``max_tokens`` 750, no criticality header,
   300 s per request from its start (the wait for a connection included);
   TTFT from the moment it holds a connection;
 - **shared-prefix, multi-turn, mixed** (``policyd/sim/workloads.py``):
   Poisson arrivals for ``--duration`` simulated seconds at the knee and 1.5x
-  the knee (docs/benchmarks.md: 1/s, 1/s and 4/s), chat requests with the
+  the knee (``KNEES``, per profile), chat requests with the
   critical header as the virtual runs send it, 120 s per request from its
   send; a chat turn goes its think time after the previous one completes;
 - **tenants, priorities**: flow control's workloads at 2x and 3x (tenants)
-  or 2x (priorities) the pool's capacity (11.5 requests/s), contenders
+  or 2x (priorities) the pool's capacity (``CAPACITIES``, per profile), contenders
   ``none`` (``rules/default.yaml``), ``flow`` (the same with the flow section
   of ``benchmarks/flow_quality.py``, its waits divided by the time scale) and
   ``flow+lora-prefix``; plus an idle run (a fifth of the capacity, ``none``)
@@ -80,7 +80,7 @@ from live_stack import PODS, PoolCounters, Setup, Stack, run_open, run_seed
 from policyd.sim.experiment import SeedWorkload, percentile
 from policyd.sim.names import adapter_names
 from policyd.sim.open_loop import OpenRequest
-from policyd.sim.profile import PROFILES, Profile, get_profile
+from policyd.sim.profile import Profile, get_profile
 from policyd.sim.workloads import (
     Classes,
     Mixed,
@@ -92,7 +92,14 @@ from policyd.sim.workloads import (
 
 RULES: Final = Path(__file__).resolve().parents[1] / "rules"
 SEED: Final = "seed"
-KNEES: Final = {"shared-prefix": 1.0, "mixed": 1.0, "multi-turn": 4.0}  # requests/s, simulated
+# Per profile, requests/s of simulated time: random routing's knee on each open-loop
+# workload (quality.py's sweeps find it; docs/simulator.md gives the figures) and the
+# pool's capacity under flow control's workloads (flow_quality.py measures it).
+KNEES: Final = {
+    "l4-llama2-7b": {"shared-prefix": 1.0, "mixed": 1.0, "multi-turn": 4.0},
+    "l4-llama3.1-8b": {"shared-prefix": 7.0, "mixed": 3.5, "multi-turn": 20.0},
+}
+CAPACITIES: Final = {"l4-llama2-7b": 11.5, "l4-llama3.1-8b": 34.4}
 PREFIX: Final[dict[str, Callable[[], SharedPrefix | MultiTurn]]] = {
     "shared-prefix": SharedPrefix,
     "mixed": Mixed,
@@ -100,7 +107,6 @@ PREFIX: Final[dict[str, Callable[[], SharedPrefix | MultiTurn]]] = {
 }
 FLOW: Final[dict[str, Callable[[], Classes]]] = {"tenants": Tenants, "priorities": Priorities}
 FLOW_MULTIPLES: Final = {"tenants": (2.0, 3.0), "priorities": (2.0,)}
-CAPACITY: Final = 11.5  # requests/s the pool completes (benchmarks/flow_quality.py measures it)
 IDLE: Final = "idle"
 FLOW_PICKERS: Final = ("none", "flow", "flow+lora-prefix")
 WORKLOADS: Final = (SEED, *PREFIX, *FLOW)
@@ -150,15 +156,17 @@ class Cell:
     repeat: int
 
 
-def loads(workload: str) -> list[tuple[str, float]]:
-    """The loads a workload runs at: (label, requests/s of simulated time)."""
+def loads(workload: str, profile: str = "l4-llama2-7b") -> list[tuple[str, float]]:
+    """The loads a workload runs at on pods of ``profile``: (label, requests/s of
+    simulated time)."""
     if workload == SEED:
         return [("burst", 0.0)]
-    if workload in KNEES:
-        knee = KNEES[workload]
+    if workload in PREFIX:
+        knee = KNEES[profile][workload]
         return [(f"knee {knee:g}/s", knee), (f"1.5x knee {knee * 1.5:g}/s", knee * 1.5)]
-    idle = [(IDLE, CAPACITY * flow_quality.IDLE_SHARE)]
-    return idle + [(f"{m:g}x", CAPACITY * m) for m in FLOW_MULTIPLES[workload]]
+    capacity = CAPACITIES[profile]
+    idle = [(IDLE, capacity * flow_quality.IDLE_SHARE)]
+    return idle + [(f"{m:g}x", capacity * m) for m in FLOW_MULTIPLES[workload]]
 
 
 def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
@@ -168,7 +176,7 @@ def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
     for repeat in range(arguments.repeats):
         for scale in arguments.time_scale:
             for workload in arguments.workload:
-                for load, rate in loads(workload):
+                for load, rate in loads(workload, arguments.profile):
                     if workload in FLOW:
                         pickers = [FLOW_PICKERS[0]] if load == IDLE else list(FLOW_PICKERS)
                     else:
@@ -350,8 +358,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats and --parallel must be at least 1")
     if arguments.duration <= 0 or any(s <= 0 for s in arguments.time_scale):
         parser.error("--duration and --time-scale must be positive")
-    if arguments.profile not in PROFILES:
-        parser.error(f"unknown --profile {arguments.profile} (known: {', '.join(PROFILES)})")
+    if arguments.profile not in KNEES:
+        parser.error(f"--profile must be one of {', '.join(KNEES)}, not {arguments.profile}")
     if arguments.virtual and arguments.profile != quality.PROFILE.name:
         parser.error(f"--virtual needs --profile {quality.PROFILE.name} (the virtual runs')")
     return arguments

@@ -39,7 +39,7 @@ from policyd.extproc.envoy_process import (
     free_port_range,
     start_envoy,
 )
-from policyd.sim.experiment import SeedWorkload
+from policyd.sim.experiment import SEED_PROMPT_TEXT, SeedWorkload
 from policyd.sim.open_loop import OpenRequest
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -406,7 +406,6 @@ async def run_seed(
     connector = aiohttp.TCPConnector(limit=workload.connections)
     timeout = aiohttp.ClientTimeout(total=workload.timeout_s / time_scale)
     outcomes = [Outcome(adapter, streamed=True) for adapter in adapters]
-    prompt = list(workload.prompt)
     async with aiohttp.ClientSession(
         connector=connector, timeout=timeout, trace_configs=[_connected_trace()]
     ) as session:
@@ -415,7 +414,11 @@ async def run_seed(
                 _send(
                     session,
                     f"{url}/v1/completions",
-                    {"model": o.group, "prompt": prompt, "max_tokens": workload.max_tokens},
+                    {
+                        "model": o.group,
+                        "prompt": SEED_PROMPT_TEXT,
+                        "max_tokens": workload.max_tokens,
+                    },
                     {},
                     o,
                     clock=clock,

@@ -109,6 +109,12 @@ def test_flow_workloads_run_their_contenders_and_an_idle_reference(live: ModuleT
     }
     assert [label for label, _ in live.loads("shared-prefix")] == ["knee 1/s", "1.5x knee 1.5/s"]
     assert live.loads("multi-turn")[1][1] == 6.0
+    # Each profile has its own knees and capacity.
+    assert live.loads("mixed", "l4-llama3.1-8b")[0] == ("knee 3.5/s", 3.5)
+    assert live.loads("tenants", "l4-llama3.1-8b")[1] == (
+        "2x",
+        2 * live.CAPACITIES["l4-llama3.1-8b"],
+    )
 
 
 def test_a_flow_contender_gets_the_flow_section_scaled_to_the_pods(

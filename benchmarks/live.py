@@ -1,0 +1,462 @@
+"""The live benchmark of record: the real ``policyd serve``, Envoy and simulated pods (issue 31).
+
+    python benchmarks/live.py --workload seed --time-scale 3 --pickers lora-balanced random
+    python benchmarks/live.py --quick --time-scale 3            # a small run of everything
+    python benchmarks/live.py --workload shared-prefix --virtual --json live.json
+
+Every cell (a picker on a workload, at a load and a time scale) gets a stack
+of its own (``live_stack.py``): six simulated pods (``policyd sim --pods 1
+--profile --time-scale``, a process each), Envoy from ``policyd
+envoy-config`` and ``policyd serve`` with the picker's policy (approximate
+prefix index, the pods' tokenizer), on free loopback ports, stopped when the
+cell ends; a late scrape or decision on a loaded machine does not turn into
+a 503 (``live_stack.py`` says how). The client is aiohttp shaped like the
+workload's:
+
+- **seed**: the published client, 1,000 requests at once through a pool of
+  100 connections, each naming one of 12 adapters (drawn as the virtual run
+  draws them), a 17-token prompt, ``max_tokens`` 750, no criticality header,
+  300 s per request from its start (the wait for a connection included);
+  TTFT from the moment it holds a connection;
+- **shared-prefix, multi-turn, mixed** (``policyd/sim/workloads.py``):
+  Poisson arrivals for ``--duration`` simulated seconds at the knee and 1.5x
+  the knee (docs/benchmarks.md: 1/s, 1/s and 4/s), chat requests with the
+  critical header as the virtual runs send it, 120 s per request from its
+  send; a chat turn goes its think time after the previous one completes;
+- **tenants, priorities**: flow control's workloads at 2x and 3x (tenants)
+  or 2x (priorities) the pool's capacity (11.5 requests/s), contenders
+  ``none`` (``rules/default.yaml``), ``flow`` (the same with the flow section
+  of ``benchmarks/flow_quality.py``, its waits divided by the time scale) and
+  ``flow+lora-prefix``; plus an idle run (a fifth of the capacity, ``none``)
+  for the goals' idle TTFT. Only the small tenant's requests are streamed
+  under tenants (the flood's are not, to keep the machine's CPU for the pods).
+
+Every other request is streamed (TTFT: the first streamed token) and asks for
+the usage (output tokens). Arrival times run on the wall clock divided by the
+time scale; every figure is in simulated seconds (wall x time scale). The
+pickers of a (workload, load, time scale) run in a shuffled order per repeat
+(seeded), ``--parallel`` of them side by side, each on its own stack; each
+repeat replays the same requests (``--seed``), so the spread is the live
+run's own.
+
+Reported per cell, median and range over repeats: completed, output tok/s,
+TTFT p50/p90/p99, the pods' prefix-cache hit rate (their
+``vllm:prefix_cache_hits_total`` over ``..._queries_total``) and its share
+of the workload's ceiling (the share of prompt tokens in full blocks shared
+with another request: no router can beat it), the busiest pod's routed
+requests over the mean (policyd's ``policyd_decisions_total``), and gains
+paired per repeat against ``random`` and ``lora-balanced``; flow control's
+goals per cell. ``--virtual`` runs the same requests on the same seed in
+virtual time (``quality.py``'s and ``flow_quality.py``'s machinery) and
+prints live against virtual. The simulated pods draw each request's output
+length themselves (capped by ``max_tokens``), so the virtual twins draw
+theirs the same way rather than taking ``max_tokens`` as ``quality.py`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Protocol, cast
+
+import aiohttp
+import flow_quality
+import live_report
+import quality
+from live_report import CellRun, Virtual
+from live_stack import PODS, PoolCounters, Setup, Stack, run_open, run_seed
+
+from policyd.sim.experiment import SeedWorkload, percentile
+from policyd.sim.names import adapter_names
+from policyd.sim.open_loop import OpenRequest
+from policyd.sim.profile import PROFILES, Profile, get_profile
+from policyd.sim.workloads import (
+    Classes,
+    Mixed,
+    MultiTurn,
+    Priorities,
+    SharedPrefix,
+    Tenants,
+)
+
+RULES: Final = Path(__file__).resolve().parents[1] / "rules"
+SEED: Final = "seed"
+KNEES: Final = {"shared-prefix": 1.0, "mixed": 1.0, "multi-turn": 4.0}  # requests/s, simulated
+PREFIX: Final[dict[str, Callable[[], SharedPrefix | MultiTurn]]] = {
+    "shared-prefix": SharedPrefix,
+    "mixed": Mixed,
+    "multi-turn": MultiTurn,
+}
+FLOW: Final[dict[str, Callable[[], Classes]]] = {"tenants": Tenants, "priorities": Priorities}
+FLOW_MULTIPLES: Final = {"tenants": (2.0, 3.0), "priorities": (2.0,)}
+CAPACITY: Final = 11.5  # requests/s the pool completes (benchmarks/flow_quality.py measures it)
+IDLE: Final = "idle"
+FLOW_PICKERS: Final = ("none", "flow", "flow+lora-prefix")
+WORKLOADS: Final = (SEED, *PREFIX, *FLOW)
+OPEN_TIMEOUT_S: Final = 120.0  # simulated, from the send (the virtual runs' client)
+QUICK_REQUESTS: Final = 100
+QUICK_DURATION_S: Final = 30.0
+
+
+def shipped_pickers() -> list[str]:
+    """Every shipped policy (``rules/*.yaml``, not the tests beside them); random is one."""
+    return sorted(p.stem for p in RULES.glob("*.yaml") if not p.name.endswith(".test.yaml"))
+
+
+class Workload(Protocol):
+    def requests(self, *, rate: float, duration_s: float, seed: int) -> tuple[OpenRequest, ...]:
+        """Requests arriving at ``rate`` for ``duration_s``, drawn from ``seed``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PodLengths:
+    """A workload whose outputs are as long as a simulated pod makes them.
+
+    A pod draws a request's natural length from the profile's range and stops
+    at ``max_tokens``; the workloads' ``output_length`` is ``max_tokens``,
+    which a live pod cannot be told. The virtual twins draw the same way.
+    """
+
+    workload: Workload
+    profile: Profile
+
+    def requests(self, *, rate: float, duration_s: float, seed: int) -> tuple[OpenRequest, ...]:
+        rng = random.Random(f"pod-lengths-{seed}")
+        low, high = self.profile.output_tokens_min, self.profile.output_tokens_max
+        return tuple(
+            dataclasses.replace(r, output_length=min(rng.randint(low, high), r.max_tokens))
+            for r in self.workload.requests(rate=rate, duration_s=duration_s, seed=seed)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    workload: str
+    load: str
+    rate: float  # requests/s, simulated (0: the seed burst)
+    time_scale: float
+    picker: str
+    repeat: int
+
+
+def loads(workload: str) -> list[tuple[str, float]]:
+    """The loads a workload runs at: (label, requests/s of simulated time)."""
+    if workload == SEED:
+        return [("burst", 0.0)]
+    if workload in KNEES:
+        knee = KNEES[workload]
+        return [(f"knee {knee:g}/s", knee), (f"1.5x knee {knee * 1.5:g}/s", knee * 1.5)]
+    idle = [(IDLE, CAPACITY * flow_quality.IDLE_SHARE)]
+    return idle + [(f"{m:g}x", CAPACITY * m) for m in FLOW_MULTIPLES[workload]]
+
+
+def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
+    """The cells in the order they run, in batches of ``--parallel``: per repeat, time
+    scale, workload and load, the pickers shuffled (seeded by the repeat)."""
+    batches: list[list[Cell]] = []
+    for repeat in range(arguments.repeats):
+        for scale in arguments.time_scale:
+            for workload in arguments.workload:
+                for load, rate in loads(workload):
+                    if workload in FLOW:
+                        pickers = [FLOW_PICKERS[0]] if load == IDLE else list(FLOW_PICKERS)
+                    else:
+                        pickers = list(arguments.pickers)
+                    order = random.Random(f"{arguments.seed}-{repeat}-{scale}-{workload}-{load}")
+                    order.shuffle(pickers)
+                    cells = [Cell(workload, load, rate, scale, p, repeat) for p in pickers]
+                    for i in range(0, len(cells), arguments.parallel):
+                        batches.append(cells[i : i + arguments.parallel])
+    return batches
+
+
+def seed_workload(arguments: argparse.Namespace) -> SeedWorkload:
+    return SeedWorkload(requests=QUICK_REQUESTS if arguments.quick else 1000)
+
+
+def seed_adapters(workload: SeedWorkload, seed: int) -> list[str]:
+    """Each request's adapter, drawn as ``policyd.sim.experiment``'s run draws it."""
+    rng = random.Random(f"workload-{seed}")
+    names = adapter_names(workload.adapters)
+    return [rng.choice(names) for _ in range(workload.requests)]
+
+
+def open_requests(cell: Cell, arguments: argparse.Namespace) -> tuple[OpenRequest, ...]:
+    workload: Workload = (
+        PREFIX[cell.workload]() if cell.workload in PREFIX else FLOW[cell.workload]()
+    )
+    return workload.requests(rate=cell.rate, duration_s=arguments.duration, seed=arguments.seed)
+
+
+def policy_of(picker: str, cell: Cell, directory: Path) -> Path:
+    """The policy file a picker runs: a shipped one, or one with the flow section."""
+    if cell.workload not in FLOW:
+        return RULES / f"{picker}.yaml"
+    if picker == FLOW_PICKERS[0]:
+        return RULES / "default.yaml"
+    base = RULES / ("lora-prefix.yaml" if picker.endswith("lora-prefix") else "default.yaml")
+    return Path(flow_quality.flow_policy(base, directory, flow_quality.SATURATED, cell.time_scale))
+
+
+async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -> CellRun:
+    profile = get_profile(arguments.profile)
+    flow = cell.workload in FLOW
+    timeout = SeedWorkload().timeout_s if cell.workload == SEED else OPEN_TIMEOUT_S
+    directory.mkdir(parents=True, exist_ok=True)
+    setup = Setup(
+        policy_of(cell.picker, cell, directory),
+        cell.time_scale,
+        arguments.profile,
+        arguments.seed,
+        timeout,
+    )
+    counters = PoolCounters()
+    began = time.monotonic()
+    async with Stack(setup, directory) as stack:
+        if cell.workload == SEED:
+            workload = seed_workload(arguments)
+            adapters = seed_adapters(workload, arguments.seed)
+            outcomes, ended = await run_seed(stack.url, workload, adapters, cell.time_scale)
+            prompts: list[tuple[str, Sequence[int]]] = [(a, workload.prompt) for a in adapters]
+            window, rule = 0.0, "completed"
+        else:
+            requests = open_requests(cell, arguments)
+            streamed = [
+                cell.workload != "tenants" or r.group == live_report.SMALL_TENANT for r in requests
+            ]
+            outcomes, ended = await run_open(
+                stack.url,
+                requests,
+                base_model=profile.base_model,
+                time_scale=cell.time_scale,
+                timeout_s=timeout,
+                streamed=streamed,
+                critical_default=not flow,
+                watch=stack if flow else None,
+                counters=counters,
+            )
+            prompts = [
+                (r.adapter or profile.base_model, r.prompt)
+                for r, o in zip(requests, outcomes, strict=True)
+                if o.sent is not None
+            ]
+            window, rule = arguments.duration / cell.time_scale, "first" if flow else "sent"
+        async with aiohttp.ClientSession() as session:
+            seen = await stack.counters(session)
+        counters.prefix_hits, counters.prefix_queries = seen.prefix_hits, seen.prefix_queries
+        counters.routed = seen.routed
+        counters.scrapes, counters.failed_scrapes = seen.scrapes, seen.failed_scrapes
+        counters.peak_rss_kb = stack.peak_rss_kb()
+    return live_report.cell_run(
+        key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.picker, cell.repeat),
+        outcomes=outcomes,
+        ended_s=ended,
+        window_s=window,
+        counters=counters,
+        ceiling_rate=live_report.ceiling(prompts, profile.block_size),
+        rule=rule,
+        pods=PODS,
+        flow=flow,
+        wall_s=time.monotonic() - began,
+    )
+
+
+# --- the virtual twins ----------------------------------------------------------------------
+
+
+def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> Virtual:
+    """The cell's requests on the same seed in virtual time, routed by the real ``Router``."""
+    seed = arguments.seed
+    profile = quality.PROFILE
+    if cell.workload == SEED:
+        result = quality.run_policy(
+            RULES / f"{cell.picker}.yaml", seed, workload=seed_workload(arguments)
+        )
+        return Virtual(result.completed, percentile(result.ttft_s(), 0.9))
+    if cell.workload in PREFIX:
+        lengths = cast(SharedPrefix, PodLengths(PREFIX[cell.workload](), profile))  # duck-typed
+        workload = quality.OpenWorkload(cell.workload, lengths, (cell.rate,))
+        contender = quality.Contender(
+            cell.picker, RULES / f"{cell.picker}.yaml", quality.APPROXIMATE
+        )
+        run = quality.run_contender(
+            contender, workload, rate=cell.rate, duration_s=arguments.duration, seed=seed
+        )
+        return Virtual(run.completed, live_report.tail_percentile(run.ttft_s(), 0.9))
+    virtual_cell = dataclasses.replace(cell, time_scale=1.0)
+    flow_contender = flow_quality.Contender(
+        cell.picker,
+        policy_of(cell.picker, virtual_cell, directory),
+        prefix=cell.picker.endswith("lora-prefix"),
+    )
+    classes = cast(Classes, PodLengths(FLOW[cell.workload](), profile))  # duck-typed
+    figures = flow_quality.run_one(flow_contender, classes, cell.rate, arguments.duration, seed)
+    streamed = figures.classes.get(live_report.SMALL_TENANT) if cell.workload == "tenants" else None
+    return Virtual(figures.total.completed, (streamed or figures.total).ttft_p90)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument(
+        "--time-scale", type=float, nargs="+", default=[0.5, 1.0, 3.0],
+        help="simulated seconds per wall second, each a run of its own (default 0.5 1 3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pickers", nargs="+", help="policies of rules/ for seed and the prefix workloads "
+        "(default: every shipped one; flow workloads run none, flow and flow+lora-prefix)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="default 3")
+    parser.add_argument("--parallel", type=int, default=1, help="cells side by side (default 1)")
+    parser.add_argument(
+        "--duration", type=float, help="simulated seconds of arrivals, open-loop workloads "
+        f"(default 200; {QUICK_DURATION_S:g} with --quick)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=100, help="the workload's and pods' seed")
+    parser.add_argument(
+        "--profile", default="l4-llama2-7b", help="the simulated pods' (policyd sim --profile)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"a small run for development: seed {QUICK_REQUESTS} requests, "
+        f"{QUICK_DURATION_S:g} s of arrivals",
+    )  # fmt: skip
+    parser.add_argument("--virtual", action="store_true", help="also run the virtual twins")
+    parser.add_argument("--json", type=Path, help="write every raw figure here")
+    parser.add_argument("--logs", type=Path, help="keep each cell's process logs here")
+    arguments = parser.parse_args(argv)
+    if arguments.pickers is None:
+        arguments.pickers = shipped_pickers()
+    unknown = sorted(set(arguments.pickers) - set(shipped_pickers()))
+    if unknown:
+        parser.error(f"no such policy in rules/: {', '.join(unknown)}")
+    if arguments.duration is None:
+        arguments.duration = QUICK_DURATION_S if arguments.quick else 200.0
+    if arguments.repeats < 1 or arguments.parallel < 1:
+        parser.error("--repeats and --parallel must be at least 1")
+    if arguments.duration <= 0 or any(s <= 0 for s in arguments.time_scale):
+        parser.error("--duration and --time-scale must be positive")
+    if arguments.profile not in PROFILES:
+        parser.error(f"unknown --profile {arguments.profile} (known: {', '.join(PROFILES)})")
+    if arguments.virtual and arguments.profile != quality.PROFILE.name:
+        parser.error(f"--virtual needs --profile {quality.PROFILE.name} (the virtual runs')")
+    return arguments
+
+
+def report(runs: Sequence[CellRun]) -> list[str]:
+    """Every table: the seed and prefix workloads, then flow control's with its goals."""
+    lines: list[str] = []
+    groups = live_report.grouped(runs)
+    for group, pickers in sorted(groups.items()):
+        workload, load, scale = group
+        if load == IDLE:
+            continue
+        if workload in FLOW:
+            idle = groups.get((workload, IDLE, scale), {}).get(FLOW_PICKERS[0], [])
+            lines += live_report.flow_table(group, pickers, idle)
+            lines += ["", *live_report.flow_goals(group, pickers, idle)]
+        else:
+            lines += live_report.table(group, pickers)
+        lines.append("")
+    return lines
+
+
+def load_average() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def cell_directory(cell: Cell) -> str:
+    """A file name for the cell's logs: its workload, load, time scale, picker and repeat."""
+    name = f"{cell.workload}-{cell.load}-x{cell.time_scale:g}-{cell.picker}-{cell.repeat}"
+    return name.replace(" ", "_").replace("/", "per")
+
+
+async def main_async(arguments: argparse.Namespace, directory: Path) -> list[CellRun]:
+    runs: list[CellRun] = []
+    batches = plan(arguments)
+    cells = sum(len(b) for b in batches)
+    done = 0
+    for batch in batches:
+        started = time.monotonic()
+        found = await asyncio.gather(
+            *(run_cell(cell, arguments, directory / cell_directory(cell)) for cell in batch)
+        )
+        runs += found
+        done += len(batch)
+        for run in found:
+            print(
+                f"  [{done}/{cells}] {run.workload} {run.load} x{run.time_scale:g} {run.picker} "
+                f"#{run.repeat}: {run.completed}/{run.offered} completed, TTFT p90 "
+                f"{run.ttft_p90:.2f} s, {run.wall_s:.0f} s wall, {run.failed_scrapes:.1%} of "
+                f"the scrapes failed; not served: {run.answers or 0}",
+                flush=True,
+            )
+        print(f"    batch in {time.monotonic() - started:.0f} s; {load_average()}", flush=True)
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    arguments = parse(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    began = time.monotonic()
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {load_average()}", flush=True)
+    with contextlib.ExitStack() as cleanup:
+        if arguments.logs is None:
+            directory = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="live-")))
+        else:
+            directory = arguments.logs
+            directory.mkdir(parents=True, exist_ok=True)
+        runs = asyncio.run(main_async(arguments, directory))
+        lines = [
+            f"{PODS} simulated pods ({arguments.profile}), seed {arguments.seed}, "
+            f"{arguments.repeats} repeat(s), {arguments.parallel} cell(s) at a time; "
+            f"{time.monotonic() - began:.0f} s of wall time; {load_average()}",
+            "",
+            *report(runs),
+        ]
+        twins: dict[tuple[str, str, str], Virtual] = {}
+        if arguments.virtual:
+            for run in runs:
+                key = (run.workload, run.load, run.picker)
+                if key not in twins:
+                    cell = Cell(run.workload, run.load, run.rate, run.time_scale, run.picker, 0)
+                    twins[key] = virtual_twin(cell, arguments, directory)
+            lines += ["live against virtual time, the same requests and seed:", ""]
+            lines += live_report.agreement(runs, twins)
+    for line in lines:
+        print(line)
+    if arguments.json is not None:
+        arguments.json.write_text(
+            json.dumps(
+                {
+                    "arguments": {
+                        k: str(v) if isinstance(v, Path) else v for k, v in vars(arguments).items()
+                    },
+                    "runs": [dataclasses.asdict(r) for r in runs],
+                    "virtual": [
+                        {"workload": w, "load": load, "picker": p, **dataclasses.asdict(v)}
+                        for (w, load, p), v in twins.items()
+                    ],
+                },
+                indent=1,
+            )
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    main()

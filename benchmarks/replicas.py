@@ -65,15 +65,8 @@ from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyProcess, free_port, start_envoy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import (  # the serving-overhead benchmark's pods, body and /proc readers
-    BODY,
-    children_cpu_seconds,
-    concurrency_levels,
-    machine_busy_seconds,
-    policyd_ready,
-    process_cpu_seconds,
-    run_pods,
-)
+from overhead import BODY, concurrency_levels, policyd_ready, run_pods  # its pods and body
+from processes import children_cpu_seconds, machine_busy_seconds, process_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 HEADERS = {"content-type": "application/json"}

@@ -541,6 +541,7 @@ def table(by_contender: Mapping[str, Sequence[RunFigures]]) -> list[str]:
     return rows
 
 
+# Issue 26's goals, judged here and per cell by live.py (live_report.py).
 GOAL_GOODPUT: Final = 0.95
 GOAL_IDLE_P90: Final = 3.0
 GOAL_THROUGHPUT: Final = 0.95

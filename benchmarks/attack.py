@@ -50,7 +50,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import LIMIT_MIB, MIB, REPO, Mode, children, header_map, status_kib
-from overhead import policyd_ready, run_pods
+from overhead import policyd_ready, run_pods, write_pods_file
 from processes import wait_for_port
 from reporting import nearest_rank as percentile
 
@@ -343,13 +343,7 @@ async def main(arguments: argparse.Namespace) -> None:
     try:
         addresses = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
         with tempfile.TemporaryDirectory(prefix="policyd-attack-") as temporary:
-            pods_file = Path(temporary) / "pods.yaml"
-            pods_file.write_text(
-                "pods:\n"
-                + "".join(
-                    f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(addresses)
-                )
-            )
+            pods_file = write_pods_file(Path(temporary) / "pods.yaml", addresses)
             port = free_port()
             argv = [
                 sys.executable, "-m", "policyd", "serve",

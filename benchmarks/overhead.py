@@ -205,6 +205,16 @@ class PodEndpoint(asyncio.Protocol):
                 self.transport.write(self.answer)
 
 
+def write_pods_file(path: Path, addresses: Sequence[str]) -> Path:
+    """``path`` written as the pods file ``policyd serve --pods`` reads: pod ``i`` is
+    ``vllm-{i}`` at ``addresses[i]``."""
+    path.write_text(
+        "pods:\n"
+        + "".join(f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(addresses))
+    )
+    return path
+
+
 def run_pods(count: int, ports: Any) -> None:
     """Serve ``count`` pods on free ports; their ports go back through ``ports`` (a queue)."""
 
@@ -690,13 +700,7 @@ def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes
     started = Processes({"pods": pods}, {}, [], context.Value("q", 0))
     try:
         started.pods = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
-        pods_file = directory / "pods.yaml"
-        pods_file.write_text(
-            "pods:\n"
-            + "".join(
-                f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(started.pods)
-            )
-        )
+        pods_file = write_pods_file(directory / "pods.yaml", started.pods)
         first = started.pods[0]
         targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
             "b": (run_noop_extproc, (first,)),

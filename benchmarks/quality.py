@@ -18,7 +18,8 @@ for several seeds, once per policy, and routes every request through
   the seed scheduler with).
 
 Each pod the router sees is a ``policyd.pool.pod.Pod`` built from the
-simulator's router view (``pod_from_view``): metrics as last scraped, at most
+simulator's router view (``virtual_routing.pod_from_view``, which
+flow_quality.py routes with too): metrics as last scraped, at most
 100 ms old, and policyd's own live in-flight count. Every request carries
 ``x-gateway-inference-criticality: critical``, as the upstream project's
 multi-LoRA regression setup declares its adapters (``criticality: Critical``);

@@ -213,8 +213,8 @@ class ShadowsBeforeReply:
         self.router = router
         self.reports: dict[int, ShadowReport | None] = {}
 
-    def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
-        decision = self.router.decide(request, candidates)
+    def decide(self, request: Request, candidates: Sequence[Any], prompt: Any = None) -> Decision:
+        decision = self.router.decide(request, candidates, prompt)
         self.reports[id(decision)] = self.router.decide_shadows(decision)
         return decision
 

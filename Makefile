@@ -64,10 +64,12 @@ unit: $(STAMP)
 test-real: $(STAMP)
 	eval "$$(../shared/tools/real-tools.sh env)" && $(BIN)/python -m pytest tests/real $(PYTEST_ARGS)
 
-## Every benchmark script in turn; each prints its figures as ratios to a baseline (the live
+## Every benchmark script in turn (a file of benchmarks/ with a main; the others are the
+## pieces they share); each prints its figures as ratios to a baseline (the live
 ## benchmark's --quick run: its full grid takes hours, docs/benchmarks.md).
+BENCH_SCRIPTS = $(filter-out benchmarks/live%,$(shell grep -l '^if __name__ == "__main__":' benchmarks/*.py))
 bench: $(STAMP)
-	set -e; for script in $(filter-out benchmarks/live%,$(wildcard benchmarks/*.py)); do \
+	set -e; for script in $(BENCH_SCRIPTS); do \
 		echo "== $$script"; $(BIN)/python $$script; done
 	cd benchmarks && ../$(BIN)/python live.py --quick --time-scale 3
 

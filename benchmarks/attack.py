@@ -50,7 +50,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import LIMIT_MIB, MIB, REPO, Mode, children, header_map, status_kib
-from overhead import policyd_ready, run_pods, wait_for_port
+from overhead import policyd_ready, run_pods, write_pods_file
+from processes import wait_for_port
+from reporting import nearest_rank as percentile
 
 from policyd.extproc.envoy_process import free_port
 
@@ -258,13 +260,6 @@ def start_hostile(port: int, seconds: float, prompts: bool = False) -> tuple[Any
     return process, results
 
 
-def percentile(values: list[float], share: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
 async def latency_phase(port: int, arguments: argparse.Namespace) -> None:
     answer = [SMALL_ANSWER]
     phases: list[tuple[str, list[float], Counter[str]]] = []
@@ -348,13 +343,7 @@ async def main(arguments: argparse.Namespace) -> None:
     try:
         addresses = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
         with tempfile.TemporaryDirectory(prefix="policyd-attack-") as temporary:
-            pods_file = Path(temporary) / "pods.yaml"
-            pods_file.write_text(
-                "pods:\n"
-                + "".join(
-                    f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(addresses)
-                )
-            )
+            pods_file = write_pods_file(Path(temporary) / "pods.yaml", addresses)
             port = free_port()
             argv = [
                 sys.executable, "-m", "policyd", "serve",

@@ -43,16 +43,27 @@ from __future__ import annotations
 import argparse
 import random
 import resource
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from statistics import mean
 from typing import Any, Final
 
-import quality
+from reporting import verdict
+from virtual_routing import (
+    APPROXIMATE,
+    CRITICAL,
+    PROFILE,
+    RULES,
+    SEED_WORKLOAD,
+    SERVING_TOKENIZER,
+    pod_from_view,
+    prefix_locator,
+    run_policy,
+)
 
 from policyd.flow import FlowAnswer, FlowControl, Pass, unwrap
 from policyd.policy import Outcome, PolicyStore, Request, Router
@@ -64,7 +75,6 @@ from policyd.sim.open_loop import OpenLoopResult, OpenRequest, Turn, _OpenRun
 from policyd.sim.profile import Profile, get_profile
 from policyd.sim.workloads import Classes, Overload, Priorities, Tenants
 
-RULES: Final = quality.RULES
 # What the flow contenders add to their policy: a pod is saturated once requests
 # wait in its queue or its KV cache is nearly full, with headroom kept for critical
 # requests (more may queue, the cache may fill further); tenants are flows. A
@@ -147,7 +157,7 @@ class _FlowSignals:
 
     def _snapshot(self) -> Snapshot:
         views = self._views(self.loop.now)
-        pods = tuple(quality.pod_from_view(view, profile=self.profile) for view in views)
+        pods = tuple(pod_from_view(view, profile=self.profile) for view in views)
         return Snapshot(self.version, pods)
 
     def _scrape(self) -> None:
@@ -206,7 +216,7 @@ class FlowRun(_FlowSignals, _OpenRun):
         contender: Contender,
         requests: Sequence[OpenRequest],
         seed: int,
-        profile: Profile = quality.PROFILE,
+        profile: Profile = PROFILE,
     ) -> None:
         super().__init__(
             route=self._chosen_pod,
@@ -223,9 +233,7 @@ class FlowRun(_FlowSignals, _OpenRun):
         self.contender = contender
         self.router = Router(PolicyStore.open(contender.policy), rng=random.Random(f"p-{seed}"))
         self.locator: PrefixLocator | None = (
-            quality.prefix_locator(quality.APPROXIMATE, profile=profile)
-            if contender.prefix
-            else None
+            prefix_locator(APPROXIMATE, profile=profile) if contender.prefix else None
         )
         self.control = FlowControl(lambda: self.router, self._snapshot, lambda: self.loop.now)
         count = len(requests)
@@ -416,7 +424,7 @@ def run_one(
     duration_s: float,
     seed: int,
     *,
-    profile: Profile = quality.PROFILE,
+    profile: Profile = PROFILE,
 ) -> RunFigures:
     requests = workload.requests(rate=rate, duration_s=duration_s, seed=seed)
     return figures_of(FlowRun(contender, requests, seed, profile).outcome(), duration_s)
@@ -443,10 +451,6 @@ def calibration_rate(profile: Profile, workload: Classes, pods: int = POD_COUNT)
     return CALIBRATION_OVERLOAD * pods / least_work_s
 
 
-def _mean(values: Sequence[float]) -> float:
-    return statistics.mean(values)
-
-
 def main_flow(arguments: argparse.Namespace) -> None:
     name = arguments.workload
     workload = WORKLOADS[name]()
@@ -460,7 +464,7 @@ def main_flow(arguments: argparse.Namespace) -> None:
         print(f"flow control: saturated when {saturated}", flush=True)
         none = field[0]
         offered = calibration_rate(profile, Overload())
-        capacity = _mean(
+        capacity = mean(
             [
                 run_one(none, Overload(), offered, duration, s, profile=profile).completed_per_s
                 for s in seeds
@@ -475,8 +479,8 @@ def main_flow(arguments: argparse.Namespace) -> None:
             run_one(none, workload, capacity * IDLE_SHARE, duration, s, profile=profile)
             for s in seeds
         ]
-        idle_p90 = {c: _mean([f.classes[c].ttft_p90 for f in idle]) for c in idle[0].classes}
-        idle_p99 = {c: _mean([f.classes[c].ttft_p99 for f in idle]) for c in idle[0].classes}
+        idle_p90 = {c: mean([f.classes[c].ttft_p90 for f in idle]) for c in idle[0].classes}
+        idle_p99 = {c: mean([f.classes[c].ttft_p99 for f in idle]) for c in idle[0].classes}
         print(
             "idle ("
             + f"{capacity * IDLE_SHARE:.2f} req/s): TTFT p90/p99 "
@@ -519,32 +523,29 @@ def table(by_contender: Mapping[str, Sequence[RunFigures]]) -> list[str]:
         total = [r.total for r in runs]
         classes = runs[0].classes
         per_class = "; ".join(
-            f"{c} {_mean([r.classes[c].goodput for r in runs]):.0%} "
-            f"{_mean([r.classes[c].ttft_p50 for r in runs]):.2f}/"
-            f"{_mean([r.classes[c].ttft_p90 for r in runs]):.2f}/"
-            f"{_mean([r.classes[c].ttft_p99 for r in runs]):.2f} "
-            f"{_mean([r.classes[c].refused for r in runs]):.0f}"
+            f"{c} {mean([r.classes[c].goodput for r in runs]):.0%} "
+            f"{mean([r.classes[c].ttft_p50 for r in runs]):.2f}/"
+            f"{mean([r.classes[c].ttft_p90 for r in runs]):.2f}/"
+            f"{mean([r.classes[c].ttft_p99 for r in runs]):.2f} "
+            f"{mean([r.classes[c].refused for r in runs]):.0f}"
             for c in classes
         )
         rows.append(
-            f"{name:<22} {_mean([t.completed for t in total]):>5.0f}/"
-            f"{_mean([t.offered for t in total]):<5.0f} "
-            f"{_mean([r.completed_per_s for r in runs]):>6.2f} "
-            f"{_mean([r.tokens_per_s for r in runs]):>7.0f} "
-            f"{_mean([t.refused for t in total]):>8.0f} {_mean([r.lost for r in runs]):>5.0f} "
+            f"{name:<22} {mean([t.completed for t in total]):>5.0f}/"
+            f"{mean([t.offered for t in total]):<5.0f} "
+            f"{mean([r.completed_per_s for r in runs]):>6.2f} "
+            f"{mean([r.tokens_per_s for r in runs]):>7.0f} "
+            f"{mean([t.refused for t in total]):>8.0f} {mean([r.lost for r in runs]):>5.0f} "
             f"{max(r.peak_held for r in runs):>9}  {per_class}"
         )
     return rows
 
 
+# Issue 26's goals, judged here and per cell by live.py (live_report.py).
 GOAL_GOODPUT: Final = 0.95
 GOAL_IDLE_P90: Final = 3.0
 GOAL_THROUGHPUT: Final = 0.95
 GOAL_CRITICAL_P99: Final = 2.0
-
-
-def _verdict(met: bool) -> str:
-    return "met" if met else "MISSED"
 
 
 def goals(
@@ -560,57 +561,57 @@ def goals(
         none = by["none"]
         for contender in flows:
             runs = by[contender]
-            lost = _mean([r.lost for r in runs])
+            lost = mean([r.lost for r in runs])
             lines.append(
                 f"{multiple:g}x {contender}: nothing lost (served or answered with a reason): "
-                f"{lost:.0f} lost: {_verdict(lost == 0)}; "
+                f"{lost:.0f} lost: {verdict(lost == 0)}; "
                 f"peak held {max(r.peak_held for r in runs)} (limit 5000), "
                 f"{max(r.peak_held_bytes for r in runs) / 2**20:.1f} MiB (limit 256 MiB)"
             )
             if name == "tenants":
                 small = "tenant-b"
-                goodput = _mean([r.classes[small].goodput for r in runs])
-                p90 = _mean([r.classes[small].ttft_p90 for r in runs])
+                goodput = mean([r.classes[small].goodput for r in runs])
+                p90 = mean([r.classes[small].ttft_p90 for r in runs])
                 ratio = p90 / idle_p90[small]
-                tput = _mean([r.completed_per_s for r in runs])
-                base = _mean([r.completed_per_s for r in none])
-                base_goodput = _mean([r.classes[small].goodput for r in none])
-                base_p90 = _mean([r.classes[small].ttft_p90 for r in none])
+                tput = mean([r.completed_per_s for r in runs])
+                base = mean([r.completed_per_s for r in none])
+                base_goodput = mean([r.classes[small].goodput for r in none])
+                base_p90 = mean([r.classes[small].ttft_p90 for r in none])
                 lines += [
                     f"  small tenant goodput {goodput:.1%} (goal >= 95%; without flow control "
-                    f"{base_goodput:.1%}): {_verdict(goodput >= GOAL_GOODPUT)}",
+                    f"{base_goodput:.1%}): {verdict(goodput >= GOAL_GOODPUT)}",
                     f"  small tenant TTFT p90 {p90:.3f} s = {ratio:.1f}x idle {idle_p90[small]:.3f}"
                     f" s (goal <= 3x; without flow control {base_p90:.2f} s = "
-                    f"{base_p90 / idle_p90[small]:.0f}x): {_verdict(ratio <= GOAL_IDLE_P90)}",
+                    f"{base_p90 / idle_p90[small]:.0f}x): {verdict(ratio <= GOAL_IDLE_P90)}",
                     f"  pool throughput {tput:.2f} req/s = {tput / base:.1%} of none's {base:.2f} "
-                    f"(goal >= 95%): {_verdict(tput >= GOAL_THROUGHPUT * base)}",
+                    f"(goal >= 95%): {verdict(tput >= GOAL_THROUGHPUT * base)}",
                 ]
             if name == "priorities":
-                p99 = _mean([r.classes["critical"].ttft_p99 for r in runs])
+                p99 = mean([r.classes["critical"].ttft_p99 for r in runs])
                 ratio = p99 / idle_p99["critical"]
                 answered = {
-                    c: _mean([r.classes[c].refused for r in runs])
+                    c: mean([r.classes[c].refused for r in runs])
                     for c in ("critical", "standard", "sheddable")
                 }
                 first = answered["sheddable"] >= answered["standard"] >= answered["critical"]
                 lines += [
                     f"  critical TTFT p99 {p99:.3f} s = {ratio:.1f}x idle "
                     f"{idle_p99['critical']:.3f} s (goal <= 2x): "
-                    f"{_verdict(ratio <= GOAL_CRITICAL_P99)}",
+                    f"{verdict(ratio <= GOAL_CRITICAL_P99)}",
                     "  answered 429/503 by class: "
                     + ", ".join(f"{c} {v:.0f}" for c, v in answered.items())
-                    + f" (goal: sheddable first): {_verdict(first)}",
+                    + f" (goal: sheddable first): {verdict(first)}",
                 ]
             if name == "overload" and multiple == 1.5:
-                tput = _mean([r.completed_per_s for r in runs])
-                base = _mean([r.completed_per_s for r in none])
-                p90 = _mean([r.total.ttft_p90 for r in runs])
-                base_p90 = _mean([r.total.ttft_p90 for r in none])
+                tput = mean([r.completed_per_s for r in runs])
+                base = mean([r.completed_per_s for r in none])
+                p90 = mean([r.total.ttft_p90 for r in runs])
+                base_p90 = mean([r.total.ttft_p90 for r in none])
                 lines += [
                     f"  throughput {tput:.2f} req/s vs none's {base:.2f} (goal: no lower): "
-                    f"{_verdict(tput >= base * 0.995)}",
+                    f"{verdict(tput >= base * 0.995)}",
                     f"  TTFT p90 {p90:.2f} s vs none's {base_p90:.2f} s (goal: lower): "
-                    f"{_verdict(p90 < base_p90)}",
+                    f"{verdict(p90 < base_p90)}",
                 ]
     return lines
 
@@ -625,10 +626,10 @@ class SeedFlowRun(_FlowSignals, _Run):
     gateway, held or not, as a real client's would.
     """
 
-    def __init__(self, policy: Path, seed: int, profile: Profile = quality.PROFILE) -> None:
+    def __init__(self, policy: Path, seed: int, profile: Profile = PROFILE) -> None:
         super().__init__(
             route=self._chosen_pod,
-            workload=quality.SEED_WORKLOAD,
+            workload=SEED_WORKLOAD,
             pods=POD_COUNT,
             profile=profile,
             seed=seed,
@@ -636,9 +637,7 @@ class SeedFlowRun(_FlowSignals, _Run):
         )
         self.profile = profile
         self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
-        self.locator = quality.prefix_locator(
-            quality.APPROXIMATE, quality.SERVING_TOKENIZER, profile=profile
-        )
+        self.locator = prefix_locator(APPROXIMATE, SERVING_TOKENIZER, profile=profile)
         self.turns = (Turn(None, texts=(SEED_PROMPT_TEXT,)),)
         self.control = FlowControl(lambda: self.router, self._snapshot, lambda: self.loop.now)
         self.version = 0
@@ -668,7 +667,7 @@ class SeedFlowRun(_FlowSignals, _Run):
                 self.connected[index] = self.loop.now
             request = Request(
                 model=self.adapters[index],
-                headers=quality.CRITICAL,
+                headers=CRITICAL,
                 prompt_tokens=len(self.workload.prompt),
                 max_tokens=self.workload.max_tokens,
                 id=str(index),
@@ -716,16 +715,13 @@ def main_seed_flow(arguments: argparse.Namespace) -> None:
     profile = get_profile(arguments.profile)
     with tempfile.TemporaryDirectory() as scratch:
         flow = flow_policy(arguments.combined_policy, Path(scratch), saturated)
-        plain = [
-            quality.run_policy(balanced, s, workload=quality.SEED_WORKLOAD, profile=profile)
-            for s in seeds
-        ]
+        plain = [run_policy(balanced, s, workload=SEED_WORKLOAD, profile=profile) for s in seeds]
         held = [SeedFlowRun(flow, s, profile) for s in seeds]
         results = [run.run() for run in held]
-    done = _mean([r.completed for r in results])
-    reference = _mean([r.completed for r in plain])
-    plain_p90 = _mean([percentile(r.ttft_s(), 0.9) for r in plain])
-    held_p90 = _mean([percentile(run.ttft_s(r), 0.9) for run, r in zip(held, results, strict=True)])
+    done = mean([r.completed for r in results])
+    reference = mean([r.completed for r in plain])
+    plain_p90 = mean([percentile(r.ttft_s(), 0.9) for r in plain])
+    held_p90 = mean([percentile(run.ttft_s(r), 0.9) for run, r in zip(held, results, strict=True)])
     print(
         f"seed experiment on {profile.name}, seeds {seeds.start}-{seeds.stop - 1}: "
         f"lora-balanced completes "
@@ -733,9 +729,9 @@ def main_seed_flow(arguments: argparse.Namespace) -> None:
         f"{arguments.combined_policy.stem} with flow control ({saturated}) completes {done:.0f} "
         f"(TTFT p90 {held_p90:.2f} s from the send, time held included; peak held "
         f"{max(run.peak_held for run in held)}), answered "
-        f"{_mean([run.answered for run in held]):.0f}"
+        f"{mean([run.answered for run in held]):.0f}"
     )
     print(
         f"goal (issue 26): {done / reference:.1%} of lora-balanced's completed requests "
-        f"(goal >= 99%): {_verdict(done >= 0.99 * reference)}"
+        f"(goal >= 99%): {verdict(done >= 0.99 * reference)}"
     )

@@ -34,20 +34,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from overhead import (
-    SetUp,
-    children_cpu_seconds,
-    policyd_ready,
-    start_envoy,
-    start_processes,
-    stop_all,
-)
+from overhead import SetUp, policyd_ready, start_envoy, start_processes, stop_all
+from processes import children_cpu_seconds
 
 from policyd.extproc.envoy_config import GRACEFUL_CLOSE_FLAG
 
@@ -84,10 +79,7 @@ class Samples:
         kept = [(n, kib * 1024) for t, n, kib in self.points if t >= WARM_UP_SECONDS]
         if len(kept) < 3:
             raise RuntimeError("too short a run to fit a slope: raise --minutes")
-        mean_n = sum(n for n, _ in kept) / len(kept)
-        mean_b = sum(b for _, b in kept) / len(kept)
-        spread = sum((n - mean_n) ** 2 for n, _ in kept)
-        return sum((n - mean_n) * (b - mean_b) for n, b in kept) / spread
+        return statistics.linear_regression(*zip(*kept, strict=True)).slope
 
 
 async def soak(arguments: argparse.Namespace) -> list[Samples]:

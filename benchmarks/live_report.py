@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from flow_quality import GOAL_CRITICAL_P99, GOAL_GOODPUT, GOAL_IDLE_P90, GOAL_THROUGHPUT
 from live_stack import Outcome, PoolCounters
+from reporting import verdict as _verdict
 
 from policyd.sim.blocks import prefix_keys
 from policyd.sim.experiment import percentile
@@ -24,11 +26,6 @@ BALANCED: Final = "lora-balanced"  # the best load-aware shipped policy without 
 NO_FLOW: Final = "none"
 SMALL_TENANT: Final = "tenant-b"
 CRITICAL: Final = "critical"
-# Issue 26's flow goals, per cell.
-GOAL_GOODPUT: Final = 0.95
-GOAL_IDLE_P90: Final = 3.0
-GOAL_THROUGHPUT: Final = 0.95
-GOAL_CRITICAL_P99: Final = 2.0
 AGREEMENT: Final = 0.05  # live and virtual within 5%
 
 
@@ -424,10 +421,6 @@ def flow_goals(
                 f"{workload} {load} x{scale:g} {picker} repeat {run.repeat}: " + "; ".join(verdicts)
             )
     return lines
-
-
-def _verdict(met: bool) -> str:
-    return "met" if met else "MISSED"
 
 
 # --- live against virtual -------------------------------------------------------------------

@@ -49,7 +49,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import policyd_ready, run_noop_extproc, run_pods, wait_for_port
+from overhead import policyd_ready, run_noop_extproc, run_pods, write_pods_file
+from processes import wait_for_port
 
 from policyd.extproc.envoy_process import free_port
 
@@ -391,13 +392,7 @@ async def main(arguments: argparse.Namespace) -> None:
         addresses = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
         with tempfile.TemporaryDirectory(prefix="policyd-memory-") as temporary:
             directory = Path(temporary)
-            pods_file = directory / "pods.yaml"
-            pods_file.write_text(
-                "pods:\n"
-                + "".join(
-                    f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(addresses)
-                )
-            )
+            pods_file = write_pods_file(directory / "pods.yaml", addresses)
             results = []
             for scenario in selected:
                 print(

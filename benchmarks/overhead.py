@@ -80,7 +80,6 @@ import multiprocessing
 import os
 import random
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -113,6 +112,12 @@ from policyd.pool.pod import Pod
 from policyd.telemetry import build_telemetry
 
 sys.path.insert(0, str(Path(__file__).parent))
+from processes import (
+    children_cpu_seconds,
+    machine_busy_seconds,
+    process_cpu_seconds,
+    wait_for_port,
+)
 from scrape import vllm_page  # the scrape benchmark's vLLM-shaped page
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,15 +131,6 @@ ANSWER = (
     b'{"id":"cmpl-1","object":"text_completion","choices":[{"text":"ok"}],'
     b'"usage":{"prompt_tokens":60,"completion_tokens":1}}'
 )
-
-
-def wait_for_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port} after {timeout}s")
 
 
 # -- the pods: metrics pages and completions, in one process -------------------------------
@@ -207,6 +203,16 @@ class PodEndpoint(asyncio.Protocol):
                 self.transport.write(self.metrics[self.scrapes % len(self.metrics)])
             else:
                 self.transport.write(self.answer)
+
+
+def write_pods_file(path: Path, addresses: Sequence[str]) -> Path:
+    """``path`` written as the pods file ``policyd serve --pods`` reads: pod ``i`` is
+    ``vllm-{i}`` at ``addresses[i]``."""
+    path.write_text(
+        "pods:\n"
+        + "".join(f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(addresses))
+    )
+    return path
 
 
 def run_pods(count: int, ports: Any) -> None:
@@ -613,34 +619,6 @@ class Load:
         return self.children_cpu_seconds / self.completed * 1e6 if self.completed else 0.0
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all cores spent not idle so far (Linux /proc/stat)."""
-    ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle + iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_seconds(parent: int) -> dict[int, float]:
-    """CPU seconds so far of each running child process of ``parent`` (Linux /proc)."""
-    found: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            if int(fields[1]) == parent:
-                found[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf(
-                    "SC_CLK_TCK"
-                )
-    return found
-
-
 def start_envoy(
     name: str,
     directory: Path,
@@ -722,13 +700,7 @@ def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes
     started = Processes({"pods": pods}, {}, [], context.Value("q", 0))
     try:
         started.pods = [f"127.0.0.1:{port}" for port in queue.get(timeout=60)]
-        pods_file = directory / "pods.yaml"
-        pods_file.write_text(
-            "pods:\n"
-            + "".join(
-                f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(started.pods)
-            )
-        )
+        pods_file = write_pods_file(directory / "pods.yaml", started.pods)
         first = started.pods[0]
         targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
             "b": (run_noop_extproc, (first,)),

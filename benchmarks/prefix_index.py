@@ -48,6 +48,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from reporting import nearest_rank as percentile
+
 from policyd.extproc.openai import Turn
 from policyd.prefix.index import PreciseIndex
 from policyd.prefix.probe import PrefixLocator
@@ -208,11 +210,6 @@ async def measure(requests: Requests, subscriber: KvEventSubscriber, seconds: fl
     phase.cpu_s, phase.wall_s = time.process_time() - cpu, time.perf_counter() - wall
     phase.blocks = applied() - blocks
     return phase
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -18,7 +18,8 @@ for several seeds, once per policy, and routes every request through
   the seed scheduler with).
 
 Each pod the router sees is a ``policyd.pool.pod.Pod`` built from the
-simulator's router view (``pod_from_view``): metrics as last scraped, at most
+simulator's router view (``virtual_routing.pod_from_view``, which
+flow_quality.py routes with too): metrics as last scraped, at most
 100 ms old, and policyd's own live in-flight count. Every request carries
 ``x-gateway-inference-criticality: critical``, as the upstream project's
 multi-LoRA regression setup declares its adapters (``criticality: Critical``);
@@ -91,34 +92,37 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import mean
 from types import MappingProxyType
 from typing import Final
 
-from policyd.cel.values import Duration
-from policyd.policy import Decision, Outcome, PolicyStore, Request, Router
-from policyd.pool.pod import InFlight, Pod
-from policyd.prefix.events import decode_batch
-from policyd.prefix.index import ApproximateIndex, PreciseIndex
-from policyd.prefix.options import PrefixSettings
-from policyd.prefix.probe import PrefixLocator, PrefixProbe
-from policyd.prefix.tokenizers import tokenizer_from_spec
-from policyd.sim.blocks import KvEvent
-from policyd.sim.experiment import (
-    SEED_PROMPT_TEXT,
-    ExperimentResult,
-    PodView,
-    RoutedRequest,
-    SeedWorkload,
-    percentile,
-    run_experiment,
+import flow_quality
+from reporting import verdict
+from virtual_routing import (
+    APPROXIMATE,
+    CRITICAL,
+    PRECISE,
+    PROFILE,
+    RULES,
+    SEED_WORKLOAD,
+    pod_address,
+    pod_from_view,
+    prefix_locator,
+    routed_index,
+    run_policy,
 )
+
+from policyd.policy import PolicyStore, Request, Router
+from policyd.prefix.events import decode_batch
+from policyd.prefix.index import PreciseIndex
+from policyd.sim.blocks import KvEvent
+from policyd.sim.experiment import ExperimentResult, PodView, SeedWorkload, percentile
 from policyd.sim.kv_events import encode_batch
 from policyd.sim.names import adapter_names
-from policyd.sim.open_loop import Arrival, OpenLoopResult, Oracle, Turn, run_open_loop
-from policyd.sim.profile import L4_LLAMA2_7B, PROFILES, Profile, get_profile
+from policyd.sim.open_loop import Arrival, OpenLoopResult, Oracle, run_open_loop
+from policyd.sim.profile import PROFILES, Profile, get_profile
 from policyd.sim.workloads import Mixed, MultiTurn, SharedPrefix
 
-RULES: Final = Path(__file__).resolve().parents[1] / "rules"
 POLICIES: Final = ("random", "round-robin", "default", "scorers", "lora-balanced")
 OPEN_POLICIES: Final = ("random", "default", "lora-balanced")  # random first: the baseline
 LORA_BALANCED: Final = "lora-balanced"
@@ -126,179 +130,19 @@ BASELINE: Final = "random"
 SEED_POLICY: Final = "default"
 # The published figures: (completed requests, output tokens/s).
 PUBLISHED: Final = {"random": (484, 640), "default": (846, 1127)}
-CRITICAL: Final = MappingProxyType({"x-gateway-inference-criticality": "critical"})
-POD_LABELS: Final = MappingProxyType({"app": "vllm"})
-SEED_WORKLOAD: Final = SeedWorkload()
-FIRST_POD_PORT: Final = 8000  # as `policyd sim --base-port 8000` would serve them
-# benchmarks/flow_quality.py: flow control's workloads, and the seed experiment with it
-FLOW_WORKLOADS: Final = ("overload", "tenants", "priorities", "seed-flow")
-
-
-def pod_from_view(
-    view: PodView,
-    *,
-    labels: Mapping[str, str] = POD_LABELS,
-    prefix: str | None = None,
-    profile: Profile = L4_LLAMA2_7B,
-) -> Pod:
-    """The ``Pod`` the service would publish for one simulated pod, as the router saw it.
-
-    Field for field: scraped ``waiting`` / ``running`` / KV use / running and
-    waiting adapters / ``max_loras`` / preemptions, the age of that scrape, and policyd's own
-    count of requests in flight there (a fresh ``InFlight`` holding the
-    simulator's count: the simulator, not this adapter, keeps it up to date);
-    the served model and KV-cache geometry from ``profile`` (what the pod's
-    ``vllm:cache_config_info`` and ``model_name`` labels say).
-    The address is the one ``policyd sim`` would give pod ``i``. ``prefix``
-    renames pod ``i`` to ``{prefix}{i}`` (policies that hash pod names, such as
-    rendezvous scorers, then see another layout of the same pods).
-    """
-    return Pod(
-        name=view.name if prefix is None else f"{prefix}{view.index}",
-        address=pod_address(view.index),
-        labels=labels,
-        waiting_queue=view.waiting,
-        running=view.running,
-        kv_cache=view.kv_cache_usage,
-        active_loras=view.running_adapters,
-        waiting_loras=view.waiting_adapters,
-        max_loras=view.max_loras,
-        num_preemptions=view.preemptions,
-        base_model=profile.base_model,
-        kv_cache_blocks=profile.num_gpu_blocks,
-        kv_block_size=profile.block_size,
-        metrics_age=Duration.from_seconds(view.metrics_age),
-        load=InFlight(view.in_flight),
-    )
-
-
-def pod_address(index: int) -> str:
-    """Where ``policyd sim --base-port 8000`` serves pod ``index``; prefix indexes name it so."""
-    return f"127.0.0.1:{FIRST_POD_PORT + index}"
-
-
-class NotRoutedError(RuntimeError):
-    """The policy answered something other than a pod, which the experiment cannot serve."""
-
-
-class PolicyRouting:
-    """A routing function for ``run_experiment`` that asks the real ``Router``.
-
-    Loads the policy afresh (a round-robin turn is state of the loaded policy,
-    so each run starts from the same turn) and seeds the router's generator
-    from the experiment's seed, so a run is repeatable. With a ``locator`` the
-    router gets each request's prompt as its client sends it (the seed prompt's
-    text), tokenized as the locator's tokenizer does, so a policy reading prefix
-    fields sees what it sees behind ``policyd serve`` (approximate mode: the
-    seed experiment publishes no KV events).
-    """
-
-    def __init__(
-        self,
-        policy: Path,
-        *,
-        seed: int,
-        headers: Mapping[str, str] = CRITICAL,
-        prefix: str | None = None,
-        locator: PrefixLocator | None = None,
-        prompt: str = SEED_PROMPT_TEXT,
-        profile: Profile = L4_LLAMA2_7B,
-    ) -> None:
-        self.router = Router(PolicyStore.open(policy), rng=random.Random(f"policy-{seed}"))
-        self.headers = headers
-        self.prefix = prefix
-        self.profile = profile
-        self.locator = locator
-        self.turns = (Turn(None, texts=(prompt,)),)
-        self.decisions = 0
-
-    def __call__(self, request: RoutedRequest, views: Sequence[PodView], rng: random.Random) -> int:
-        pods = [pod_from_view(view, prefix=self.prefix, profile=self.profile) for view in views]
-        probe = self.locator.probe(self.turns) if self.locator is not None else None
-        decision = self.router.decide(
-            Request(
-                model=request.model,
-                headers=self.headers,
-                prompt_tokens=request.prompt_tokens,
-                max_tokens=request.max_tokens,
-                id=str(request.index),
-            ),
-            pods,
-            probe,
-        )
-        chosen = _chosen(decision, request.index, views, pods, probe)
-        self.decisions += 1
-        return chosen
-
-
-def _chosen(
-    decision: Decision,
-    index: int,
-    views: Sequence[PodView],
-    pods: Sequence[Pod],
-    probe: PrefixProbe | None,
-) -> int:
-    """The index of the pod ``decision`` routed to; approximate mode learns the route."""
-    if decision.outcome is not Outcome.ROUTED:
-        raise NotRoutedError(
-            f"policy '{decision.policy}' answered request {index} with "
-            f"{decision.outcome.value} ({decision.outcome.http_status}: {decision.reason}); "
-            "the experiment needs every request routed to a pod"
-        )
-    for view, pod in zip(views, pods, strict=True):
-        if pod.name == decision.pod:
-            if probe is not None:
-                probe.routed(decision.target_model, pod.address)
-            return view.index
-    raise NotRoutedError(f"policy '{decision.policy}' chose an unknown pod {decision.pod!r}")
-
-
-def run_policy(
-    policy: Path,
-    seed: int,
-    *,
-    workload: SeedWorkload,
-    prefix: str | None = None,
-    profile: Profile = L4_LLAMA2_7B,
-) -> ExperimentResult:
-    """One virtual run of ``workload`` routed by ``policy`` on pods of ``profile``."""
-    routing = PolicyRouting(
-        policy,
-        seed=seed,
-        prefix=prefix,
-        locator=prefix_locator(APPROXIMATE, SERVING_TOKENIZER, profile=profile),
-        profile=profile,
-    )
-    return run_experiment(routing, workload=workload, seed=seed, profile=profile)
+# flow_quality.py's workloads: flow control's, and the seed experiment with it
+FLOW_WORKLOADS: Final = (*flow_quality.WORKLOADS, "seed-flow")
 
 
 # --- open-loop workloads ----------------------------------------------------------------
 
-PROFILE: Final = L4_LLAMA2_7B
-APPROXIMATE: Final = "approximate"
-PRECISE: Final = "precise"
 # Adapter name -> the 1-based id a simulated pod gives it in its KV events.
 LORA_IDS: Final = MappingProxyType(
     {name: i + 1 for i, name in enumerate(adapter_names(SEED_WORKLOAD.adapters))}
 )
 ORACLE: Final = "oracle"
-# What `policyd serve` tokenizes prompts with unless told otherwise: the seed
-# experiment's routing sees the prompt as a live policyd would.
-SERVING_TOKENIZER: Final = PrefixSettings().tokenizer
 PREFIX_POLICY: Final = RULES / "prefix-aware.yaml"
 COMBINED_POLICY: Final = RULES / "lora-prefix.yaml"
-
-
-def prefix_locator(
-    mode: str, tokenizer: str = "sim", *, profile: Profile = PROFILE
-) -> PrefixLocator:
-    """A fresh prefix index in ``mode``, as ``policyd serve`` builds one per process.
-
-    Approximate mode bounds each pod's entries by the profile's
-    ``num_gpu_blocks`` (what ``vllm:cache_config_info`` tells the serving path).
-    """
-    index = ApproximateIndex(profile.num_gpu_blocks) if mode == APPROXIMATE else PreciseIndex()
-    return PrefixLocator(tokenizer_from_spec(tokenizer), index, profile.block_size)
 
 
 class OpenPolicyRouting:
@@ -339,7 +183,7 @@ class OpenPolicyRouting:
             pods,
             probe,
         )
-        chosen = _chosen(decision, arrival.index, views, pods, probe)
+        chosen = routed_index(decision, arrival.index, views, pods, probe)
         self.decisions += 1
         return chosen
 
@@ -625,10 +469,6 @@ class OpenFigures:
         )
 
 
-def mean(values: Sequence[float]) -> float:
-    return statistics.mean(values)
-
-
 def find_knee(p90_by_rate: Mapping[float, float]) -> float:
     """The lowest rate at which random's TTFT p90 is more than twice its value at the lowest rate.
 
@@ -685,10 +525,6 @@ GOAL_COMPLETED_SHARE: Final = 0.99  # the combined policy's completed requests /
 GOAL_IMBALANCE: Final = 1.3  # busiest pod's requests / the mean
 
 
-def _verdict(met: bool) -> str:
-    return "met" if met else "MISSED"
-
-
 def open_goals(
     workload: str,
     contenders: Sequence[Contender],
@@ -713,14 +549,14 @@ def open_goals(
                 lines.append(
                     f"  {contender.name}: hit rate {mean(fig.hit_rate):.1%} = {share:.1%} of "
                     f"the oracle's {mean(oracle.hit_rate):.1%} (goal >= {goal:.0%}): "
-                    f"{_verdict(share >= goal)}"
+                    f"{verdict(share >= goal)}"
                 )
                 factor = mean(base.ttft_p90) / mean(fig.ttft_p90)
                 lines.append(
                     f"  {contender.name}: TTFT p90 {mean(fig.ttft_p90):.2f} s, "
                     f"{factor:.1f}x lower than random's {mean(base.ttft_p90):.2f} s "
                     f"(goal >= {GOAL_TTFT_P90_FACTOR:.0f}x): "
-                    f"{_verdict(factor >= GOAL_TTFT_P90_FACTOR)}"
+                    f"{verdict(factor >= GOAL_TTFT_P90_FACTOR)}"
                 )
                 tokens, random_tokens = mean(fig.tokens_per_s), mean(base.tokens_per_s)
                 if rate > knee:  # random is overloaded: strictly more
@@ -731,7 +567,7 @@ def open_goals(
                 lines.append(
                     f"  {contender.name}: {tokens:.0f} output tok/s vs random's "
                     f"{random_tokens:.0f} ({tokens / random_tokens:.2f}x; goal {wanted}): "
-                    f"{_verdict(met)}"
+                    f"{verdict(met)}"
                 )
             if not locality and contender.policy == combined and LORA_BALANCED in at:
                 done, reference = mean(fig.completed), mean(at[LORA_BALANCED].completed)
@@ -739,12 +575,12 @@ def open_goals(
                     f"  {contender.name}: completed {done:.0f} vs lora-balanced's "
                     f"{reference:.0f} ({done / reference:.1%}; goal >= "
                     f"{GOAL_COMPLETED_SHARE:.0%}): "
-                    f"{_verdict(done >= GOAL_COMPLETED_SHARE * reference)}"
+                    f"{verdict(done >= GOAL_COMPLETED_SHARE * reference)}"
                 )
             imbalance = mean(fig.imbalance)
             lines.append(
                 f"  {contender.name}: max/mean load {imbalance:.2f} (goal <= {GOAL_IMBALANCE}): "
-                f"{_verdict(imbalance <= GOAL_IMBALANCE)}"
+                f"{verdict(imbalance <= GOAL_IMBALANCE)}"
             )
     return lines
 
@@ -938,8 +774,6 @@ def main() -> None:
     if arguments.workload == "seed":
         main_seed(arguments)
     elif arguments.workload in FLOW_WORKLOADS:
-        import flow_quality  # beside this script; it builds on this module
-
         if arguments.workload == "seed-flow":
             flow_quality.main_seed_flow(arguments)
         else:
@@ -991,7 +825,7 @@ def main_seed(arguments: argparse.Namespace) -> None:
         print(
             f"goal (issue 25): {combined.stem} completed {done:.0f} vs lora-balanced's "
             f"{reference:.0f} ({done / reference:.1%}; goal >= {GOAL_COMPLETED_SHARE:.0%}): "
-            f"{_verdict(done >= GOAL_COMPLETED_SHARE * reference)}"
+            f"{verdict(done >= GOAL_COMPLETED_SHARE * reference)}"
         )
     print(
         "max/mean requests per pod: "

@@ -65,15 +65,14 @@ from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyProcess, free_port, start_envoy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import (  # the serving-overhead benchmark's pods, body and /proc readers
+from overhead import (  # the serving-overhead benchmark's pods and body
     BODY,
-    children_cpu_seconds,
     concurrency_levels,
-    machine_busy_seconds,
     policyd_ready,
-    process_cpu_seconds,
     run_pods,
+    write_pods_file,
 )
+from processes import children_cpu_seconds, machine_busy_seconds, process_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 HEADERS = {"content-type": "application/json"}
@@ -329,11 +328,7 @@ async def stack(arguments: argparse.Namespace, directory: Path) -> Any:
     envoys: list[EnvoyProcess] = []
     try:
         addresses = [f"127.0.0.1:{port}" for port in ports.get(timeout=60)]
-        pods_file = directory / "pods.yaml"
-        pods_file.write_text(
-            "pods:\n"
-            + "".join(f"  - {{name: vllm-{i}, address: '{a}'}}\n" for i, a in enumerate(addresses))
-        )
+        pods_file = write_pods_file(directory / "pods.yaml", addresses)
         replicas = [start_replica(pods_file, directory / f"policyd-{i}.log") for i in range(2)]
         for replica in replicas:
             await policyd_ready(replica.port, arguments.pods)

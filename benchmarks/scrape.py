@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import itertools
 import math
-import os
 import selectors
 import socket
 import subprocess
@@ -51,6 +50,7 @@ from pathlib import Path
 from statistics import median
 
 import aiohttp
+from processes import process_cpu_seconds
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -244,12 +244,6 @@ async def measure_pool(
                 "candidates": len(snapshot.candidates),
                 "overruns": pool.overruns,
             }
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of another process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def measure_aiohttp(addresses: list[str], interval: float, seconds: float) -> float:

@@ -55,6 +55,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -374,10 +375,7 @@ def bytes_per_request(samples: list[tuple[float, int, int]], after: float) -> fl
     kept = [(n, rss) for t, n, rss in samples if t >= after]
     if len(kept) < 3 or kept[-1][0] == kept[0][0]:
         return None
-    mean_n = sum(n for n, _ in kept) / len(kept)
-    mean_b = sum(b for _, b in kept) / len(kept)
-    spread = sum((n - mean_n) ** 2 for n, _ in kept)
-    return sum((n - mean_n) * (b - mean_b) for n, b in kept) / spread
+    return statistics.linear_regression(*zip(*kept, strict=True)).slope
 
 
 async def soak(arguments: argparse.Namespace) -> None:

@@ -28,7 +28,6 @@ import asyncio
 import json
 import multiprocessing
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -45,7 +44,9 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from processes import wait_for_port
 
+from policyd.extproc.envoy_process import free_port
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Request, Router
 from policyd.policy.decision import Decision, ShadowReport
@@ -212,8 +213,8 @@ class ShadowsBeforeReply:
         self.router = router
         self.reports: dict[int, ShadowReport | None] = {}
 
-    def decide(self, request: Request, candidates: Sequence[Any]) -> Decision:
-        decision = self.router.decide(request, candidates)
+    def decide(self, request: Request, candidates: Sequence[Any], prompt: Any = None) -> Decision:
+        decision = self.router.decide(request, candidates, prompt)
         self.reports[id(decision)] = self.router.decide_shadows(decision)
         return decision
 
@@ -276,23 +277,6 @@ async def reply_latencies(port: int, count: int) -> list[float]:
             await call.done_writing()
             await asyncio.sleep(0.002)  # let the server finish deferred work, as between requests
         return latencies
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), 0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
 
 
 def part_two(pods_count: int, count: int) -> None:

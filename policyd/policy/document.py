@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from policyd.cel.values import Duration
 from policyd.policy.diagnostics import Diagnostic
 from policyd.policy.flow import FlowSpec, read_flow
 from policyd.policy.kinds import NODE_KINDS, PICKERS, SCORER_KINDS
@@ -23,8 +22,8 @@ from policyd.policy.reader import (
     Fields,
     expression,
     is_int,
-    is_number,
     parse_duration,
+    scalar_value,
     string_map,
     text,
 )
@@ -337,20 +336,10 @@ def _param_value(kind: str, node: YNode) -> tuple[object] | str:
     if not isinstance(node, YScalar):
         return f"the value is {found}"
     value = node.value
-    if kind == "int" and is_int(value):
-        return (value,)
-    if kind == "double" and is_number(value):
-        return (float(value),)  # type: ignore[arg-type]
-    if kind == "bool" and isinstance(value, bool):
-        return (value,)
-    if kind == "string" and isinstance(value, str):
-        return (value,)
-    if kind == "duration" and isinstance(value, str):
-        nanos = parse_duration(value)
-        if nanos is None:
-            return f"'{value}' is not a duration like 250ms, 1.5s or 1m30s"
-        return (Duration(nanos),)
-    return f"the value is {found}"
+    if kind == "duration" and isinstance(value, str) and parse_duration(value) is None:
+        return f"'{value}' is not a duration like 250ms, 1.5s or 1m30s"
+    converted = scalar_value(kind, value)
+    return f"the value is {found}" if converted is None else converted
 
 
 def _read_variables(fields: Fields, broken: set[str]) -> tuple[VariableSpec, ...]:

@@ -14,7 +14,7 @@ from policyd.cel import Duration
 from policyd.fields import POD_FIELDS, REQUEST_FIELDS
 from policyd.policy.diagnostics import Diagnostic
 from policyd.policy.pods import StaticPod
-from policyd.policy.reader import Fields, is_int, is_number, parse_duration
+from policyd.policy.reader import Fields, is_number, scalar_value
 from policyd.policy.request import Request
 from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name
 
@@ -144,21 +144,13 @@ def _convert(kind: str, node: YNode) -> tuple[Any] | str:
             )
         return "a mapping of strings"
     value = node.value if isinstance(node, YScalar) else None
-    if kind == "string" and isinstance(value, str):
-        return (value,)
-    if kind == "int" and is_int(value):
-        return (value,)
-    if kind == "double" and is_number(value):
-        return (float(value),)  # type: ignore[arg-type]
-    if kind == "bool" and isinstance(value, bool):
-        return (value,)
-    if kind == "duration":
-        if is_number(value):
-            return (Duration.from_seconds(float(value)),)  # type: ignore[arg-type]
-        if isinstance(value, str) and (nanos := parse_duration(value)) is not None:
-            return (Duration(nanos),)
-        return "seconds or a duration like 250ms"
+    if kind == "duration" and is_number(value):  # hand-written pods give ages in seconds
+        return (Duration.from_seconds(float(value)),)  # type: ignore[arg-type]
+    converted = scalar_value(kind, value)
+    if converted is not None:
+        return converted
     return {
+        "duration": "seconds or a duration like 250ms",
         "string": "a string",
         "int": "an integer",
         "double": "a number",

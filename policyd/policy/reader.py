@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from policyd.cel.values import Duration
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
 from policyd.policy.source import YMapping, YNode, YScalar, YSequence, kind_name
 
@@ -125,6 +126,24 @@ def is_int(value: object) -> bool:
 
 def is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def scalar_value(kind: str, value: object) -> tuple[object] | None:
+    """``(value,)`` of a YAML scalar read as the CEL ``kind`` ``string``, ``int``,
+    ``double``, ``bool`` or ``duration`` (written like ``250ms``), or None when it is
+    not one: policy params and hand-written pods and requests read scalars alike."""
+    if kind == "string" and isinstance(value, str):
+        return (value,)
+    if kind == "int" and is_int(value):
+        return (value,)
+    if kind == "double" and is_number(value):
+        return (float(value),)  # type: ignore[arg-type]
+    if kind == "bool" and isinstance(value, bool):
+        return (value,)
+    if kind == "duration" and isinstance(value, str):
+        nanos = parse_duration(value)
+        return None if nanos is None else (Duration(nanos),)
+    return None
 
 
 def _is_null(node: YNode) -> bool:

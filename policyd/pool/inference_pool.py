@@ -162,23 +162,15 @@ class PoolWatch(Reflector):
         self._version = str(version)
 
     def _watch(self, api: Any, namespace: str) -> None:
-        options = self._options
         self._namespace = namespace
-        response = api.list_namespaced_custom_object(
+        self._watch_from_version(
+            api.list_namespaced_custom_object,
             GROUP,
             VERSION,
             namespace,
             PLURAL,
             field_selector=f"metadata.name={self._name}",
-            watch=True,
-            allow_watch_bookmarks=True,
-            resource_version=self._version,
-            timeout_seconds=options.watch_timeout,
-            _preload_content=False,
-            _request_timeout=(options.request_timeout, options.watch_timeout + 30),
         )
-        with self._tracking(response):
-            self._follow(response)
 
     def _handle(self, kind: str, obj: dict[str, Any]) -> None:
         if kind in ("ADDED", "MODIFIED"):

@@ -178,20 +178,9 @@ class PodWatch(Reflector):
 
     def _watch(self, api: Any, namespace: str) -> None:
         assert self._current is not None
-        options = self._options
-        response = api.list_namespaced_pod(
-            namespace,
-            label_selector=self._current.selector or None,
-            watch=True,
-            allow_watch_bookmarks=True,
-            resource_version=self._version,
-            timeout_seconds=options.watch_timeout,
-            _preload_content=False,
-            _request_timeout=(options.request_timeout, options.watch_timeout + 30),
+        self._watch_from_version(
+            api.list_namespaced_pod, namespace, label_selector=self._current.selector or None
         )
-        with self._tracking(response):
-            if not self._interrupted():
-                self._follow(response)
 
     def _handle(self, kind: str, obj: dict[str, Any]) -> None:
         if kind in ("ADDED", "MODIFIED"):

@@ -112,9 +112,10 @@ class Reflector:
 
     ``run`` is the thread's target. Subclasses implement ``_client``,
     ``_list`` (which sets ``_version`` and ``_started``), ``_watch`` (which
-    calls ``_follow``), ``_handle`` for each watch event and ``_where`` for
-    messages; ``_ready`` and ``_interrupted`` let one wait for its input or
-    start over (the pod watch of an InferencePool).
+    calls ``_watch_from_version`` with its list call and selector), ``_handle``
+    for each watch event and ``_where`` for messages; ``_ready`` and
+    ``_interrupted`` let one wait for its input or start over (the pod watch of
+    an InferencePool).
     """
 
     label = "watch"  # in log messages: "pod watch", "InferencePool watch"
@@ -230,6 +231,25 @@ class Reflector:
         return False
 
     # Shared by subclasses.
+
+    def _watch_from_version(self, call: Callable[..., Any], *args: Any, **selectors: Any) -> None:
+        """Watches with ``call``, one of the client's list calls, from ``_version`` (with
+        bookmarks, the server ending it after ``watch_timeout``), reading its events until
+        it ends, unless what to follow changed before the first read."""
+        options = self._options
+        response = call(
+            *args,
+            **selectors,
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=self._version,
+            timeout_seconds=options.watch_timeout,
+            _preload_content=False,
+            _request_timeout=(options.request_timeout, options.watch_timeout + 30),
+        )
+        with self._tracking(response):
+            if not self._interrupted():
+                self._follow(response)
 
     def _follow(self, response: urllib3.BaseHTTPResponse) -> None:
         """Reads a watch stream to its end, passing each event to ``_handle``."""

@@ -18,6 +18,14 @@ keep-alive connection that stays idle that long is closed, and so is a
 slow-loris one sending a byte at a time); a head over 16 KiB is a 431; an
 answer the client does not read within ``write_timeout`` closes the
 connection. Only GET and HEAD are served, without request bodies.
+
+The server is policyd's own, not aiohttp's (a runtime dependency), because
+aiohttp's offers none of those bounds and costs the same: in one run of
+``benchmarks/metrics_http.py`` (benchmarks/RESULTS.md, "Monitoring
+endpoint") both spend the same CPU per scrape and per probe (within 5%),
+while aiohttp's holds every one of 200 slow-loris connections this server
+closes at its read timeout; adding a head deadline and a connection cap to
+aiohttp's server means reaching into its protocol class, more code than this.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The wiring of benchmarks/quality.py: simulator view -> Pod -> real Router -> pod index.
+"""The wiring of benchmarks/virtual_routing.py, which quality.py and flow_quality.py route with:
+simulator view -> Pod -> real Router -> pod index.
 
 Not a quality claim (that is the benchmark's job): these check that every
 field the router sees comes from the simulated pod, that policyd's in-flight
@@ -9,7 +10,7 @@ the shipped default policy routes and completes its requests.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import random
 import sys
 from collections import Counter
@@ -27,18 +28,17 @@ from policyd.sim.experiment import PodView, RoutedRequest, SeedWorkload, run_exp
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "quality_benchmark", REPO / "benchmarks" / "quality.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
+def _load_benchmark(name: str) -> ModuleType:
+    """A module of benchmarks/, imported as the scripts there import each other."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
 
 
-quality = _load_benchmark()
+quality = _load_benchmark("quality")
+routing = _load_benchmark("virtual_routing")
 
 VIEW = PodView(
     index=4,
@@ -58,7 +58,7 @@ SHORT = SeedWorkload(requests=48, connections=12, max_tokens=120)
 
 
 def test_every_field_of_the_view_is_carried_over() -> None:
-    pod = quality.pod_from_view(VIEW)
+    pod = routing.pod_from_view(VIEW)
     assert isinstance(pod, Pod)
     assert pod.name == "vllm-4"
     assert pod.address == "127.0.0.1:8004"  # where `policyd sim --base-port 8000` serves it
@@ -79,7 +79,7 @@ def test_no_pod_field_is_left_at_an_idle_pods_value() -> None:
     # Every field of the CEL pod schema differs from a bare Pod's: none was forgotten.
     # (lora_info_known is true for both: a view always knows the pod's LoRA state; the
     # router lays the prefix fields over the pod per request.)
-    pod = quality.pod_from_view(VIEW, labels={"pool": "sim"})
+    pod = routing.pod_from_view(VIEW, labels={"pool": "sim"})
     bare = Pod(name="", address="")
     forgotten = [
         f.name
@@ -93,15 +93,15 @@ def test_no_pod_field_is_left_at_an_idle_pods_value() -> None:
 
 
 def test_a_prefix_renames_the_pod_and_nothing_else() -> None:
-    renamed = quality.pod_from_view(VIEW, prefix="pool-a-")
+    renamed = routing.pod_from_view(VIEW, prefix="pool-a-")
     assert renamed.name == "pool-a-4"
-    assert renamed == dataclasses.replace(quality.pod_from_view(VIEW), name="pool-a-4")
+    assert renamed == dataclasses.replace(routing.pod_from_view(VIEW), name="pool-a-4")
     assert renamed.in_flight == 31  # InFlight is not compared by ==
 
 
 def test_each_pod_gets_its_own_address_so_the_endpoint_maps_back() -> None:
     views = [PodView(i, f"vllm-{i}", 0, 0, 0.0, (), (), 4, 0.0, 0) for i in range(6)]
-    addresses = {quality.pod_from_view(view).address for view in views}
+    addresses = {routing.pod_from_view(view).address for view in views}
     assert len(addresses) == 6
 
 
@@ -110,7 +110,7 @@ def test_the_routing_function_returns_the_index_of_the_pod_the_policy_chose(
 ) -> None:
     policy = tmp_path / "busiest.yaml"
     policy.write_text("score:\n  busy:\n    expr: double(pod.running) / 100.0\n")
-    route = quality.PolicyRouting(policy, seed=0)
+    route = routing.PolicyRouting(policy, seed=0)
     views = [
         PodView(i, f"vllm-{i}", 0, running, 0.0, (), (), 4, 0.0, 0)
         for i, running in enumerate([3, 9, 50, 1])
@@ -119,7 +119,7 @@ def test_the_routing_function_returns_the_index_of_the_pod_the_policy_chose(
     assert route(request, views, random.Random(0)) == 2
     assert route(request, views[::-1], random.Random(0)) == 2  # by identity, not position
     assert route.decisions == 2
-    renamed = quality.PolicyRouting(policy, seed=0, prefix="pool-a-")
+    renamed = routing.PolicyRouting(policy, seed=0, prefix="pool-a-")
     assert renamed(request, views, random.Random(0)) == 2
 
 
@@ -129,14 +129,14 @@ def test_in_flight_reaches_the_policy_live_during_a_run(tmp_path: Path) -> None:
     # can split them exactly evenly only if each decision sees the ones before.
     policy = tmp_path / "least-in-flight.yaml"
     policy.write_text("score:\n  light:\n    expr: 1.0 - double(pod.in_flight) / 100.0\n")
-    result = run_experiment(quality.PolicyRouting(policy, seed=3), workload=SHORT, seed=3)
+    result = run_experiment(routing.PolicyRouting(policy, seed=3), workload=SHORT, seed=3)
     first = [record.pod for record in result.records if record.sent == 0.0]
     assert len(first) == SHORT.connections
     assert Counter(first) == {pod: 2 for pod in range(6)}
 
 
 def test_a_short_run_with_the_shipped_default_policy_routes_and_completes() -> None:
-    route = quality.PolicyRouting(REPO / "rules" / "default.yaml", seed=1)
+    route = routing.PolicyRouting(REPO / "rules" / "default.yaml", seed=1)
     result = run_experiment(route, workload=SHORT, seed=1)
     assert route.decisions == SHORT.requests  # every request went through Router.decide
     assert all(record.pod is not None for record in result.records)
@@ -151,7 +151,7 @@ def test_the_default_policy_serves_the_published_clients_unmarked_requests() -> 
     # so a default.yaml that treated unmarked requests as sheddable would shed
     # (NotRoutedError) from about the 101st request on.
     burst = SeedWorkload(requests=150, connections=100, max_tokens=120)
-    route = quality.PolicyRouting(REPO / "rules" / "default.yaml", seed=1, headers={})
+    route = routing.PolicyRouting(REPO / "rules" / "default.yaml", seed=1, headers={})
     result = run_experiment(route, workload=burst, seed=1)
     assert route.decisions == burst.requests
     assert result.completed == burst.requests
@@ -160,8 +160,8 @@ def test_the_default_policy_serves_the_published_clients_unmarked_requests() -> 
 def test_a_policy_that_sheds_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
     policy = tmp_path / "shed-all.yaml"
     policy.write_text("filters:\n  nobody:\n    shed: closed for maintenance\n")
-    with pytest.raises(quality.NotRoutedError, match=r"429: closed for maintenance"):
-        run_experiment(quality.PolicyRouting(policy, seed=0), workload=SHORT, seed=0)
+    with pytest.raises(routing.NotRoutedError, match=r"429: closed for maintenance"):
+        run_experiment(routing.PolicyRouting(policy, seed=0), workload=SHORT, seed=0)
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,7 @@ import live_report
 import quality
 import yaml
 from live_report import CellRun, Virtual
-from live_stack import PODS, PoolCounters, Setup, Stack, run_open, run_seed
+from live_stack import PODS, PREFIX_TOKENIZER, PoolCounters, Setup, Stack, run_open, run_seed
 
 from policyd.sim.experiment import SeedWorkload, percentile
 from policyd.sim.names import adapter_names
@@ -309,7 +309,11 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
     profile = quality.PROFILE
     if cell.workload == SEED:
         result = quality.run_policy(
-            RULES / f"{cell.picker}.yaml", seed, workload=seed_workload(arguments)
+            RULES / f"{cell.picker}.yaml",
+            seed,
+            workload=seed_workload(arguments),
+            headers={},  # the published client sends no criticality
+            tokenizer=PREFIX_TOKENIZER,
         )
         return Virtual(result.completed, percentile(result.ttft_s(), 0.9))
     if cell.workload in PREFIX:

@@ -39,6 +39,7 @@ from policyd.extproc.envoy_process import (
     free_port_range,
     start_envoy,
 )
+from policyd.sim.bodies import COMPLETIONS_PATH, completion_body, open_request, streamed
 from policyd.sim.experiment import SEED_PROMPT_TEXT, SeedWorkload
 from policyd.sim.open_loop import OpenRequest
 
@@ -57,6 +58,9 @@ STALE_AFTER_S: Final = 1.0
 # For the same reason Envoy waits this long for policyd's reply instead of the shipped
 # 1 s, past which it lets the request through unrouted (a 503 no_destination).
 MESSAGE_TIMEOUT_MS: Final = 10_000
+# policyd's prefix tokenizer: the pods' own ids, so an approximate match names the blocks
+# the pods cache. The virtual twins tokenize with it too.
+PREFIX_TOKENIZER: Final = "sim"
 
 
 @dataclass
@@ -184,7 +188,7 @@ class Stack:
              "--scrape-interval", f"{scrape:g}", "--scrape-timeout", f"{scrape:g}",
              "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--include-stale",
              "--grace-seconds", "1",
-             "--prefix-tokenizer", "sim", "--log-level", "warning"],
+             "--prefix-tokenizer", PREFIX_TOKENIZER, "--log-level", "warning"],
         )  # fmt: skip
         async with aiohttp.ClientSession() as session:
             for port in self.pod_ports:
@@ -357,7 +361,7 @@ async def _send(
 ) -> None:
     """One request and its reply; what happened goes into ``outcome``."""
     if outcome.streamed:
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        body = streamed(body)
     trace = SimpleNamespace(outcome=outcome, clock=clock)
     timeout = session.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
     try:
@@ -414,12 +418,8 @@ async def run_seed(
             *(
                 _send(
                     session,
-                    f"{url}/v1/completions",
-                    {
-                        "model": o.group,
-                        "prompt": SEED_PROMPT_TEXT,
-                        "max_tokens": workload.max_tokens,
-                    },
+                    f"{url}{COMPLETIONS_PATH}",
+                    completion_body(o.group, SEED_PROMPT_TEXT, workload.max_tokens),
                     {},
                     o,
                     clock=clock,
@@ -428,17 +428,6 @@ async def run_seed(
             )
         )
     return outcomes, clock()
-
-
-def chat_body(item: OpenRequest, base_model: str) -> dict[str, Any]:
-    """The request's chat body: its turns as messages, its model and ``max_tokens``."""
-    return {
-        "model": item.adapter or base_model,
-        "messages": [
-            {"role": turn.role or "user", "content": " ".join(turn.texts)} for turn in item.turns
-        ],
-        "max_tokens": item.max_tokens,
-    }
 
 
 def class_headers(group: str, critical_default: bool) -> dict[str, str]:
@@ -484,10 +473,11 @@ async def run_open(
             while True:
                 item, outcome = requests[index], outcomes[index]
                 outcome.sent = clock()
+                path, body = open_request(item.adapter or base_model, item.turns, item.max_tokens)
                 await _send(
                     session,
-                    f"{url}/v1/chat/completions",
-                    chat_body(item, base_model),
+                    f"{url}{path}",
+                    body,
                     class_headers(item.group, critical_default),
                     outcome,
                     clock=clock,

@@ -285,6 +285,7 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         counters.prefix_hits, counters.prefix_queries = seen.prefix_hits, seen.prefix_queries
         counters.routed = seen.routed
         counters.scrapes, counters.failed_scrapes = seen.scrapes, seen.failed_scrapes
+        counters.pod_finished, counters.pod_tokens = seen.pod_finished, seen.pod_tokens
         counters.peak_rss_kb = stack.peak_rss_kb()
     return live_report.cell_run(
         key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.picker, cell.repeat),
@@ -315,7 +316,8 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
             headers={},  # the published client sends no criticality
             tokenizer=PREFIX_TOKENIZER,
         )
-        return Virtual(result.completed, percentile(result.ttft_s(), 0.9))
+        generated = sum(r.output_tokens for r in result.records)
+        return Virtual(result.completed, percentile(result.ttft_s(), 0.9), generated)
     if cell.workload in PREFIX:
         lengths = cast(SharedPrefix, PodLengths(PREFIX[cell.workload](), profile))  # duck-typed
         workload = quality.OpenWorkload(cell.workload, lengths, (cell.rate,))
@@ -325,7 +327,8 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
         run = quality.run_contender(
             contender, workload, rate=cell.rate, duration_s=arguments.duration, seed=seed
         )
-        return Virtual(run.completed, live_report.tail_percentile(run.ttft_s(), 0.9))
+        generated = sum(r.output_tokens for r in run.records)
+        return Virtual(run.completed, live_report.tail_percentile(run.ttft_s(), 0.9), generated)
     virtual_cell = dataclasses.replace(cell, time_scale=1.0)
     flow_contender = flow_quality.Contender(
         cell.picker,

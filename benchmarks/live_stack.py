@@ -104,6 +104,8 @@ class PoolCounters:
     peak_rss_kb: int = 0
     scrapes: float = 0.0  # policyd's scrapes of the pods
     failed_scrapes: float = 0.0
+    pod_finished: float = 0.0  # requests the pods finished (their request_success_total)
+    pod_tokens: float = 0.0  # tokens the pods generated, for clients that gave up too
 
 
 class Stack:
@@ -219,12 +221,15 @@ class Stack:
     # -- what the stack counted ------------------------------------------------------------
 
     async def counters(self, session: aiohttp.ClientSession) -> PoolCounters:
-        """The pods' prefix-cache counters and policyd's routed decisions per pod, now."""
+        """The pods' prefix-cache, finished-request and generated-token counters and
+        policyd's routed decisions per pod, now."""
         found = PoolCounters()
         for port in self.pod_ports:
             text = await _get_text(session, f"http://127.0.0.1:{port}/metrics")
             found.prefix_hits += metric_sum(text, "vllm:prefix_cache_hits_total")
             found.prefix_queries += metric_sum(text, "vllm:prefix_cache_queries_total")
+            found.pod_finished += metric_sum(text, "vllm:request_success_total")
+            found.pod_tokens += metric_sum(text, "vllm:generation_tokens_total")
         text = await _get_text(session, f"http://127.0.0.1:{self.monitoring_port}/metrics")
         found.routed = routed_per_pod(text)
         found.failed_scrapes = metric_sum(text, "policyd_pod_scrapes_total", 'result="failure"')

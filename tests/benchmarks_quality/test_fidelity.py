@@ -47,7 +47,6 @@ from policyd.sim.experiment import (
     RoutedRequest,
     SeedWorkload,
     pod_views,
-    run_experiment,
 )
 from policyd.sim.exposition import EngineCollector
 from policyd.sim.names import pod_name
@@ -130,31 +129,39 @@ def _same_request(runner: Any, probe: Any, live: InferenceBody, tokenizer: str) 
     assert probe.tokens == tuple(tokenizer_from_spec(tokenizer).encode(live.turns))
 
 
-def test_the_seed_twin_reads_each_request_as_policyd_serve_does(live: ModuleType) -> None:
+def test_the_seed_twin_reads_each_request_as_policyd_serve_does(
+    live: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     stack, quality = sys.modules["live_stack"], sys.modules["quality"]
-    adapters = live.seed_adapters(SMALL_SEED, SEED)
-    wire = asyncio.run(_sent(stack.run_seed, SMALL_SEED, adapters, 1.0))
-    assert len(wire) == SMALL_SEED.requests
+    arguments = live.parse(["--workload", "seed", "--quick", "--pickers", "lora-prefix"])
+    workload = live.seed_workload(arguments)
+    adapters = live.seed_adapters(workload, arguments.seed)
+    wire = asyncio.run(_sent(stack.run_seed, workload, adapters, 1.0))
+    assert len(wire) == workload.requests
 
-    route = quality.PolicyRouting(
-        REPO / "rules" / "lora-prefix.yaml",
-        seed=SEED,
-        headers={},  # as live.py's seed twin: the published client sends no header
-        locator=quality.prefix_locator(quality.APPROXIMATE, stack.PREFIX_TOKENIZER),
-    )
-    decisions = _recording(route)
-    run_experiment(route, workload=SMALL_SEED, seed=SEED)
+    decisions: list[tuple[Any, Any]] = []
+    run_experiment = quality.run_experiment
+
+    def recording_run(route: Any, **keywords: Any) -> Any:
+        found = _recording(route)
+        result = run_experiment(route, **keywords)
+        decisions.extend(found)
+        return result
+
+    monkeypatch.setattr(quality, "run_experiment", recording_run)
+    cell = live.Cell("seed", "burst", 0.0, 1.0, "lora-prefix", 0)
+    live.virtual_twin(cell, arguments, tmp_path)  # live.py's own twin of the cell
     runner = {int(request.id): (request, probe) for request, probe in decisions}
-    assert sorted(runner) == list(range(SMALL_SEED.requests))
+    assert sorted(runner) == list(range(workload.requests))
     # The live pool sends in its own order; each request names its adapter.
-    by_model: dict[str, list[InferenceBody]] = {}
+    by_model: dict[str, InferenceBody] = {}
     for path, body, headers in wire:
         served = _served(path, body, headers)
-        by_model.setdefault(served.request.model, []).append(served)
+        by_model.setdefault(served.request.model, served)
     for index, adapter in enumerate(adapters):
         request, probe = runner[index]
         assert request.model == adapter
-        _same_request(request, probe, by_model[adapter][0], stack.PREFIX_TOKENIZER)
+        _same_request(request, probe, by_model[adapter], stack.PREFIX_TOKENIZER)
 
 
 def test_the_open_loop_runner_reads_each_request_as_policyd_serve_does(

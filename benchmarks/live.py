@@ -50,9 +50,12 @@ requests over the mean (policyd's ``policyd_decisions_total``), and gains
 paired per repeat against ``random`` and ``lora-balanced``; flow control's
 goals per cell. ``--virtual`` runs the same requests on the same seed in
 virtual time (``quality.py``'s and ``flow_quality.py``'s machinery) and
-prints live against virtual. The simulated pods draw each request's output
-length themselves (capped by ``max_tokens``), so the virtual twins draw
-theirs the same way rather than taking ``max_tokens`` as ``quality.py`` does.
+prints live against virtual. The seed client tells each simulated pod the
+output length the virtual run drew for the request (``sim_output_tokens``,
+docs/simulator.md), so both serve the same requests; on the other workloads
+the pods draw each request's length themselves (capped by ``max_tokens``),
+and the virtual twins draw theirs the same way rather than taking
+``max_tokens`` as ``quality.py`` does.
 """
 
 from __future__ import annotations
@@ -80,8 +83,7 @@ import yaml
 from live_report import CellRun, Virtual
 from live_stack import PODS, PREFIX_TOKENIZER, PoolCounters, Setup, Stack, run_open, run_seed
 
-from policyd.sim.experiment import SeedWorkload, percentile
-from policyd.sim.names import adapter_names
+from policyd.sim.experiment import SeedWorkload, percentile, seed_requests
 from policyd.sim.open_loop import OpenRequest
 from policyd.sim.profile import Profile, get_profile
 from policyd.sim.workloads import (
@@ -202,9 +204,7 @@ def seed_workload(arguments: argparse.Namespace) -> SeedWorkload:
 
 def seed_adapters(workload: SeedWorkload, seed: int) -> list[str]:
     """Each request's adapter, drawn as ``policyd.sim.experiment``'s run draws it."""
-    rng = random.Random(f"workload-{seed}")
-    names = adapter_names(workload.adapters)
-    return [rng.choice(names) for _ in range(workload.requests)]
+    return seed_requests(workload, seed)[0]
 
 
 def open_requests(cell: Cell, arguments: argparse.Namespace) -> tuple[OpenRequest, ...]:
@@ -254,8 +254,10 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
     async with Stack(setup, directory) as stack:
         if cell.workload == SEED:
             workload = seed_workload(arguments)
-            adapters = seed_adapters(workload, arguments.seed)
-            outcomes, ended = await run_seed(stack.url, workload, adapters, cell.time_scale)
+            adapters, lengths = seed_requests(workload, arguments.seed, profile)
+            outcomes, ended = await run_seed(
+                stack.url, workload, adapters, cell.time_scale, lengths
+            )
             prompts: list[tuple[str, Sequence[int]]] = [(a, workload.prompt) for a in adapters]
             window, rule = 0.0, "completed"
         else:

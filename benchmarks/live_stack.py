@@ -403,14 +403,19 @@ def _connected_trace() -> aiohttp.TraceConfig:
 
 
 async def run_seed(
-    url: str, workload: SeedWorkload, adapters: Sequence[str], time_scale: float
+    url: str,
+    workload: SeedWorkload,
+    adapters: Sequence[str],
+    time_scale: float,
+    lengths: Sequence[int | None] | None = None,
 ) -> tuple[list[Outcome], float]:
     """The seed experiment's client: every request at once through a pool of ``connections``.
 
     Each request has ``timeout_s`` (simulated) from its start, waiting for a
     connection included; none carries a criticality header, as the published
-    client sends none. Returns the outcomes and the wall seconds until the last
-    request ended.
+    client sends none. ``lengths`` tells each request's simulated pod how long
+    a text to write (the virtual run's draws), else the pod draws it. Returns
+    the outcomes and the wall seconds until the last request ended.
     """
     clock = _Clock()
     connector = aiohttp.TCPConnector(limit=workload.connections)
@@ -424,12 +429,12 @@ async def run_seed(
                 _send(
                     session,
                     f"{url}{COMPLETIONS_PATH}",
-                    completion_body(o.group, SEED_PROMPT_TEXT, workload.max_tokens),
+                    completion_body(o.group, SEED_PROMPT_TEXT, workload.max_tokens, length),
                     {},
                     o,
                     clock=clock,
                 )
-                for o in outcomes
+                for o, length in zip(outcomes, lengths or [None] * len(outcomes), strict=True)
             )
         )
     return outcomes, clock()

@@ -13,15 +13,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
+from policyd.sim.api import OUTPUT_TOKENS_FIELD
 from policyd.sim.open_loop import Turn
 
 COMPLETIONS_PATH: Final = "/v1/completions"
 CHAT_PATH: Final = "/v1/chat/completions"
 
 
-def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
-    """A completions request: the seed experiment's shape (one prompt text, a budget)."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+def completion_body(
+    model: str, prompt: str | list[int], max_tokens: int, output_tokens: int | None = None
+) -> dict[str, Any]:
+    """A completions request: the seed experiment's shape (one prompt text, a budget); with
+    ``output_tokens``, the length a simulated pod writes (``api.OUTPUT_TOKENS_FIELD``)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+    if output_tokens is not None:
+        body[OUTPUT_TOKENS_FIELD] = output_tokens
+    return body
 
 
 def chat_body(model: str, turns: Sequence[Turn], max_tokens: int) -> dict[str, Any]:

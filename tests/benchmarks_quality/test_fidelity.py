@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import json
 import random
 import sys
 from collections.abc import Iterator, Mapping
@@ -41,6 +42,7 @@ from policyd.pool.exposition import MetricsParser
 from policyd.pool.metric_names import VLLM
 from policyd.pool.pod import Pod
 from policyd.prefix.tokenizers import tokenizer_from_spec
+from policyd.sim.api import OUTPUT_TOKENS_FIELD
 from policyd.sim.engine import SimRequest
 from policyd.sim.experiment import (
     PodView,
@@ -135,9 +137,14 @@ def test_the_seed_twin_reads_each_request_as_policyd_serve_does(
     stack, quality = sys.modules["live_stack"], sys.modules["quality"]
     arguments = live.parse(["--workload", "seed", "--quick", "--pickers", "lora-prefix"])
     workload = live.seed_workload(arguments)
-    adapters = live.seed_adapters(workload, arguments.seed)
-    wire = asyncio.run(_sent(stack.run_seed, workload, adapters, 1.0))
+    adapters, lengths = live.seed_requests(workload, arguments.seed)
+    wire = asyncio.run(_sent(stack.run_seed, workload, adapters, 1.0, lengths))
     assert len(wire) == workload.requests
+    # Each pod is told the length the virtual run's pod writes (policyd passes it on unread).
+    sent = sorted(
+        (json.loads(body)["model"], json.loads(body)[OUTPUT_TOKENS_FIELD]) for _, body, _ in wire
+    )
+    assert sent == sorted(zip(adapters, lengths, strict=True))
 
     decisions: list[tuple[Any, Any]] = []
     run_experiment = quality.run_experiment

@@ -63,6 +63,7 @@ from virtual_routing import (
     pod_from_view,
     prefix_locator,
     run_policy,
+    served_request,
 )
 
 from policyd.flow import FlowAnswer, FlowControl, Pass, unwrap
@@ -70,6 +71,7 @@ from policyd.policy import Outcome, PolicyStore, Request, Router
 from policyd.policy.router import Admission
 from policyd.pool.pod import Pod
 from policyd.prefix.probe import PrefixLocator
+from policyd.sim.bodies import open_request
 from policyd.sim.experiment import SEED_PROMPT_TEXT, _Run, percentile
 from policyd.sim.open_loop import OpenLoopResult, OpenRequest, Turn, _OpenRun
 from policyd.sim.profile import Profile, get_profile
@@ -268,13 +270,10 @@ class FlowRun(_FlowSignals, _OpenRun):
             headers[CRITICALITY] = group
         if self.contender.sheddable and headers.get(CRITICALITY) != "critical":
             headers[CRITICALITY] = "sheddable"
-        return Request(
-            model=item.adapter or self.profile.base_model,
-            headers=headers,
-            prompt_tokens=len(item.prompt),
-            max_tokens=item.max_tokens,
-            id=str(index),
+        path, body = open_request(
+            item.adapter or self.profile.base_model, item.turns, item.max_tokens
         )
+        return served_request(path, body, headers, index).request
 
     def _decide(self, index: int, request: Request, candidates: Sequence[Any]) -> str | None:
         """Decide over ``candidates`` and send, or answer; the pod's name when sent."""

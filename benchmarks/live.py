@@ -50,9 +50,12 @@ requests over the mean (policyd's ``policyd_decisions_total``), and gains
 paired per repeat against ``random`` and ``lora-balanced``; flow control's
 goals per cell. ``--virtual`` runs the same requests on the same seed in
 virtual time (``quality.py``'s and ``flow_quality.py``'s machinery) and
-prints live against virtual. The simulated pods draw each request's output
-length themselves (capped by ``max_tokens``), so the virtual twins draw
-theirs the same way rather than taking ``max_tokens`` as ``quality.py`` does.
+prints live against virtual. The seed client tells each simulated pod the
+output length the virtual run drew for the request (``sim_output_tokens``,
+docs/simulator.md), so both serve the same requests; on the other workloads
+the pods draw each request's length themselves (capped by ``max_tokens``),
+and the virtual twins draw theirs the same way rather than taking
+``max_tokens`` as ``quality.py`` does.
 """
 
 from __future__ import annotations
@@ -78,10 +81,9 @@ import live_report
 import quality
 import yaml
 from live_report import CellRun, Virtual
-from live_stack import PODS, PoolCounters, Setup, Stack, run_open, run_seed
+from live_stack import PODS, PREFIX_TOKENIZER, PoolCounters, Setup, Stack, run_open, run_seed
 
-from policyd.sim.experiment import SeedWorkload, percentile
-from policyd.sim.names import adapter_names
+from policyd.sim.experiment import SeedWorkload, percentile, seed_requests
 from policyd.sim.open_loop import OpenRequest
 from policyd.sim.profile import Profile, get_profile
 from policyd.sim.workloads import (
@@ -202,9 +204,7 @@ def seed_workload(arguments: argparse.Namespace) -> SeedWorkload:
 
 def seed_adapters(workload: SeedWorkload, seed: int) -> list[str]:
     """Each request's adapter, drawn as ``policyd.sim.experiment``'s run draws it."""
-    rng = random.Random(f"workload-{seed}")
-    names = adapter_names(workload.adapters)
-    return [rng.choice(names) for _ in range(workload.requests)]
+    return seed_requests(workload, seed)[0]
 
 
 def open_requests(cell: Cell, arguments: argparse.Namespace) -> tuple[OpenRequest, ...]:
@@ -254,8 +254,10 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
     async with Stack(setup, directory) as stack:
         if cell.workload == SEED:
             workload = seed_workload(arguments)
-            adapters = seed_adapters(workload, arguments.seed)
-            outcomes, ended = await run_seed(stack.url, workload, adapters, cell.time_scale)
+            adapters, lengths = seed_requests(workload, arguments.seed, profile)
+            outcomes, ended = await run_seed(
+                stack.url, workload, adapters, cell.time_scale, lengths
+            )
             prompts: list[tuple[str, Sequence[int]]] = [(a, workload.prompt) for a in adapters]
             window, rule = 0.0, "completed"
         else:
@@ -285,6 +287,7 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         counters.prefix_hits, counters.prefix_queries = seen.prefix_hits, seen.prefix_queries
         counters.routed = seen.routed
         counters.scrapes, counters.failed_scrapes = seen.scrapes, seen.failed_scrapes
+        counters.pod_finished, counters.pod_tokens = seen.pod_finished, seen.pod_tokens
         counters.peak_rss_kb = stack.peak_rss_kb()
     return live_report.cell_run(
         key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.picker, cell.repeat),
@@ -309,9 +312,14 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
     profile = quality.PROFILE
     if cell.workload == SEED:
         result = quality.run_policy(
-            RULES / f"{cell.picker}.yaml", seed, workload=seed_workload(arguments)
+            RULES / f"{cell.picker}.yaml",
+            seed,
+            workload=seed_workload(arguments),
+            headers={},  # the published client sends no criticality
+            tokenizer=PREFIX_TOKENIZER,
         )
-        return Virtual(result.completed, percentile(result.ttft_s(), 0.9))
+        generated = sum(r.output_tokens for r in result.records)
+        return Virtual(result.completed, percentile(result.ttft_s(), 0.9), generated)
     if cell.workload in PREFIX:
         lengths = cast(SharedPrefix, PodLengths(PREFIX[cell.workload](), profile))  # duck-typed
         workload = quality.OpenWorkload(cell.workload, lengths, (cell.rate,))
@@ -321,7 +329,8 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
         run = quality.run_contender(
             contender, workload, rate=cell.rate, duration_s=arguments.duration, seed=seed
         )
-        return Virtual(run.completed, live_report.tail_percentile(run.ttft_s(), 0.9))
+        generated = sum(r.output_tokens for r in run.records)
+        return Virtual(run.completed, live_report.tail_percentile(run.ttft_s(), 0.9), generated)
     virtual_cell = dataclasses.replace(cell, time_scale=1.0)
     flow_contender = flow_quality.Contender(
         cell.picker,

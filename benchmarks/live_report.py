@@ -92,6 +92,8 @@ class CellRun:
     peak_held: int = 0
     peak_rss_mib: float = 0.0
     wall_s: float = 0.0
+    pod_finished: float = 0.0  # requests the pods finished, whether or not the client saw it
+    pod_tokens: float = 0.0  # tokens the pods generated, for clients that gave up too
 
 
 def ttft_values(outcomes: Sequence[Outcome], scale: float, rule: str) -> list[float]:
@@ -203,6 +205,8 @@ def cell_run(
         peak_held=counters.peak_held,
         peak_rss_mib=counters.peak_rss_kb / 1024,
         wall_s=wall_s,
+        pod_finished=counters.pod_finished,
+        pod_tokens=counters.pod_tokens,
     )
 
 
@@ -428,21 +432,31 @@ def flow_goals(
 
 @dataclass(frozen=True, slots=True)
 class Virtual:
-    """The same cell in virtual time: the figures the agreement compares."""
+    """The same cell in virtual time: the figures the agreement compares, and the tokens
+    the pods generated (timed-out requests' included; ``nan`` where not counted)."""
 
     completed: float
     ttft_p90: float
+    generated: float = math.nan
 
 
 def agreement(
     runs: Iterable[CellRun], virtual: Mapping[tuple[str, str, str], Virtual]
 ) -> list[str]:
     """Live (median over repeats) against virtual time on the same seed, per cell: the ratios
-    and whether both are within 5%."""
+    and whether both are within 5%.
+
+    Two more columns tell a machine that could not keep up from a runner that models
+    something else: the tokens the pods generated, live over virtual (below 1 when the
+    pods' clock slipped behind the wall on a loaded machine), and the requests the pods
+    finished that their client never saw complete (the answer arrived after it gave up:
+    delivery through Envoy and policyd lagging the pods).
+    """
     rows = [
         "| workload, load | time scale | picker | completed live / virtual | ratio "
-        "| TTFT p90 s live / virtual | ratio | within 5% |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TTFT p90 s live / virtual | ratio | within 5% | pods' tokens live / virtual "
+        "| finished at the pods, not at the client |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (workload, load, scale), pickers in sorted(grouped(runs).items()):
         for picker, mine in sorted(pickers.items()):
@@ -454,9 +468,12 @@ def agreement(
             done_ratio = done / twin.completed if twin.completed else math.nan
             p90_ratio = p90 / twin.ttft_p90 if twin.ttft_p90 else math.nan
             met = all(abs(x - 1) <= AGREEMENT for x in (done_ratio, p90_ratio))
+            tokens = statistics.median(r.pod_tokens for r in mine)
+            tokens_ratio = tokens / twin.generated if twin.generated > 0 else math.nan
+            unseen = statistics.median(max(r.pod_finished - r.completed, 0.0) for r in mine)
             rows.append(
                 f"| {workload}, {load} | {scale:g} | {picker} | {done:.0f} / {twin.completed:.0f} "
                 f"| {done_ratio:.3f} | {p90:.2f} / {twin.ttft_p90:.2f} | {p90_ratio:.3f} "
-                f"| {'yes' if met else 'NO'} |"
+                f"| {'yes' if met else 'NO'} | {tokens_ratio:.3f} | {unseen:.0f} |"
             )
     return rows

@@ -39,6 +39,7 @@ from policyd.extproc.envoy_process import (
     free_port_range,
     start_envoy,
 )
+from policyd.sim.bodies import COMPLETIONS_PATH, completion_body, open_request, streamed
 from policyd.sim.experiment import SEED_PROMPT_TEXT, SeedWorkload
 from policyd.sim.open_loop import OpenRequest
 
@@ -57,6 +58,9 @@ STALE_AFTER_S: Final = 1.0
 # For the same reason Envoy waits this long for policyd's reply instead of the shipped
 # 1 s, past which it lets the request through unrouted (a 503 no_destination).
 MESSAGE_TIMEOUT_MS: Final = 10_000
+# policyd's prefix tokenizer: the pods' own ids, so an approximate match names the blocks
+# the pods cache. The virtual twins tokenize with it too.
+PREFIX_TOKENIZER: Final = "sim"
 
 
 @dataclass
@@ -100,6 +104,8 @@ class PoolCounters:
     peak_rss_kb: int = 0
     scrapes: float = 0.0  # policyd's scrapes of the pods
     failed_scrapes: float = 0.0
+    pod_finished: float = 0.0  # requests the pods finished (their request_success_total)
+    pod_tokens: float = 0.0  # tokens the pods generated, for clients that gave up too
 
 
 class Stack:
@@ -184,7 +190,7 @@ class Stack:
              "--scrape-interval", f"{scrape:g}", "--scrape-timeout", f"{scrape:g}",
              "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--include-stale",
              "--grace-seconds", "1",
-             "--prefix-tokenizer", "sim", "--log-level", "warning"],
+             "--prefix-tokenizer", PREFIX_TOKENIZER, "--log-level", "warning"],
         )  # fmt: skip
         async with aiohttp.ClientSession() as session:
             for port in self.pod_ports:
@@ -215,12 +221,15 @@ class Stack:
     # -- what the stack counted ------------------------------------------------------------
 
     async def counters(self, session: aiohttp.ClientSession) -> PoolCounters:
-        """The pods' prefix-cache counters and policyd's routed decisions per pod, now."""
+        """The pods' prefix-cache, finished-request and generated-token counters and
+        policyd's routed decisions per pod, now."""
         found = PoolCounters()
         for port in self.pod_ports:
             text = await _get_text(session, f"http://127.0.0.1:{port}/metrics")
             found.prefix_hits += metric_sum(text, "vllm:prefix_cache_hits_total")
             found.prefix_queries += metric_sum(text, "vllm:prefix_cache_queries_total")
+            found.pod_finished += metric_sum(text, "vllm:request_success_total")
+            found.pod_tokens += metric_sum(text, "vllm:generation_tokens_total")
         text = await _get_text(session, f"http://127.0.0.1:{self.monitoring_port}/metrics")
         found.routed = routed_per_pod(text)
         found.failed_scrapes = metric_sum(text, "policyd_pod_scrapes_total", 'result="failure"')
@@ -357,7 +366,7 @@ async def _send(
 ) -> None:
     """One request and its reply; what happened goes into ``outcome``."""
     if outcome.streamed:
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        body = streamed(body)
     trace = SimpleNamespace(outcome=outcome, clock=clock)
     timeout = session.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
     try:
@@ -394,14 +403,19 @@ def _connected_trace() -> aiohttp.TraceConfig:
 
 
 async def run_seed(
-    url: str, workload: SeedWorkload, adapters: Sequence[str], time_scale: float
+    url: str,
+    workload: SeedWorkload,
+    adapters: Sequence[str],
+    time_scale: float,
+    lengths: Sequence[int | None] | None = None,
 ) -> tuple[list[Outcome], float]:
     """The seed experiment's client: every request at once through a pool of ``connections``.
 
     Each request has ``timeout_s`` (simulated) from its start, waiting for a
     connection included; none carries a criticality header, as the published
-    client sends none. Returns the outcomes and the wall seconds until the last
-    request ended.
+    client sends none. ``lengths`` tells each request's simulated pod how long
+    a text to write (the virtual run's draws), else the pod draws it. Returns
+    the outcomes and the wall seconds until the last request ended.
     """
     clock = _Clock()
     connector = aiohttp.TCPConnector(limit=workload.connections)
@@ -414,31 +428,16 @@ async def run_seed(
             *(
                 _send(
                     session,
-                    f"{url}/v1/completions",
-                    {
-                        "model": o.group,
-                        "prompt": SEED_PROMPT_TEXT,
-                        "max_tokens": workload.max_tokens,
-                    },
+                    f"{url}{COMPLETIONS_PATH}",
+                    completion_body(o.group, SEED_PROMPT_TEXT, workload.max_tokens, length),
                     {},
                     o,
                     clock=clock,
                 )
-                for o in outcomes
+                for o, length in zip(outcomes, lengths or [None] * len(outcomes), strict=True)
             )
         )
     return outcomes, clock()
-
-
-def chat_body(item: OpenRequest, base_model: str) -> dict[str, Any]:
-    """The request's chat body: its turns as messages, its model and ``max_tokens``."""
-    return {
-        "model": item.adapter or base_model,
-        "messages": [
-            {"role": turn.role or "user", "content": " ".join(turn.texts)} for turn in item.turns
-        ],
-        "max_tokens": item.max_tokens,
-    }
 
 
 def class_headers(group: str, critical_default: bool) -> dict[str, str]:
@@ -484,10 +483,11 @@ async def run_open(
             while True:
                 item, outcome = requests[index], outcomes[index]
                 outcome.sent = clock()
+                path, body = open_request(item.adapter or base_model, item.turns, item.max_tokens)
                 await _send(
                     session,
-                    f"{url}/v1/chat/completions",
-                    chat_body(item, base_model),
+                    f"{url}{path}",
+                    body,
                     class_headers(item.group, critical_default),
                     outcome,
                     clock=clock,

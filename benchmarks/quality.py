@@ -110,12 +110,14 @@ from virtual_routing import (
     prefix_locator,
     routed_index,
     run_policy,
+    served_request,
 )
 
-from policyd.policy import PolicyStore, Request, Router
+from policyd.policy import PolicyStore, Router
 from policyd.prefix.events import decode_batch
 from policyd.prefix.index import PreciseIndex
 from policyd.sim.blocks import KvEvent
+from policyd.sim.bodies import open_request, streamed
 from policyd.sim.experiment import ExperimentResult, PodView, SeedWorkload, percentile
 from policyd.sim.kv_events import encode_batch
 from policyd.sim.names import adapter_names
@@ -171,18 +173,10 @@ class OpenPolicyRouting:
 
     def __call__(self, arrival: Arrival, views: Sequence[PodView], rng: random.Random) -> int:
         pods = [pod_from_view(view, profile=self.profile) for view in views]
-        probe = self.locator.probe(arrival.turns) if self.locator is not None else None
-        decision = self.router.decide(
-            Request(
-                model=arrival.model,
-                headers=self.headers,
-                prompt_tokens=len(arrival.prompt),
-                max_tokens=arrival.max_tokens,
-                id=str(arrival.index),
-            ),
-            pods,
-            probe,
-        )
+        path, body = open_request(arrival.model, arrival.turns, arrival.max_tokens)
+        served = served_request(path, streamed(body), self.headers, arrival.index)
+        probe = self.locator.probe(served.turns) if self.locator is not None else None
+        decision = self.router.decide(served.request, pods, probe)
         chosen = routed_index(decision, arrival.index, views, pods, probe)
         self.decisions += 1
         return chosen

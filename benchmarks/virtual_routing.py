@@ -10,19 +10,22 @@ benchmarks hold no import circle (``tests/foundation/test_benchmark_imports.py``
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 from policyd.cel.values import Duration
-from policyd.policy import Decision, Outcome, PolicyStore, Request, Router
+from policyd.extproc.openai import REQUEST_ID_HEADER, InferenceBody, parse_body
+from policyd.policy import Decision, Outcome, PolicyStore, Router
 from policyd.pool.pod import InFlight, Pod
 from policyd.prefix.index import ApproximateIndex, PreciseIndex
 from policyd.prefix.options import PrefixSettings
 from policyd.prefix.probe import PrefixLocator, PrefixProbe
 from policyd.prefix.tokenizers import tokenizer_from_spec
+from policyd.sim.bodies import COMPLETIONS_PATH, completion_body, streamed
 from policyd.sim.experiment import (
     SEED_PROMPT_TEXT,
     ExperimentResult,
@@ -31,7 +34,6 @@ from policyd.sim.experiment import (
     SeedWorkload,
     run_experiment,
 )
-from policyd.sim.open_loop import Turn
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 
 RULES: Final = Path(__file__).resolve().parents[1] / "rules"
@@ -112,11 +114,12 @@ class PolicyRouting:
 
     Loads the policy afresh (a round-robin turn is state of the loaded policy,
     so each run starts from the same turn) and seeds the router's generator
-    from the experiment's seed, so a run is repeatable. With a ``locator`` the
-    router gets each request's prompt as its client sends it (the seed prompt's
-    text), tokenized as the locator's tokenizer does, so a policy reading prefix
-    fields sees what it sees behind ``policyd serve`` (approximate mode: the
-    seed experiment publishes no KV events).
+    from the experiment's seed, so a run is repeatable. Each request is the
+    one ``policyd serve`` reads from what the live client sends
+    (``served_request``): the prompt's text, streamed. With a ``locator`` the
+    router gets that prompt tokenized as the locator's tokenizer does, so a
+    policy reading prefix fields sees what it sees behind ``policyd serve``
+    (approximate mode: the seed experiment publishes no KV events).
     """
 
     def __init__(
@@ -135,26 +138,29 @@ class PolicyRouting:
         self.prefix = prefix
         self.profile = profile
         self.locator = locator
-        self.turns = (Turn(None, texts=(prompt,)),)
+        self.prompt = prompt
         self.decisions = 0
 
     def __call__(self, request: RoutedRequest, views: Sequence[PodView], rng: random.Random) -> int:
         pods = [pod_from_view(view, prefix=self.prefix, profile=self.profile) for view in views]
-        probe = self.locator.probe(self.turns) if self.locator is not None else None
-        decision = self.router.decide(
-            Request(
-                model=request.model,
-                headers=self.headers,
-                prompt_tokens=request.prompt_tokens,
-                max_tokens=request.max_tokens,
-                id=str(request.index),
-            ),
-            pods,
-            probe,
-        )
+        body = streamed(completion_body(request.model, self.prompt, request.max_tokens))
+        served = served_request(COMPLETIONS_PATH, body, self.headers, request.index)
+        probe = self.locator.probe(served.turns) if self.locator is not None else None
+        decision = self.router.decide(served.request, pods, probe)
         chosen = routed_index(decision, request.index, views, pods, probe)
         self.decisions += 1
         return chosen
+
+
+def served_request(
+    path: str, body: Mapping[str, Any], headers: Mapping[str, str], index: int
+) -> InferenceBody:
+    """The request ``policyd serve`` reads from a client's ``body`` (``policyd.sim.bodies``)
+    and headers: its own parser's ``Request`` (the prompt's four-characters estimate,
+    the budget, the stream flag, the path) and prompt turns, the index as its request id."""
+    return parse_body(
+        json.dumps(body).encode(), path, headers={**headers, REQUEST_ID_HEADER: str(index)}
+    )
 
 
 def routed_index(
@@ -187,13 +193,18 @@ def run_policy(
     workload: SeedWorkload,
     prefix: str | None = None,
     profile: Profile = PROFILE,
+    headers: Mapping[str, str] = CRITICAL,
+    tokenizer: str | None = None,
 ) -> ExperimentResult:
-    """One virtual run of ``workload`` routed by ``policy`` on pods of ``profile``."""
+    """One virtual run of ``workload`` routed by ``policy`` on pods of ``profile``, each
+    request with ``headers``, its prompt tokenized by ``tokenizer`` (``policyd serve``'s
+    default when ``None``)."""
     routing = PolicyRouting(
         policy,
         seed=seed,
+        headers=headers,
         prefix=prefix,
-        locator=prefix_locator(APPROXIMATE, SERVING_TOKENIZER, profile=profile),
+        locator=prefix_locator(APPROXIMATE, tokenizer or SERVING_TOKENIZER, profile=profile),
         profile=profile,
     )
     return run_experiment(routing, workload=workload, seed=seed, profile=profile)

@@ -16,6 +16,11 @@ from typing import Any, Final
 from policyd.sim.tokenizer import render_chat, tokenize
 
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
+# The simulator's own request field: the length of the text the request would write
+# (``max_tokens`` still caps it), in place of the pod's draw. A benchmark that replays
+# the requests of a virtual run sends the lengths that run drew, so both serve the same
+# requests; vLLM has no such field, and routers pass it through unread.
+OUTPUT_TOKENS_FIELD: Final = "sim_output_tokens"
 _ERROR_TYPES: Final = {
     400: "BadRequestError",
     404: "NotFoundError",
@@ -53,6 +58,7 @@ class CompletionCall:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    output_tokens: int | None = None  # OUTPUT_TOKENS_FIELD, when the client set it
 
 
 def parse_call(body: bytes, *, chat: bool, generation_prompt: bool = False) -> CompletionCall:
@@ -87,7 +93,14 @@ def parse_call(body: bytes, *, chat: bool, generation_prompt: bool = False) -> C
     n = payload.get("n", 1)
     if n != 1:
         raise ApiError(400, "the simulator generates one choice per request (`n` must be 1)", "n")
-    return CompletionCall(chat, model, prompt, max_tokens, stream, include_usage)
+    output_tokens = payload.get(OUTPUT_TOKENS_FIELD)
+    if output_tokens is not None and (
+        not isinstance(output_tokens, int) or isinstance(output_tokens, bool) or output_tokens < 1
+    ):
+        raise ApiError(
+            400, f"`{OUTPUT_TOKENS_FIELD}` must be a positive integer", OUTPUT_TOKENS_FIELD
+        )
+    return CompletionCall(chat, model, prompt, max_tokens, stream, include_usage, output_tokens)
 
 
 def _completion_prompt(payload: dict[str, Any]) -> tuple[int, ...]:

@@ -208,6 +208,20 @@ class ExperimentResult:
         )
 
 
+def seed_requests(
+    workload: SeedWorkload, seed: int, profile: Profile = L4_LLAMA2_7B
+) -> tuple[list[str], list[int]]:
+    """Each request's adapter and the length of the text it writes, drawn from ``seed``:
+    the same for every router, and for a live client replaying the run."""
+    rng = random.Random(f"workload-{seed}")
+    names = adapter_names(workload.adapters)
+    adapters = [rng.choice(names) for _ in range(workload.requests)]
+    lengths = [
+        profile.natural_output_tokens(rng, workload.max_tokens) for _ in range(workload.requests)
+    ]
+    return adapters, lengths
+
+
 class _Run:
     """One experiment's moving parts on one virtual loop."""
 
@@ -234,13 +248,8 @@ class _Run:
         self.free_connections = workload.connections
         self.pending: deque[int] = deque()
         self.router_rng = random.Random(f"router-{seed}")
-        workload_rng = random.Random(f"workload-{seed}")
-        names = adapter_names(workload.adapters)
         count = workload.requests
-        self.adapters = [workload_rng.choice(names) for _ in range(count)]
-        self.lengths = [
-            profile.natural_output_tokens(workload_rng, workload.max_tokens) for _ in range(count)
-        ]
+        self.adapters, self.lengths = seed_requests(workload, seed, profile)
         self.started = [0.0] * count
         self.pod_of: list[int | None] = [None] * count
         self.sent: list[float | None] = [None] * count

@@ -299,6 +299,7 @@ class SimServer:
             call.prompt,
             call.max_tokens,
             adapter=None if call.model == self.profile.base_model else call.model,
+            output_length=call.output_tokens,
             listener=progress,
             text_seed=text_seed,
         )

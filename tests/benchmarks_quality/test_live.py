@@ -234,6 +234,21 @@ def test_the_table_has_a_row_per_picker_with_gains_against_both_references(
     assert sum(r.startswith("| ") and "---" not in r for r in rows) == 4  # header + 3 pickers
 
 
+def test_the_agreement_tells_a_slipping_machine_from_a_drifting_runner(
+    report: ModuleType,
+) -> None:
+    runs = [
+        _run(report, "lora-balanced", r, completed=c, ttft_p90=2.0, pod_finished=f, pod_tokens=t)
+        for r, c, f, t in ((0, 90, 96, 3900.0), (1, 88, 90, 3800.0), (2, 99, 99, 4000.0))
+    ]
+    twins = {("seed", "burst", "lora-balanced"): report.Virtual(100, 2.0, 4000.0)}
+    (row,) = [r for r in report.agreement(runs, twins) if r.startswith("| seed")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[3:8] == ["90 / 100", "0.900", "2.00 / 2.00", "1.000", "NO"]
+    assert cells[8] == "0.975"  # the pods generated the median 3900 of 4000 tokens
+    assert cells[9] == "2"  # median of 6, 2, 0 finished at the pods but not at the client
+
+
 def test_percentiles_count_a_request_without_a_first_token_as_infinitely_slow(
     report: ModuleType, stack: ModuleType
 ) -> None:

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from policyd.sim.api import OUTPUT_TOKENS_FIELD
 from policyd.sim.profile import L4_LLAMA2_7B
 from policyd.sim.server import SimServer
 from policyd.sim.tokenizer import tokenize
@@ -111,6 +112,24 @@ async def test_a_completion_returns_text_finish_reason_and_usage(
         "completion_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
+
+
+async def test_a_client_may_set_the_length_a_pod_writes_below_max_tokens(
+    server: SimServer, client: aiohttp.ClientSession
+) -> None:
+    # The length a replayed virtual run drew, in place of the pod's own draw (>= 50).
+    payload = {"model": "adapter-3", "prompt": "Hi", "max_tokens": 9, OUTPUT_TOKENS_FIELD: 3}
+    status, body = await post(client, server, "/v1/completions", payload)
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["choices"][0]["finish_reason"] == "stop"
+    capped = await post(client, server, "/v1/completions", {**payload, OUTPUT_TOKENS_FIELD: 40})
+    assert capped[1]["usage"]["completion_tokens"] == 9  # max_tokens still caps it
+    for bad in (0, -2, "3", True, 2.5):
+        status, body = await post(
+            client, server, "/v1/completions", {**payload, OUTPUT_TOKENS_FIELD: bad}
+        )
+        assert status == 400 and body["error"]["param"] == OUTPUT_TOKENS_FIELD
 
 
 async def test_a_repeated_prompt_reports_its_cached_blocks_in_usage(

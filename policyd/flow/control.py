@@ -28,27 +28,32 @@ there (``sent`` / ``finished``; reset by each new snapshot). So one freed
 slot lets one request through, and a burst is never released on a stale
 reading.
 
-Pacing by KV cache: a pod's ``kv_cache`` reading lags what it has been sent.
-A request's prompt takes its blocks when it is admitted, and its output then
-grows for seconds, so a pool filled to a threshold on the reading overshoots
-it and sits above it until those requests end, holding everything meanwhile.
-So, where the pod publishes its cache size (``kv_cache_blocks`` x
-``kv_block_size``), ``pod.kv_cache`` reads as the larger of the scrape and
-policyd's own estimate: the footprint, over the pod's cache, of the requests
-under flow control in flight there, each counted as its prompt plus half its
-``max_tokens`` (what it holds on average over its life). Both parts are scaled
-by what the pods reported for earlier requests (``footprint.py``): policyd's
-prompt count against the model's tokenizer, and the output a budget really
-brings (``flight.py`` keeps the count). The estimate paces only flows at
-or over their share: a request whose flow has fewer requests in flight than
-its weight's share of its policy's reads each pod's cache as scraped, moved
-by what the estimate says changed since (requests sent there and ended there
-after the snapshot): fresher than the scrape, and lower than the estimate
-while requests early in their life hold less than the average it counts.
-And a request that another could go before (a higher band in flight, or
-another flow while its own is at or over its share) leaves room on each pod
-for one average request. So a flood, or a lower band, paced to the limit
-still leaves the small tenant's or the critical request room at once.
+Pacing by KV cache, where the pod publishes its cache size
+(``kv_cache_blocks`` x ``kv_block_size``): ``pod.kv_cache`` reads as the
+scrape plus the footprint of the requests sent there that the scrape cannot
+have seen yet (``unseen.py``: those of the last few snapshots), each counted
+as its prompt plus half its ``max_tokens`` (what it holds on average over its
+life). Both parts of a footprint are scaled by what the pods reported for
+earlier requests (``footprint.py``): policyd's prompt count against the
+model's tokenizer, and the output a budget really brings. Requests ending
+take nothing off: the scrape says what left (a response's end can reach
+policyd seconds after the pod finished it).
+
+A request's output grows for seconds after its prompt took its blocks, so a
+pool filled on the reading alone would overshoot once those requests grow.
+For flows at or over their share the reading is therefore at least policyd's
+own estimate: the footprints of the requests under flow control in flight on
+the pod (``flight.py``), scaled down to the share of them the pod itself
+still counts (its running and waiting requests, and the unseen ones): the
+requests whose end policyd has not heard yet, though the pod finished them,
+hold nothing there. A request whose flow has fewer requests in flight than
+its weight's share of its policy's reads the scrape and the unseen requests
+only: fresher, and lower while requests early in their life hold less than
+the average the estimate counts. And a request that another could go before
+(a higher band in flight, or another flow while its own is at or over its
+share) leaves room on each pod for one average request. So a flood, or a
+lower band, paced to the limit still leaves the small tenant's or the
+critical request room at once.
 
 A bound on the flows: a flow whose queue is empty goes first in its band's
 turns when its request comes, and a flow with nothing in flight is under its
@@ -75,6 +80,7 @@ from typing import Any, Final, Protocol
 
 from policyd.flow.flight import Flight, weight_in
 from policyd.flow.queue import OVERFLOW_FLOW, BandLimits, FlowQueue, Held, Limits
+from policyd.flow.unseen import Unseen
 from policyd.policy.flow import CompiledFlow
 from policyd.policy.request import Request
 from policyd.policy.router import Admission
@@ -151,15 +157,19 @@ class Entry:
 
 class _Pending:
     """A pod with what policyd knows past its scrape laid over it: in its queue the
-    requests sent there since, less those that ended there (never below 0); in its
-    KV cache the estimate of ``tokens`` where larger, or, given the estimate when the
-    snapshot came (``since``), the scrape moved by the estimate's change since; and on
-    either, the ``reserve`` it keeps (see the module docstring)."""
+    requests sent there since the snapshot, less those that ended there (never below
+    0); in its KV cache the ``unseen`` tokens sent there, at least ``estimate`` where
+    given, and the ``reserve`` it keeps (see the module docstring)."""
 
     __slots__ = ("_pod", "kv_cache", "waiting_queue")
 
     def __init__(
-        self, pod: Any, change: int, tokens: int = 0, since: int | None = None, reserve: float = 0.0
+        self,
+        pod: Any,
+        change: int,
+        unseen: int = 0,
+        estimate: float | None = None,
+        reserve: float = 0.0,
     ) -> None:
         self._pod = pod
         self.waiting_queue = max(0, pod.waiting_queue + change)
@@ -168,10 +178,9 @@ class _Pending:
         if capacity <= 0:
             self.kv_cache = kv_cache
             return
-        if since is not None:
-            kv_cache = max(0.0, kv_cache + (tokens - since) / capacity)
-        else:
-            kv_cache = max(kv_cache, tokens / capacity)
+        kv_cache += unseen / capacity
+        if estimate is not None:
+            kv_cache = max(kv_cache, estimate / capacity)
         self.kv_cache = kv_cache + reserve / capacity
 
     def __getattr__(self, name: str) -> Any:
@@ -206,6 +215,7 @@ class FlowControl:
         self._sent: dict[str, int] = {}
         self._version: int | None = None
         self.flight = Flight()  # what is in flight under flow control, and where
+        self.unseen = Unseen()  # what was sent to each pod that its scrape may not show
         # the last Pass (its waiter, admission and flow), until sent
         self._passed: tuple[object, Admission, str] | None = None
         self._arriving: Held | None = None  # the request ``arrive`` is pumping for
@@ -284,7 +294,7 @@ class FlowControl:
             self._passed = None
             if pod:
                 try:
-                    self.flight.fly(key, pod, passed[1], passed[2])
+                    self.unseen.sent(pod, self.flight.fly(key, pod, passed[1], passed[2]))
                 except Exception:  # sent already: it goes uncounted rather than fail its caller
                     log.exception("flow control failed to count a request in flight")
 
@@ -365,7 +375,8 @@ class FlowControl:
                 if pod is not None:
                     self.sent(pod)
                     if admission is not None:
-                        self.flight.fly(entry.waiter, pod, admission, held.flow)
+                        tokens = self.flight.fly(entry.waiter, pod, admission, held.flow)
+                        self.unseen.sent(pod, tokens)
             except Exception:
                 log.exception("a held request failed at dispatch")
                 self._reply(entry, _answer(entry.flow, "flow_failed", _FAILED, status=500))
@@ -402,7 +413,7 @@ class FlowControl:
         if snapshot.version != self._version:
             self._version = snapshot.version
             self._sent.clear()  # the new scrape saw them
-            self.flight.snapshot_came()
+            self.unseen.snapshot_came(snapshot.version)
         return snapshot
 
     def _flow_key(self, admission: Admission, queue: FlowQueue | None) -> str:
@@ -426,17 +437,16 @@ class FlowControl:
         candidates = snapshot.candidates
         sent = self._sent
         flight = self.flight
-        tokens = flight.tokens
-        if tokens:
+        unseen = self.unseen
+        if flight.tokens or unseen:
             under, reserving = flight.standing(admission, flow)
-            since = flight.scraped if under else None
             reserve = flight.reserve if reserving else 0.0
             seen = [
                 _Pending(
                     pod,
                     sent.get(pod.name, 0),
-                    tokens.get(pod.name, 0),
-                    None if since is None else since.get(pod.name, 0),
+                    unseen.tokens.get(pod.name, 0),
+                    None if under else self._estimate(pod),
                     reserve,
                 )
                 for pod in candidates
@@ -449,6 +459,16 @@ class FlowControl:
             return admission.room(seen)
         room = admission.room(candidates)
         return candidates if len(room) == len(candidates) else room
+
+    def _estimate(self, pod: Any) -> float:
+        """The tokens the requests under flow control in flight on ``pod`` hold, scaled
+        down to the share of them the pod counts (see the module docstring)."""
+        name = pod.name
+        tokens = self.flight.tokens.get(name, 0)
+        if not tokens:
+            return 0.0
+        there: int = pod.running + pod.waiting_queue + self.unseen.count.get(name, 0)
+        return tokens * min(1.0, there / self.flight.counts[name])
 
     # -- bookkeeping ------------------------------------------------------------------
 

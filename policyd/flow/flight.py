@@ -6,8 +6,8 @@ pool's last snapshot. It also tells where a request stands:
 
 - **Under its share**: its flow has fewer requests in flight than its
   weight's share of its policy's, over the flows in flight and its own. Such
-  a request reads a pod's cache as scraped, moved by the estimate's change
-  since, not as the larger of the two.
+  a request reads a pod's cache as scraped plus what the scrape has not seen
+  yet (``unseen.py``), not as the larger of that and the estimate.
 - **Keeping a reserve**: a request leaves room on each pod for one average
   request (the decayed mean of the estimates) when one could go before it: a
   request of a higher band of its policy is in flight, or it is at or over
@@ -57,7 +57,7 @@ class Flight:
     def __init__(self) -> None:
         self.footprint = Footprint()
         self.tokens: dict[str, int] = {}  # per pod
-        self.scraped: dict[str, int] = {}  # ``tokens`` when the snapshot came
+        self.counts: dict[str, int] = {}  # per pod: the requests in flight there
         self._mean = DecayedMean(0.0)  # tokens per request dispatched
         self._flying: dict[object, _Flying] = {}
         self._flows: dict[tuple[str, str], list[float]] = {}  # [count, weight]
@@ -74,10 +74,6 @@ class Flight:
         """The room a request keeps for one that could go before it: the mean estimate."""
         return self._mean.value
 
-    def snapshot_came(self) -> None:
-        """A new snapshot: what changed since is counted from now."""
-        self.scraped = dict(self.tokens)
-
     def flows(self, policy: str) -> int:
         """How many flows of ``policy`` have requests in flight."""
         found = self._policies.get(policy)
@@ -87,9 +83,9 @@ class Flight:
         """Whether ``flow`` of ``policy`` has requests in flight."""
         return (policy, flow) in self._flows
 
-    def fly(self, key: object, pod: str, admission: Admission, flow_key: str) -> None:
+    def fly(self, key: object, pod: str, admission: Admission, flow_key: str) -> int:
         """The request of ``key`` (under ``admission``, in the flow ``flow_key``) went
-        to ``pod``."""
+        to ``pod``; the tokens it is estimated to hold there."""
         request = admission.request
         tokens = self.footprint.tokens(request.prompt_tokens, request.max_tokens)
         self._mean.add(tokens)
@@ -98,6 +94,7 @@ class Flight:
         rank = admission.band.rank
         self._flying[key] = _Flying(pod, flow, rank, tokens, request)
         self.tokens[pod] = self.tokens.get(pod, 0) + tokens
+        self.counts[pod] = self.counts.get(pod, 0) + 1
         policy = self._policies.get(admission.policy)
         if policy is None:
             policy = self._policies[admission.policy] = _Policy()
@@ -111,6 +108,7 @@ class Flight:
             counted[0] += 1
         policy.count += 1
         policy.ranks[rank] = policy.ranks.get(rank, 0) + 1
+        return tokens
 
     def land(self, key: object) -> Request | None:
         """The request of ``key`` is no longer in flight; it (None: it was not)."""
@@ -118,11 +116,11 @@ class Flight:
         if flying is None:
             return None
         pod, flow = flying.pod, flying.flow
-        left = self.tokens[pod] - flying.tokens
-        if left:
-            self.tokens[pod] = left
+        if self.counts[pod] > 1:
+            self.tokens[pod] -= flying.tokens
+            self.counts[pod] -= 1
         else:
-            del self.tokens[pod]
+            del self.tokens[pod], self.counts[pod]
         counted = self._flows[flow]
         policy = self._policies[flow[0]]
         counted[0] -= 1

@@ -17,7 +17,7 @@ import pytest
 
 from policyd.extproc.holding import Holding
 from policyd.flow import Held, Pass
-from tests.flow.rig import Rig, Snapshot, kv_rig
+from tests.flow.rig import Rig, Snapshot, kv_rig, settle
 
 HUGE = [pytest.param(10**400, id="10e400"), pytest.param(int(1e300), id="1e300")]
 
@@ -32,12 +32,15 @@ def test_a_huge_budget_held_then_dispatched_stops_no_other_request(tmp_path: Pat
     behind = [rig.arrive(f"h{i}", (200, 200))[0] for i in range(2)]
     for client in passed:
         rig.end(client)  # raised OverflowError at the first, with 10**400
+    settle(rig, 0.0, running=(0, 0))  # the scrape shows the pods empty
+    rig.control.pump()
     assert huge.sent_to is not None
     # Its pod reads full while it runs: the two behind it went to the other pod.
     assert [c.sent_to for c in behind] == [
         p.name for p in rig.snapshot.candidates if p.name != huge.sent_to
     ] * 2
     rig.end(huge, (200, 100))
+    settle(rig, tuple(0.0 if p.name == huge.sent_to else 0.6 for p in rig.snapshot.candidates))
     after = [rig.arrive(f"a{i}", (200, 200)) for i in range(2)]
     assert [c.sent_to for c, _ in after] == [huge.sent_to] * 2
     assert all(isinstance(v, Pass) for _, v in after)
@@ -84,13 +87,17 @@ def test_a_huge_budget_does_not_poison_the_estimate_for_the_requests_after_it(
         for i in range(40):  # the estimate learns: the pods count what policyd does
             client, _ = rig.arrive(f"w{i}", (200, 200))
             rig.end(client, (200, 200))
+            settle(rig, 0.0, running=(0, 0))
         fill = [rig.arrive(f"r{i}", (200, 200))[0] for i in range(4)]
         attack, verdict = rig.arrive("attack", (200, attack_budget))
         assert isinstance(verdict, Held)
         for client in fill:
             rig.end(client)
+        settle(rig, 0.0, running=(0, 0))  # the scrape shows the pods empty
+        rig.control.pump()
         assert attack.sent_to is not None
         rig.end(attack, (200, 100))
+        settle(rig, 0.0, running=(0, 0))
         # A critical request in flight: standard ones keep room for one average request.
         critical = {"x-gateway-inference-criticality": "critical"}
         verdicts = [rig.arrive("c0", (200, 200), **critical)[1]]

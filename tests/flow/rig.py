@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from policyd.flow import FlowAnswer, FlowControl, Held, Pass, unwrap
+from policyd.flow.unseen import ROUNDS
 from policyd.policy import PolicyStore, Request, Router
 from policyd.pool.pod import Pod
 from tests.policy.helpers import pod, write
@@ -102,12 +103,34 @@ def kv_rig(tmp_path: Path) -> Rig:
     return rig
 
 
-def rescrape(rig: Rig, kv_cache: float) -> None:
-    """A new snapshot: both pods read ``kv_cache``, and keep the requests they serve."""
-    loads = [p.load.count for p in rig.snapshot.candidates]
+def rescrape(
+    rig: Rig, kv_cache: float | Sequence[float], running: Sequence[int] | None = None
+) -> None:
+    """A new snapshot: the pods read ``kv_cache`` (one for both, or one each) and run
+    ``running`` requests (default: those policyd counts in flight there), and keep the
+    requests they serve."""
+    old = rig.snapshot.candidates
+    readings = [kv_cache] * len(old) if isinstance(kv_cache, float) else list(kv_cache)
+    counts = [p.load.count for p in old] if running is None else list(running)
     pods = tuple(
-        pod(f"p{i}", kv_cache=kv_cache, kv_cache_blocks=100, kv_block_size=10) for i in range(2)
+        pod(
+            f"p{i}",
+            kv_cache=reading,
+            running=count,
+            kv_cache_blocks=100,
+            kv_block_size=10,
+        )
+        for i, (reading, count) in enumerate(zip(readings, counts, strict=True))
     )
-    for p, load in zip(pods, loads, strict=True):
-        p.load.count = load
+    for p, before in zip(pods, old, strict=True):
+        p.load.count = before.load.count
     rig.snapshot = Snapshot(pods, version=rig.snapshot.version + 1)
+
+
+def settle(
+    rig: Rig, kv_cache: float | Sequence[float], running: Sequence[int] | None = None
+) -> None:
+    """Snapshots enough that every request sent so far shows in the scrape
+    (``policyd.flow.unseen.ROUNDS``), each reading as ``rescrape`` says."""
+    for _ in range(ROUNDS):
+        rescrape(rig, kv_cache, running)

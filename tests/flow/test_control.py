@@ -9,7 +9,7 @@ from typing import Any
 from policyd.flow import FlowAnswer, Held, Pass
 from policyd.policy import Request, Router
 from policyd.policy.router import Admission
-from tests.flow.rig import POLICY, Client, Rig, Snapshot, kv_rig, rescrape
+from tests.flow.rig import POLICY, Client, Rig, Snapshot, kv_rig, rescrape, settle
 from tests.policy.helpers import pod
 
 
@@ -131,23 +131,44 @@ def test_a_request_the_queue_would_dispatch_as_it_arrives_passes(tmp_path: Path)
 
 def test_the_kv_estimate_paces_what_the_scrape_has_not_seen(tmp_path: Path) -> None:
     """Each request counts its prompt plus half its max_tokens (300 of 1000 tokens)
-    on its pod: two fit under 0.5 per pod, though the scrape still reads 0."""
+    on its pod: two fit under 0.5 per pod, though the scrape still reads 0; once the
+    scrape shows one of them gone, the held request goes there."""
     rig = kv_rig(tmp_path)
     first = [rig.arrive(f"r{i}", (200, 200)) for i in range(5)]
     assert [type(v).__name__ for _, v in first] == ["Pass"] * 4 + ["Held"]
     assert sorted(c.sent_to or "" for c, _ in first[:4]) == ["p0", "p0", "p1", "p1"]
-    rig.end(first[0][0])  # its tokens leave the estimate: the held request fits
+    rig.end(first[0][0])
+    settle(rig, (0.3, 0.6) if first[0][0].sent_to == "p0" else (0.6, 0.3))
+    rig.control.pump()
     assert first[4][0].sent_to == first[0][0].sent_to
 
 
-def test_a_flow_under_its_share_reads_the_scrape_and_what_changed_since(tmp_path: Path) -> None:
+def test_a_scrape_taken_before_the_sends_reached_the_pods_releases_nothing(
+    tmp_path: Path,
+) -> None:
+    """The flood fills both pods (0.6 each by the estimate); a scrape comes that the
+    sends had not reached yet (empty pods). The small tenant, under its share, reads
+    the scrape plus what it has not seen: still full, so it is held rather than sent
+    to a pod that is about to be full."""
+    rig = kv_rig(tmp_path)
+    flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"})[1] for i in range(4)]
+    assert all(isinstance(v, Pass) for v in flood)
+    rescrape(rig, 0.0, running=(0, 0))
+    assert isinstance(rig.arrive("s", (200, 200), **{"x-tenant": "small"})[1], Held)
+
+
+def test_a_flow_under_its_share_reads_the_scrape_and_what_it_has_not_seen(
+    tmp_path: Path,
+) -> None:
     """The flood is paced by the estimate (0.6 a pod); requests early in their life hold
     less than that (the scrape reads 0.3), and the small tenant, with nothing in flight,
     reads the scrape: it passes while the flood is held."""
     rig = kv_rig(tmp_path)
     flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"}) for i in range(6)]
     assert [type(v).__name__ for _, v in flood] == ["Pass"] * 4 + ["Held"] * 2
-    rescrape(rig, 0.3)
+    settle(rig, 0.3)
+    rig.control.pump()
+    assert rig.control.held == 2
     small, verdict = rig.arrive("s", (200, 200), **{"x-tenant": "small"})
     assert isinstance(verdict, Pass) and small.sent_to is not None
     # What it sends counts on its pod as the scrape has not seen it: the next small
@@ -157,18 +178,37 @@ def test_a_flow_under_its_share_reads_the_scrape_and_what_changed_since(tmp_path
     assert isinstance(rig.arrive("s3", (200, 200), **{"x-tenant": "small"})[1], Held)
 
 
-def test_a_request_ending_frees_room_for_a_flow_under_its_share_at_once(tmp_path: Path) -> None:
-    """The scrape reads both pods at 0.6; a flood request ends on p0. The flood still
-    reads p0 at the scrape's 0.6 (the larger reading); the small tenant reads the scrape
-    less what ended since (0.3) and goes there."""
+def test_an_end_frees_room_once_the_scrape_shows_it(tmp_path: Path) -> None:
+    """The scrape reads both pods at 0.6; a flood request's end reaches policyd. The
+    pod may have finished it long before (the scrape already counts it gone), so the
+    end itself frees nothing: the small tenant is held until a scrape shows p0 at
+    0.3, then goes there."""
     rig = kv_rig(tmp_path)
     flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"})[0] for i in range(4)]
-    rescrape(rig, 0.6)
+    settle(rig, 0.6)
     assert isinstance(rig.arrive("f4", (200, 200), **{"x-tenant": "flood"})[1], Held)
     rig.end(next(c for c in flood if c.sent_to == "p0"))
-    assert rig.control.held == 1  # the flood's held request still reads p0 at 0.6
     small, verdict = rig.arrive("s", (200, 200), **{"x-tenant": "small"})
-    assert isinstance(verdict, Pass) and small.sent_to == "p0"
+    assert isinstance(verdict, Held)
+    rescrape(rig, (0.3, 0.6))
+    rig.control.pump()
+    assert small.sent_to == "p0"
+
+
+def test_the_estimate_counts_only_what_the_pod_still_runs(tmp_path: Path) -> None:
+    """The flood fills both pods by the estimate; then the pods finish every request
+    while their ends have not reached policyd yet (a busy proxy relays them late). The
+    scrape reads the pods empty, running nothing: the estimate counts none of the
+    requests the pods no longer hold, and the held flood request goes."""
+    rig = kv_rig(tmp_path)
+    flood = [rig.arrive(f"f{i}", (200, 200), **{"x-tenant": "flood"}) for i in range(5)]
+    assert [type(v).__name__ for _, v in flood] == ["Pass"] * 4 + ["Held"]
+    settle(rig, 0.6)
+    rig.control.pump()
+    assert flood[4][0].sent_to is None
+    settle(rig, 0.0, running=(0, 0))
+    rig.control.pump()
+    assert flood[4][0].sent_to is not None
 
 
 def test_the_estimate_learns_what_the_pods_report(tmp_path: Path) -> None:
@@ -179,6 +219,7 @@ def test_the_estimate_learns_what_the_pods_report(tmp_path: Path) -> None:
         client, verdict = rig.arrive(f"w{i}", (200, 200))
         assert isinstance(verdict, Pass)
         rig.end(client, (100, 100))
+        settle(rig, 0.0, running=(0, 0))
     verdicts = [rig.arrive(f"r{i}", (200, 200))[1] for i in range(9)]
     assert [type(v).__name__ for v in verdicts] == ["Pass"] * 8 + ["Held"]
 

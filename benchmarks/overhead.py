@@ -3,6 +3,7 @@
     python benchmarks/overhead.py [--requests 1200] [--seconds 6] [--concurrency 16,64,128]
                                   [--pods 100] [--naive] [--pick-first] [--tracing]
                                   [--sample-ratio R] [--scrape-in-process] [--profile FILE]
+                                  [--versus TREE] [--sample FILE]
 
 Set-ups on loopback, measured in the same run:
 
@@ -38,7 +39,14 @@ Set-ups on loopback, measured in the same run:
       ``OTEL_TRACES_SAMPLER_ARG=R``), as docs/observability.md recommends for
       production; the others still get their ``traceparent``. The goal
       (issue 24) is (d') >= 0.85 x (c) in throughput; (d) at 100% is
-      recorded.
+      recorded,
+  (v) with ``--versus TREE``: (c) as another checkout of policyd runs it
+      (``TREE/.venv``, from its own ``make install``; ``TREE``'s
+      ``run_policyd`` in ``TREE``'s Python, behind an Envoy from ``TREE``'s
+      own bootstrap), for a same-run A/B of two commits: each round
+      measures (c) and (v) back to back, in alternating order, and the
+      report gives their ratio of CPU per request (serving process plus
+      scraper) round by round, the median and the range.
 
 For each: latency p50/p99 at concurrency 1, then throughput at each of the
 ``--concurrency`` levels, in rounds that visit the set-ups in turn. A set-up's
@@ -66,6 +74,11 @@ so its scraping is background load for every set-up and, with
 serving process's; the scraper child's CPU is printed after the table.
 ``--profile FILE`` writes a cProfile of policyd's serving thread (pstats
 format), and of (d)'s to ``FILE.d``; the span exporter's thread is not in it.
+``--sample FILE`` samples (c)'s processes (the serving process and its
+scraper) with py-spy all through the run instead (``FILE``, collapsed
+stacks; (v)'s to ``FILE.v``) and prints where the samples that were not
+waiting fell: gRPC's C, policyd's Python, asyncio's, the scraper. A sampled
+run's CPU figures include py-spy's pauses: measure without it.
 """
 
 from __future__ import annotations
@@ -80,10 +93,13 @@ import multiprocessing
 import os
 import random
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -561,6 +577,7 @@ class SetUp:
             process_cpu_seconds(envoy_pid),
             time.process_time(),
         )
+        completed_before = load.completed
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         load.busy_seconds += time.perf_counter() - started
@@ -568,11 +585,14 @@ class SetUp:
         load.envoy_cpu_seconds += process_cpu_seconds(envoy_pid) - envoy
         load.client_cpu_seconds += time.process_time() - client
         if pid:
-            load.extproc_cpu_seconds += process_cpu_seconds(pid) - cpu
+            serving = process_cpu_seconds(pid) - cpu
             after = children_cpu_seconds(pid)
-            load.children_cpu_seconds += sum(
+            scraping = sum(
                 after[child] - children[child] for child in after.keys() & children.keys()
             )
+            load.extproc_cpu_seconds += serving
+            load.children_cpu_seconds += scraping
+            load.phases.append(Phase(load.completed - completed_before, serving + scraping))
 
     def rate(self, concurrency: int) -> float:
         """Requests per second at ``concurrency``."""
@@ -609,6 +629,7 @@ class Load:
     machine_busy_seconds: float = 0.0  # CPU seconds the whole machine used
     envoy_cpu_seconds: float = 0.0  # Envoy's
     client_cpu_seconds: float = 0.0  # this process's (the load generator)
+    phases: list[Phase] = dataclasses.field(default_factory=list)  # one per round
 
     @property
     def requests_per_second(self) -> float:
@@ -619,6 +640,18 @@ class Load:
         return self.children_cpu_seconds / self.completed * 1e6 if self.completed else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One round's throughput phase of a set-up with an ext_proc process."""
+
+    completed: int
+    cpu_seconds: float  # the ext_proc process's and its children's (policyd's scraper)
+
+    @property
+    def us_per_request(self) -> float:
+        return self.cpu_seconds / self.completed * 1e6 if self.completed else float("nan")
+
+
 def start_envoy(
     name: str,
     directory: Path,
@@ -627,11 +660,13 @@ def start_envoy(
     extproc_pid: int | None = None,
     *,
     runtime: dict[str, bool] | None = None,
+    tree: Path | None = None,
 ) -> SetUp:
-    """``runtime`` overrides runtime flags of the generated bootstrap's static layer."""
+    """``runtime`` overrides runtime flags of the generated bootstrap's static layer;
+    with ``tree``, the bootstrap is that checkout's own (``--versus``)."""
     listen, admin = free_port(), free_port()
     options = EnvoyConfigOptions(port=listen, admin_port=admin, policyd_port=extproc_port or 1)
-    config = bootstrap(options)
+    config = bootstrap(options) if tree is None else tree_bootstrap(tree, options)
     if runtime:
         config["layered_runtime"]["layers"][0]["static_layer"].update(runtime)
     headers = {"content-type": "application/json"}
@@ -651,8 +686,46 @@ def start_envoy(
     return SetUp(name, url, headers, envoy, extproc_pid=extproc_pid)
 
 
+def tree_python(tree: Path) -> str:
+    return str(tree / ".venv" / "bin" / "python")
+
+
+def tree_bootstrap(tree: Path, options: EnvoyConfigOptions) -> dict[str, Any]:
+    """The bootstrap another checkout of policyd writes for ``options``' ports."""
+    code = (
+        "import json; from policyd.extproc.envoy_config import EnvoyConfigOptions, bootstrap; "
+        f"print(json.dumps(bootstrap(EnvoyConfigOptions(port={options.port}, "
+        f"admin_port={options.admin_port}, policyd_port={options.policyd_port}))))"
+    )
+    written = subprocess.run(
+        [tree_python(tree), "-c", code], cwd=tree, capture_output=True, check=True, text=True
+    )
+    config: dict[str, Any] = json.loads(written.stdout)
+    return config
+
+
+class TreeProcess:
+    """(v)'s policyd: ``run_policyd`` of another checkout, in that checkout's Python."""
+
+    def __init__(self, tree: Path, port: int, pods_file: str, scrape_in_process: bool) -> None:
+        code = (
+            "import sys; sys.path.insert(0, 'benchmarks'); from overhead import run_policyd; "
+            f"run_policyd({port}, {pods_file!r}, '', {scrape_in_process})"
+        )
+        self.process = subprocess.Popen([tree_python(tree), "-c", code], cwd=tree)
+        self.pid: int | None = self.process.pid
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def join(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+
+
 async def measure(set_ups: list[SetUp], arguments: argparse.Namespace) -> None:
-    """Rounds that visit every set-up in turn, so drift on a shared machine hits all alike."""
+    """Rounds that visit every set-up in turn, so drift on a shared machine hits all alike
+    (in the reverse order every other round, so no set-up always follows the same one)."""
     for set_up in set_ups:
         await set_up.envoy.wait_ready()
         connector = aiohttp.TCPConnector(limit=max(arguments.concurrency))
@@ -660,12 +733,12 @@ async def measure(set_ups: list[SetUp], arguments: argparse.Namespace) -> None:
         for _ in range(50):  # warm up connections and code paths
             await set_up.one_ok()
     rounds = arguments.rounds
-    for _ in range(rounds):
-        for set_up in set_ups:
+    for number in range(rounds):
+        for set_up in set_ups if number % 2 == 0 else reversed(set_ups):
             await set_up.sequential(arguments.requests // rounds)
-    for _ in range(rounds):
+    for number in range(rounds):
         for concurrency in arguments.concurrency:
-            for set_up in set_ups:
+            for set_up in set_ups if number % 2 == 0 else reversed(set_ups):
                 await set_up.saturate(arguments.seconds / rounds, concurrency)
 
 
@@ -674,7 +747,7 @@ class Processes:
     """The helper processes by set-up key ("pods", "b", "c", "c'", "d", "collector"),
     and the ports."""
 
-    running: dict[str, multiprocessing.process.BaseProcess]
+    running: dict[str, multiprocessing.process.BaseProcess | TreeProcess]
     ports: dict[str, int]
     pods: list[str]  # addresses
     spans: Any  # the collector stand-in's count of spans received (a shared value)
@@ -745,8 +818,14 @@ def start_processes(arguments: argparse.Namespace, directory: Path) -> Processes
             process = context.Process(target=target, args=(port, *target_arguments), daemon=True)
             process.start()
             started.running[key] = process
-        for key in targets:
-            wait_for_port(started.ports[key])
+        if arguments.versus:
+            port = started.ports["v"] = free_port()
+            started.running["v"] = TreeProcess(
+                arguments.versus, port, str(pods_file), arguments.scrape_in_process
+            )
+        for key in started.ports:
+            if key != "collector":
+                wait_for_port(started.ports[key])
     except BaseException:
         started.stop()
         raise
@@ -758,11 +837,17 @@ async def main(arguments: argparse.Namespace) -> None:
         directory = Path(temporary)
         processes = start_processes(arguments, directory)
         set_ups: list[SetUp] = []
+        samplers: dict[str, subprocess.Popen[bytes]] = {}
         try:
-            for key in ("c", "d", "d'"):
+            for key in ("c", "d", "d'", "v"):
                 if key in processes.running:
                     await policyd_ready(processes.ports[key], len(processes.pods))
             idle_core, idle_children = await cpu_share(processes.pid("c"), seconds=3.0)
+            samplers |= {
+                key: start_sampler(processes.pid(key), arguments.sample + suffix)
+                for key, suffix in (("c", ""), ("v", ".v"))
+                if arguments.sample and key in processes.running
+            }
             first = processes.pods[0]
             set_ups.append(start_envoy("(a) envoy -> pod", directory, None, first))
             for key, name in (
@@ -772,16 +857,26 @@ async def main(arguments: argparse.Namespace) -> None:
                 ("c'", "(c') + policyd pick-first"),
                 ("d", "(d) + policyd with tracing"),
                 ("d'", f"(d') + tracing {arguments.sample_ratio}"),
+                ("v", f"(v) + policyd at {arguments.versus}"),
             ):
                 if key in processes.running:
+                    tree = arguments.versus if key == "v" else None
                     set_ups.append(
                         start_envoy(
-                            name, directory, processes.ports[key], first, processes.pid(key)
+                            name,
+                            directory,
+                            processes.ports[key],
+                            first,
+                            processes.pid(key),
+                            tree=tree,
                         )
                     )
             collector = processes.running.get("collector")
             collector_cpu = process_cpu_seconds(collector.pid) if collector else 0.0
             await measure(set_ups, arguments)
+            for sampler in samplers.values():
+                sampler.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+                sampler.wait(60)
             if "d" in processes.running:
                 await asyncio.sleep(6)  # the batch processor exports every 5 s
             spans = processes.spans.value
@@ -790,6 +885,11 @@ async def main(arguments: argparse.Namespace) -> None:
         finally:
             await stop_all(set_ups, processes)
     report(set_ups)
+    if arguments.versus:
+        report_versus(set_ups, arguments.concurrency)
+    for key, suffix in (("c", ""), ("v", ".v")):
+        if key in samplers:
+            print_profile(f"({key})", Path(arguments.sample + suffix))
     where = "on its serving loop" if arguments.scrape_in_process else "in its scraper child"
     print(
         f"policyd with no requests (scraping {arguments.pods} pods every 100 ms {where}): "
@@ -918,6 +1018,88 @@ def report(set_ups: list[SetUp]) -> None:
         print("goal: tracing at the recommended sampling, (d') max req/s >= 0.85 x (c)'s")
 
 
+def report_versus(set_ups: list[SetUp], levels: Sequence[int]) -> None:
+    """(c) against (v), round by round: CPU per request, serving process plus scraper."""
+    this = next(set_up for set_up in set_ups if set_up.name.startswith("(c)"))
+    other = next(set_up for set_up in set_ups if set_up.name.startswith("(v)"))
+    for level in levels:
+        ours, theirs = this.loads[level].phases, other.loads[level].phases
+        ratios = [a.us_per_request / b.us_per_request for a, b in zip(ours, theirs, strict=True)]
+        rates = [a.completed / b.completed for a, b in zip(ours, theirs, strict=True)]
+        cpu_ours = statistics.median(phase.us_per_request for phase in ours)
+        cpu_theirs = statistics.median(phase.us_per_request for phase in theirs)
+        print(
+            f"CPU per request, serving process + scraper, at concurrency {level}, "
+            f"{len(ratios)} rounds: (c) median {cpu_ours:.0f} us, "
+            f"(v) {cpu_theirs:.0f} us; (c)/(v) median "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}); "
+            f"requests (c)/(v) median {statistics.median(rates):.3f}"
+        )
+
+
+def start_sampler(pid: int, output: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` and its child processes until it is sent SIGINT."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    command = [str(py_spy), "record", "--pid", str(pid), "--subprocesses", "--nolineno"]
+    command += ["--format", "raw", "--rate", "100", "--output", output]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# Frames py-spy counts as running though they wait (a pipe's recv, epoll, idle pool
+# threads): left out of the shares.
+WAITING = (
+    "_Channel._recv (policyd/pool/scrape_child.py)",
+    "EpollSelector.select (selectors.py)",
+    "_worker (concurrent/futures/thread.py)",
+    "ThreadedChildWatcher._do_waitpid (asyncio/unix_events.py)",
+)
+
+
+def where(stack: str, frames: list[str]) -> str:
+    """The part of policyd a sample's stack is in."""
+    leaf = frames[-1]
+    if "-m policyd.pool.scrape_child" in stack:  # the child process's command line
+        return "scraper child"
+    if any(frame.startswith("Thread.run ") for frame in frames):
+        return "gRPC's poller thread (in C)"
+    if leaf.startswith("Handle._run "):
+        return "event-loop callbacks in C (gRPC's Cython, asyncio)"
+    if leaf.startswith("ExternalProcessor.Process "):
+        return "the Process stream's frame (gRPC reads and writes, decoding, in C)"
+    if "(policyd/" in leaf:
+        return "policyd's Python"
+    return "asyncio's Python" if "asyncio/" in leaf else "other Python"
+
+
+def print_profile(name: str, path: Path, top: int = 15) -> None:
+    """Shares of the samples in py-spy's collapsed stacks that were not waiting: by
+    part (``where``), then the frames most often on top of the stack."""
+    parts: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        count = int(count_text)
+        # Each process ('process PID:"command line"', a child's after its parent's),
+        # then the thread, then the frames ("function (file)").
+        frames = [
+            frame
+            for frame in stack.split(";")
+            if frame.endswith(")") and not frame.startswith(("process ", "thread "))
+        ]
+        if not frames or frames[-1] in WAITING:
+            continue
+        samples += count
+        parts[where(stack, frames)] += count
+        own[frames[-1]] += count
+    print(f"{name} py-spy samples not waiting: {samples}, by part:")
+    for part, count in parts.most_common():
+        print(f"  {count / samples:6.1%}  {part}")
+    print(f"{name} frames on top of the stack:")
+    for frame, count in own.most_common(top):
+        print(f"  {count / samples:6.1%}  {frame}")
+
+
 def concurrency_levels(text: str) -> list[int]:
     levels = sorted({int(part) for part in text.split(",")})
     if not levels or levels[0] < 1:
@@ -960,4 +1142,15 @@ if __name__ == "__main__":
         help="(c) scrapes on its serving loop, not in a scraper child (the old default)",
     )
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of policyd's process")
+    parser.add_argument(
+        "--versus",
+        type=Path,
+        metavar="TREE",
+        help="also measure (v): policyd as the checkout TREE (with its .venv) runs it",
+    )
+    parser.add_argument(
+        "--sample",
+        metavar="FILE",
+        help="sample (c)'s (and (v)'s) processes with py-spy into FILE (and FILE.v)",
+    )
     asyncio.run(main(parser.parse_args()))

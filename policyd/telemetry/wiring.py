@@ -49,12 +49,16 @@ def build_telemetry(
     registry: CollectorRegistry | None = None,
     decision_log: str = "",
     decision_log_sample_rate: float = 1.0,
+    span_usage: bool = True,
+    worker: int = 0,
 ) -> DecisionTelemetry:
     """policyd's telemetry: spans (see the module docstring), metrics, decision log.
 
     ``tracing`` None means "as configured"; ``otlp_endpoint`` (``host:port``
     or a URL) overrides the environment's endpoint. ``decision_log`` is
-    ``-`` (standard output), a file path, or empty for none. Raises
+    ``-`` (standard output), a file path, or empty for none. ``span_usage``:
+    see ``DecisionTelemetry``; ``worker``: the process's index among
+    ``--workers`` (``policyd_build_info``). Raises
     ``ValueError`` for a setting that cannot work (an unknown exporter or
     protocol, a sample rate outside [0, 1], a log file that cannot be opened).
     """
@@ -70,8 +74,9 @@ def build_telemetry(
     )
     return DecisionTelemetry(
         tracer=tracer,
-        metrics=DecisionMetrics(registry) if metrics else None,
+        metrics=DecisionMetrics(registry, worker=worker) if metrics else None,
         decision_log=log,
+        span_usage=span_usage,
     )
 
 

@@ -366,3 +366,56 @@ def test_remembered_walks_do_not_grow_memory_without_bound(tmp_path: Path) -> No
     finally:
         tracemalloc.stop()
     assert grown < 1.5 * 1024 * 1024, f"{grown / 1024:.0f} KiB more after 3000 decisions"
+
+
+# -- the model label, per-model gauges, the build and the process ----------------------------
+
+
+def routed_for(model: str) -> Decision:
+    return Decision(Outcome.ROUTED, "live", "1", model, endpoint="10.0.0.1:8000", pod="a")
+
+
+def test_request_chosen_model_names_are_capped_and_the_pools_models_pinned() -> None:
+    metrics = DecisionMetrics()
+    metrics.models.limit = 2
+    served_models = Pod("a", "10.0.0.1:8000", base_model="base", active_loras=("sql-lora",))
+    pool = FakePool(Snapshot((served_models,), (served_models,)))
+    metrics.registry.register(PoolCollector(pool, decisions=metrics))
+    value(metrics.registry, "policyd_pool_pods")  # a scrape pins what the pods serve
+    for model in ("junk-1", "junk-2", "junk-3", "junk-4", "base", "sql-lora", "x" * 200):
+        metrics.decision(routed_for(model), 0.001)
+    metrics.decision(routed_for("junk-1"), 0.001)  # admitted once: its own series for good
+    counted = {
+        labels["model_name"]: sample
+        for sample, labels in (
+            (s.value, s.labels)
+            for family in metrics.registry.collect()
+            for s in family.samples
+            if s.name == "policyd_decisions_total"
+        )
+    }
+    assert counted == {"junk-1": 2, "junk-2": 1, "other": 3, "base": 1, "sql-lora": 1}
+
+
+def test_running_waiting_and_saturation_per_model_for_autoscalers() -> None:
+    idle = Pod("a", "10.0.0.1:8000", base_model="m", running=1, waiting_queue=0, kv_cache=0.2)
+    full = Pod("b", "10.0.0.2:8000", base_model="m", running=7, waiting_queue=10, kv_cache=0.4)
+    stale = Pod("c", "10.0.0.3:8000", base_model="m", running=3, waiting_queue=0)
+    other = Pod("d", "10.0.0.4:8000", base_model="n", running=2, waiting_queue=1, kv_cache=0.8)
+    pool = FakePool(Snapshot((idle, full, stale, other), (idle, full, other)))
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(pool))
+    assert value(registry, "policyd_model_running_requests", model_name="m") == 11
+    assert value(registry, "policyd_model_waiting_requests", model_name="m") == 10
+    assert value(registry, "policyd_model_running_requests", model_name="n") == 2
+    # m: idle 0.25 (KV 0.2 of 0.8), full 2.0 (10 waiting of 5), stale 1: mean 3.25 / 3.
+    assert value(registry, "policyd_pool_saturation", model_name="m") == pytest.approx(3.25 / 3)
+    assert value(registry, "policyd_pool_saturation", model_name="n") == pytest.approx(1.0)
+
+
+def test_each_worker_reports_its_build_and_its_process() -> None:
+    registry = DecisionMetrics(worker=3).registry
+    (build,) = [s for f in registry.collect() for s in f.samples if s.name == "policyd_build_info"]
+    assert build.labels["worker"] == "3" and build.labels["version"] and build.value == 1
+    assert (value(registry, "process_resident_memory_bytes") or 0) > 0
+    assert (value(registry, "process_open_fds") or 0) > 0

@@ -52,6 +52,7 @@ SCRAPE_METRICS = frozenset({"up"})  # made by Prometheus for each target
 TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^}]*\}|[a-zA-Z_:][a-zA-Z0-9_:]*|\S')
 MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*,?')
 LISTS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
+AGGREGATIONS = frozenset({"sum", "max", "min", "avg", "count", "topk", "bottomk", "quantile"})
 KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan", *LISTS})
 
 
@@ -62,6 +63,7 @@ class Selector:
     expression: str
     name: str
     matchers: list[tuple[str, str, str]] = field(default_factory=list)  # (label, op, value)
+    within: tuple[str, ...] = ()  # the functions and aggregations around it, outermost first
 
 
 @dataclass
@@ -82,6 +84,8 @@ def parse(expression: str) -> Query:
     tokens = TOKEN.findall(expression)
     selectors: list[Selector] = []
     grouping: set[str] = set()
+    around: list[str] = []  # per open parenthesis: the function it calls, or ""
+    called = ""
     i = 0
     while i < len(tokens):
         token = tokens[i]
@@ -91,11 +95,17 @@ def parse(expression: str) -> Query:
             grouping.update(t for t in tokens[i + 2 : close] if t != ",")
             i = close + 1
             continue
-        if re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", token) and token not in KEYWORDS:
+        if token == "(":
+            around.append(called)
+            called = ""
+        elif token == ")":
+            around.pop()
+        elif re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", token) and token not in KEYWORDS:
             if following == "(" or following in LISTS:  # a function or an aggregation
+                called = token
                 i += 1
                 continue
-            selector = Selector(expression, token)
+            selector = Selector(expression, token, within=tuple(n for n in around if n))
             if following.startswith("{"):
                 selector.matchers = matchers_of(following, expression)
                 i += 1
@@ -252,6 +262,24 @@ def test_the_check_catches_a_wrong_name_label_value_or_grouping(tmp_path: Path) 
         assert problems_of(parse(expression), exposition), expression
     with pytest.raises(AssertionError, match="do not parse"):
         parse('policyd_pool_pods{job=~"x" oops}')
+
+
+def test_what_every_replica_sees_alike_is_not_summed_over_replicas() -> None:
+    """A gauge of the pool (its pods, their load, the per-model signals) is the same
+    on every replica and worker: a sum over them would double with two replicas."""
+    expressions = [*dashboard_queries(), *(rule["expr"] for rule in alert_rules())]
+    summed = []
+    for expression in expressions:
+        for selector in parse(expression).selectors:
+            name = selector.name
+            shared = name.startswith(("policyd_pool_", "policyd_model_", "policyd_pod_"))
+            if not shared or name.endswith("_total") or name == "policyd_pod_in_flight_requests":
+                continue
+            aggregations = [n for n in selector.within if n in AGGREGATIONS]
+            if aggregations and aggregations[-1] in ("sum", "count"):
+                summed.append(expression)
+    assert summed == []
+    assert parse("sum(max by (a) (policyd_pool_pods))").selectors[0].within == ("sum", "max")
 
 
 def test_no_policyd_label_collides_with_a_scrape_targets_labels(tmp_path: Path) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from policyd import __version__
 from policyd.policy.decision import Decision, NodeTrace, ShadowResult
@@ -119,10 +121,14 @@ class FlowMetrics:
     """Flow control's held requests and what became of them (``policyd.flow``'s observer).
 
     The flow key comes from requests (a tenant header, say), so only the first
-    ``MAX_FLOW_LABELS`` flow names seen get series of their own.
+    ``MAX_FLOW_LABELS`` flow names seen get series of their own. Held requests
+    are also counted per requested model (``policyd_model_held_requests``, an
+    autoscaler's signal: requests flow control holds do not show in any pod's
+    queue), by the raw name as they come and go, and labelled (``models``)
+    when Prometheus scrapes, so an increase and its decrease always meet.
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, models: BoundedLabels) -> None:
         self._held = Gauge(
             "policyd_flow_held_requests",
             "Requests flow control holds now, by band and flow.",
@@ -144,14 +150,53 @@ class FlowMetrics:
         )
         registry.register(TallyCollector([self._outcomes, self._wait]))
         self._label = BoundedLabels(MAX_FLOW_LABELS)
+        # Requested model -> requests held; an entry goes when its count is 0, so
+        # the dict is bounded by what flow control holds.
+        self._by_model: dict[str, int] = {}
+        registry.register(_HeldByModel(self._by_model, models))
 
-    def held(self, band: str, flow: str, change: int) -> None:
+    def held(self, band: str, flow: str, change: int, model: str) -> None:
         self._held.labels(band, self._label(flow)).inc(change)
+        by_model = self._by_model
+        count = by_model.get(model, 0) + change
+        if count:
+            by_model[model] = count
+        else:
+            del by_model[model]
 
     def outcome(self, band: str, flow: str, outcome: str, waited_s: float) -> None:
         self._outcomes.inc((band, self._label(flow), outcome))
         if outcome != "refused":  # a refused request was never held
             self._wait.observe((band, outcome), waited_s)
+
+
+class _HeldByModel(Collector):
+    """``policyd_model_held_requests``, labelled at collection (see ``FlowMetrics``).
+
+    Labelling admits a new name from the scrape's thread while the event loop
+    may admit one too: the cap then holds to within a name or two, never more.
+    """
+
+    def __init__(self, by_model: dict[str, int], models: BoundedLabels) -> None:
+        self._by_model = by_model
+        self._models = models
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        totals: dict[str, float] = {}
+        for model, count in dict(self._by_model).items():  # one copy: the loop writes it
+            label = self._models(model)
+            totals[label] = totals.get(label, 0) + count
+        family = GaugeMetricFamily(
+            "policyd_model_held_requests",
+            "Requests flow control holds now, by the model they ask for.",
+            labels=[MODEL],
+        )
+        for label, total in totals.items():
+            family.add_metric([label], total)
+        yield family
 
 
 class DecisionMetrics:
@@ -278,7 +323,7 @@ class DecisionMetrics:
         )
         build.labels(__version__, platform.python_version(), str(worker)).set(1)
         ProcessCollector(registry=r)  # this worker's process_* (CPU, memory, descriptors)
-        self.flow = FlowMetrics(r)
+        self.flow = FlowMetrics(r, self.models)
         # Tally increments per step of a reused walk, and per walk (its trace).
         self._step_counts: IdentityCache[NodeTrace, _StepCounts] = IdentityCache(_STEPS_KEPT)
         self._walk_counts: IdentityCache[tuple[NodeTrace, ...], _StepCounts] = IdentityCache(

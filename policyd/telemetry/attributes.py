@@ -4,9 +4,10 @@ The span describes one inference request as policyd saw it, from the routing
 decision to the end of the response. The attributes the GenAI semantic
 conventions define (operation, provider, requested model, streaming, the
 server the request went to, token usage) carry their names, as release
-v1.41.0 of the OpenTelemetry semantic conventions defines them (``SEMCONV``:
-the last release that holds the GenAI conventions; they are of
-"development" stability); everything about the routing policy lives under
+v1.41.0 of the OpenTelemetry semantic conventions defines them (the last
+release that holds the GenAI conventions; they are of "development"
+stability), and the spans' instrumentation scope names that release
+(``SCHEMA_URL``); everything about the routing policy lives under
 ``policyd.``. Durations are in seconds (doubles). Lists and texts are
 bounded (``MAX_LISTED_PODS``, ``MAX_TEXT``, ``MAX_WALK``) so a large pool or
 filter tree never runs into the SDK's attribute limits. The walk through the filter
@@ -24,7 +25,7 @@ from typing import Final
 from policyd.policy.decision import NodeTrace
 
 # -- OpenTelemetry semantic conventions ------------------------------------------------
-SEMCONV: Final = "1.41.0"  # the release whose GenAI attributes the span follows
+SCHEMA_URL: Final = "https://opentelemetry.io/schemas/1.41.0"  # the conventions followed
 GEN_AI_OPERATION: Final = "gen_ai.operation.name"
 GEN_AI_PROVIDER: Final = "gen_ai.provider.name"
 GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"

@@ -31,6 +31,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry
 
 from policyd import __version__
+from policyd.telemetry.attributes import SCHEMA_URL
 from policyd.telemetry.decision_log import DecisionLog
 from policyd.telemetry.metrics import DecisionMetrics
 from policyd.telemetry.record import DecisionTelemetry
@@ -110,7 +111,7 @@ def tracer_from_env(*, otlp_endpoint: str = "") -> DecisionTracer:
         exporters=exporters,
         resource=resource,
         sampler=sampler,
-        scope=InstrumentationScope(INSTRUMENTATION_NAME, __version__),
+        scope=InstrumentationScope(INSTRUMENTATION_NAME, __version__, SCHEMA_URL),
     )
 
 

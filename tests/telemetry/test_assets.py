@@ -147,7 +147,11 @@ def alert_rules() -> list[dict[str, Any]]:
 
 @dataclass
 class Feed:
-    """A KV-event feed's counters, of ``FeedStats``'s shape, for the collector."""
+    """A stand-in for a KV-event feed's counters (``FeedStats``'s shape).
+
+    Only so that every family has samples; the real feed is
+    ``test_prefix_metrics.py``'s.
+    """
 
     batches: int = 3
     gaps: int = 1

@@ -272,7 +272,7 @@ def routed_per_pod(text: str) -> dict[str, float]:
         if not line.startswith("policyd_decisions_total{") or 'outcome="routed"' not in line:
             continue
         labels, _, value = line.rpartition(" ")
-        pod = labels.partition('pod="')[2].partition('"')[0]
+        pod = labels.partition('model_server_endpoint="')[2].partition('"')[0]
         counts[pod] = counts.get(pod, 0.0) + float(value)
     return counts
 

@@ -41,7 +41,12 @@ from policyd.pool.options import (
 )
 from policyd.prefix.options import add_arguments as add_prefix_arguments
 from policyd.prefix.options import settings_from_arguments as prefix_from_arguments
-from policyd.telemetry import PoolCollector, build_telemetry, start_metrics_server
+from policyd.telemetry import (
+    PoolCollector,
+    PrefixCollector,
+    build_telemetry,
+    start_metrics_server,
+)
 
 log = logging.getLogger("policyd.extproc.serve")
 
@@ -165,6 +170,13 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="export decision spans over OTLP to this collector (default: as the "
         "OTEL_* environment variables say; none configured means no spans)",
+    )
+    telemetry.add_argument(
+        "--span-usage",
+        choices=("on", "off"),
+        default="on",
+        help="put the response's gen_ai.usage.* token counts on the decision span; off "
+        "when the model servers trace too and their spans carry them (default on)",
     )
     telemetry.add_argument(
         "--decision-log",
@@ -320,6 +332,8 @@ async def serve(arguments: argparse.Namespace, store: PolicyStore, worker: int =
     try:
         telemetry = build_telemetry(
             otlp_endpoint=arguments.otlp_endpoint,
+            span_usage=arguments.span_usage == "on",
+            worker=worker,
             decision_log=arguments.decision_log,
             decision_log_sample_rate=arguments.decision_log_sample_rate,
         )
@@ -339,6 +353,10 @@ async def serve(arguments: argparse.Namespace, store: PolicyStore, worker: int =
         policy_poll_seconds=arguments.policy_poll_interval,
         on_reload=metrics.on_reload,
         prefix=prefix_from_arguments(arguments),
+    )
+    prefix = service.prefix
+    metrics.registry.register(
+        PrefixCollector(prefix.locator.index, prefix.subscriber, pool.snapshot)
     )
     monitoring = None
     try:

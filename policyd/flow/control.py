@@ -125,12 +125,12 @@ class AdmissionSource(Protocol):
 class FlowObserver(Protocol):
     """Where flow control reports (Prometheus: ``policyd.telemetry.metrics.FlowMetrics``)."""
 
-    def held(self, band: str, flow: str, change: int) -> None: ...
+    def held(self, band: str, flow: str, change: int, model: str) -> None: ...
     def outcome(self, band: str, flow: str, outcome: str, waited_s: float) -> None: ...
 
 
 class _NoObserver:
-    def held(self, band: str, flow: str, change: int) -> None:
+    def held(self, band: str, flow: str, change: int, model: str) -> None:
         return None
 
     def outcome(self, band: str, flow: str, outcome: str, waited_s: float) -> None:
@@ -265,7 +265,7 @@ class FlowControl:
             self._observer.outcome(band.name, key, "refused", 0.0)
             return _answer(flow, "flow_refused", _REFUSED)
         self.held += 1
-        self._observer.held(band.name, key, 1)
+        self._observer.held(band.name, key, 1, request.model)
         # A pod may have room after all (the queue was not empty), maybe for this very
         # request: then it passes here, as its owner does not hold it yet.
         self._arriving = held
@@ -477,7 +477,7 @@ class FlowControl:
 
     def _gone(self, held: Held, change: int) -> None:
         self.held += change
-        self._observer.held(held.band.name, held.flow, change)
+        self._observer.held(held.band.name, held.flow, change, held.payload.request.model)
 
     def _waited(self, held: Held) -> float:
         return max(0.0, self._clock() - held.arrived)

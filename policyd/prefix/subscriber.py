@@ -92,7 +92,7 @@ _MONITORED: Final = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 @dataclass(slots=True)
 class FeedStats:
-    """What one pod's feed did, as plain counters (each only grows).
+    """What one pod's feed did: plain counters (each only grows) and the last lag.
 
     ``batches`` and ``blocks`` applied (live and replayed); ``malformed``
     messages skipped whole (wrong frames, a payload that is no batch) and
@@ -103,7 +103,9 @@ class FeedStats:
     from it and ``replay_silent`` requests it did not answer (then it is not
     asked for ``REPLAY_BACKOFF_S``); ``connects`` and ``disconnects`` of the
     event socket (a message over ``MAX_MESSAGE_BYTES`` shows as a disconnect,
-    since libzmq drops the connection with it).
+    since libzmq drops the connection with it). ``lag_seconds``: how long
+    after its timestamp (the pod's clock) the last live batch was applied,
+    None before the first; replayed batches are old by nature and leave it.
     """
 
     batches: int = 0
@@ -118,6 +120,7 @@ class FeedStats:
     replay_silent: int = 0
     connects: int = 0
     disconnects: int = 0
+    lag_seconds: float | None = None
 
 
 @dataclass(slots=True)
@@ -266,7 +269,7 @@ class KvEventSubscriber:
                     f"{' and a dropped connection' if dropped else ''}: a new publisher",
                 )
             await self._catch_up(feed, max(0, seq - REPLAY_BATCHES), seq, model, cleared=True)
-        await self._apply(feed, payload, model)
+        await self._apply(feed, payload, model, live=True)
 
     async def _catch_up(
         self, feed: _Feed, start: int, end: int, model: str | None, *, cleared: bool
@@ -369,12 +372,16 @@ class KvEventSubscriber:
             dealer.close(linger=0)
         return wanted if answered else None
 
-    async def _apply(self, feed: _Feed, payload: bytes, model: str | None) -> None:
+    async def _apply(
+        self, feed: _Feed, payload: bytes, model: str | None, *, live: bool = False
+    ) -> None:
         batch = decode_batch(payload, model)
         if batch is None:
             feed.stats.malformed += 1
             self._malformed(feed, f"a payload of {len(payload)} bytes that is no event batch")
             return
+        if live:
+            feed.stats.lag_seconds = max(0.0, time.time() - batch.ts)
         if batch.skipped:
             feed.stats.malformed_events += batch.skipped
             self._malformed(feed, f"{batch.skipped} events of an unknown tag or wrong fields")

@@ -8,6 +8,7 @@ What ``policyd serve`` wires up::
     metrics.policies_loaded(store.current)
     store.watch(on_reload=metrics.on_reload)
     metrics.registry.register(PoolCollector(pool, decisions=metrics))
+    metrics.registry.register(PrefixCollector(index, subscriber, pool.snapshot))
     endpoint = start_metrics_server("0.0.0.0", 9090, metrics.registry, ready=pool_ready)
     ...
     endpoint.close(); telemetry.shutdown()
@@ -20,6 +21,7 @@ from policyd.telemetry.fanout import combine
 from policyd.telemetry.http import MetricsServer, start_metrics_server
 from policyd.telemetry.metrics import DecisionMetrics
 from policyd.telemetry.pool_metrics import PoolCollector
+from policyd.telemetry.prefix_metrics import PrefixCollector
 from policyd.telemetry.record import DecisionTelemetry, RequestRecord
 from policyd.telemetry.tracing import DecisionTracer
 from policyd.telemetry.wiring import (
@@ -35,6 +37,7 @@ __all__ = [
     "DecisionTracer",
     "MetricsServer",
     "PoolCollector",
+    "PrefixCollector",
     "RequestRecord",
     "build_telemetry",
     "combine",

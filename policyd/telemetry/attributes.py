@@ -2,9 +2,13 @@
 
 The span describes one inference request as policyd saw it, from the routing
 decision to the end of the response. The attributes the GenAI semantic
-conventions define (operation, requested model, the server the request went
-to, token usage) carry their names; everything about the routing policy lives
-under ``policyd.``. Durations are in seconds (doubles). Lists and texts are
+conventions define (operation, provider, requested model, streaming, the
+server the request went to, token usage) carry their names, as release
+v1.41.0 of the OpenTelemetry semantic conventions defines them (the last
+release that holds the GenAI conventions; they are of "development"
+stability), and the spans' instrumentation scope names that release
+(``SCHEMA_URL``); everything about the routing policy lives under
+``policyd.``. Durations are in seconds (doubles). Lists and texts are
 bounded (``MAX_LISTED_PODS``, ``MAX_TEXT``, ``MAX_WALK``) so a large pool or
 filter tree never runs into the SDK's attribute limits. The walk through the filter
 tree is one text attribute (``walk_summary``), not an event per node: the
@@ -21,11 +25,17 @@ from typing import Final
 from policyd.policy.decision import NodeTrace
 
 # -- OpenTelemetry semantic conventions ------------------------------------------------
+SCHEMA_URL: Final = "https://opentelemetry.io/schemas/1.41.0"  # the conventions followed
 GEN_AI_OPERATION: Final = "gen_ai.operation.name"
+GEN_AI_PROVIDER: Final = "gen_ai.provider.name"
 GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_STREAM: Final = "gen_ai.request.stream"  # set only when true, as the convention says
 GEN_AI_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+# Prompt tokens the model server served from its prefix cache, as it reports them
+# (part of ``gen_ai.usage.input_tokens``).
+GEN_AI_CACHED_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
 SERVER_ADDRESS: Final = "server.address"
 SERVER_PORT: Final = "server.port"
 HTTP_STATUS: Final = "http.response.status_code"
@@ -38,7 +48,6 @@ REQUEST_ID: Final = "policyd.request.id"
 TARGET_MODEL: Final = "policyd.request.target_model"
 CRITICALITY: Final = "policyd.request.criticality"
 PROMPT_TOKENS: Final = "policyd.request.prompt_tokens"  # policyd's estimate
-STREAM: Final = "policyd.request.stream"
 CANDIDATES: Final = "policyd.candidates"
 SURVIVORS: Final = "policyd.survivors"
 OUTCOME: Final = "policyd.outcome"
@@ -65,8 +74,6 @@ SHADOWS_AGREED: Final = "policyd.shadows.agreed"  # how many agreed with the liv
 RESPONSE_COMPLETED: Final = "policyd.response.completed"
 TIME_TO_HEADERS: Final = "policyd.response.time_to_headers"
 TIME_TO_FIRST_TOKEN: Final = "policyd.response.time_to_first_token"
-# Prompt tokens the model server served from its prefix cache, as it reports them.
-CACHED_TOKENS: Final = "policyd.response.cached_tokens"
 RESPONSE_DURATION: Final = "policyd.response.duration"
 
 # -- the walk through the filter tree ------------------------------------------------------
@@ -89,28 +96,35 @@ MAX_LISTED_PODS: Final = 8  # pod names listed in one attribute (fallbacks, scor
 MAX_TEXT: Final = 256  # characters of any text value (model, request id, reason, ...)
 MAX_WALK: Final = 1024  # characters of the walk's summary
 
+# Path suffix -> (gen_ai.operation.name, gen_ai.provider.name). The provider
+# names the API the request speaks, the convention's "telemetry format flavor":
+# vLLM serves OpenAI's API and Anthropic's Messages API alike.
 _OPERATIONS: Final = (
-    ("/chat/completions", "chat"),
-    ("/completions", "text_completion"),
-    ("/embeddings", "embeddings"),
+    ("/chat/completions", ("chat", "openai")),
+    ("/completions", ("text_completion", "openai")),
+    ("/embeddings", ("embeddings", "openai")),
+    ("/messages", ("chat", "anthropic")),
+    ("/responses", ("chat", "openai")),
 )
+# Any other path (a model server's own API): the convention allows a custom value.
+_OTHER: Final = ("inference", "openai")
 
 
-def operation_name(path: str) -> str:
-    """``gen_ai.operation.name`` for an OpenAI-style path."""
+def operation(path: str) -> tuple[str, str]:
+    """``gen_ai.operation.name`` and ``gen_ai.provider.name`` for a request path."""
     if len(path) > MAX_TEXT:  # not kept in the cache: a client chose it
-        return _operation_name(path)
-    return _cached_operation_name(path)
+        return _operation(path)
+    return _cached_operation(path)
 
 
-def _operation_name(path: str) -> str:
-    for suffix, operation in _OPERATIONS:
+def _operation(path: str) -> tuple[str, str]:
+    for suffix, names in _OPERATIONS:
         if path.endswith(suffix):
-            return operation
-    return "inference"
+            return names
+    return _OTHER
 
 
-_cached_operation_name: Final = functools.lru_cache(maxsize=1024)(_operation_name)  # few paths
+_cached_operation: Final = functools.lru_cache(maxsize=1024)(_operation)  # few paths
 
 
 def span_name(operation: str, model: str) -> str:
@@ -121,13 +135,13 @@ def span_name(operation: str, model: str) -> str:
 def decision_span_name(path: str, model: str) -> str:
     """The decision span's name for a request to ``path`` for ``model`` (cut as ``clip``)."""
     if len(path) > MAX_TEXT or len(model) > MAX_TEXT:  # not kept in the cache
-        return span_name(_operation_name(path), clip(model))
+        return span_name(_operation(path)[0], clip(model))
     return _cached_decision_span_name(path, model)
 
 
 @functools.lru_cache(maxsize=4096)  # paths times models: few
 def _cached_decision_span_name(path: str, model: str) -> str:
-    return span_name(_cached_operation_name(path), model)
+    return span_name(_cached_operation(path)[0], model)
 
 
 @functools.lru_cache(maxsize=4096)  # one entry per pod

@@ -1,20 +1,29 @@
 """Prometheus metrics of decisions, shadow policies, responses, streams and reloads.
 
 Every series has bounded labels: ``policy`` and ``node`` come from the loaded
-policy files, ``pod`` from the pool (series of pods that left are dropped by
-``retain_pods``), the rest are small fixed sets. Recording happens off the
-live reply (``RequestRecord.after_reply`` / ``end``) into lock-free tallies, so
-a decision costs a few dictionary updates.
+policy files, ``model_server_endpoint`` (the pod's name; llm-d's label for a
+model server, since the ``pod`` label is the scrape target's own) from the
+pool (series of pods that left are dropped by ``retain_pods``),
+``model_name`` is capped (``BoundedLabels``), the rest are small fixed sets.
+Recording happens off the live reply (``RequestRecord.after_reply`` / ``end``)
+into lock-free tallies, so a decision costs a few dictionary updates.
+
+Each worker process serves its own registry (``--workers``: port + index),
+with its own ``process_*`` families and its index in ``policyd_build_info``.
 """
 
 from __future__ import annotations
 
+import platform
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, Protocol
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from policyd import __version__
 from policyd.policy.decision import Decision, NodeTrace, ShadowResult
 from policyd.telemetry.identity_cache import IdentityCache
 from policyd.telemetry.tally import CounterTally, HistogramTally, Labels, TallyCollector
@@ -64,17 +73,62 @@ class ReloadLike(Protocol):
 FLOW_WAIT_BUCKETS: Final = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+ENDPOINT: Final = "model_server_endpoint"  # the label naming a model-server pod
+MODEL: Final = "model_name"  # the label naming a model: a base model or an adapter
 MAX_FLOW_LABELS: Final = 100  # distinct flow names with series of their own; the rest: "other"
+# Distinct model names with series of their own beyond the pool's (llm-d's cap).
+MAX_MODEL_LABELS: Final = 1000
+OTHER: Final = "other"
+MAX_LABEL_TEXT: Final = 128  # characters of a label value a client chose
+
+
+class BoundedLabels:
+    """The values of a label that requests choose, bounded as llm-d bounds its model labels.
+
+    Pinned values (``pin``: the models the pool's pods serve, the first
+    ``limit`` of them, since pods are not trusted either) always read as
+    themselves and take no place. Any other value reads as itself while fewer
+    than ``limit`` have been admitted, and as ``"other"`` after that, so a
+    client sending new names cannot make new series without end. Admission
+    sticks: a value admitted once keeps its series. A value longer than
+    ``MAX_LABEL_TEXT`` characters (no model's name) reads as ``"other"`` too.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._pinned: frozenset[str] = frozenset()
+        self._admitted: set[str] = set()
+
+    def pin(self, values: Iterable[str]) -> None:
+        """Replace the pinned values (a new frozenset: readers on other threads see one whole)."""
+        pinned: set[str] = set()
+        for value in values:
+            if len(pinned) >= self.limit:
+                break
+            pinned.add(value)
+        self._pinned = frozenset(pinned)
+
+    def __call__(self, value: str) -> str:
+        if value in self._admitted or value in self._pinned:
+            return value
+        if len(value) <= MAX_LABEL_TEXT and len(self._admitted) < self.limit:
+            self._admitted.add(value)
+            return value
+        return OTHER
 
 
 class FlowMetrics:
     """Flow control's held requests and what became of them (``policyd.flow``'s observer).
 
     The flow key comes from requests (a tenant header, say), so only the first
-    ``MAX_FLOW_LABELS`` flow names seen get series of their own.
+    ``MAX_FLOW_LABELS`` flow names seen get series of their own. Held requests
+    are also counted per requested model (``policyd_model_held_requests``, an
+    autoscaler's signal: requests flow control holds do not show in any pod's
+    queue), by the raw name as they come and go, and labelled (``models``)
+    when Prometheus scrapes, so an increase and its decrease always meet.
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, models: BoundedLabels) -> None:
         self._held = Gauge(
             "policyd_flow_held_requests",
             "Requests flow control holds now, by band and flow.",
@@ -95,24 +149,54 @@ class FlowMetrics:
             FLOW_WAIT_BUCKETS,
         )
         registry.register(TallyCollector([self._outcomes, self._wait]))
-        self._flows: set[str] = set()
+        self._label = BoundedLabels(MAX_FLOW_LABELS)
+        # Requested model -> requests held; an entry goes when its count is 0, so
+        # the dict is bounded by what flow control holds.
+        self._by_model: dict[str, int] = {}
+        registry.register(_HeldByModel(self._by_model, models))
 
-    def held(self, band: str, flow: str, change: int) -> None:
+    def held(self, band: str, flow: str, change: int, model: str) -> None:
         self._held.labels(band, self._label(flow)).inc(change)
+        by_model = self._by_model
+        count = by_model.get(model, 0) + change
+        if count:
+            by_model[model] = count
+        else:
+            del by_model[model]
 
     def outcome(self, band: str, flow: str, outcome: str, waited_s: float) -> None:
         self._outcomes.inc((band, self._label(flow), outcome))
         if outcome != "refused":  # a refused request was never held
             self._wait.observe((band, outcome), waited_s)
 
-    def _label(self, flow: str) -> str:
-        flows = self._flows
-        if flow in flows:
-            return flow
-        if len(flows) < MAX_FLOW_LABELS:
-            flows.add(flow)
-            return flow
-        return "other"
+
+class _HeldByModel(Collector):
+    """``policyd_model_held_requests``, labelled at collection (see ``FlowMetrics``).
+
+    Labelling admits a new name from the scrape's thread while the event loop
+    may admit one too: the cap then holds to within a name or two, never more.
+    """
+
+    def __init__(self, by_model: dict[str, int], models: BoundedLabels) -> None:
+        self._by_model = by_model
+        self._models = models
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        totals: dict[str, float] = {}
+        for model, count in dict(self._by_model).items():  # one copy: the loop writes it
+            label = self._models(model)
+            totals[label] = totals.get(label, 0) + count
+        family = GaugeMetricFamily(
+            "policyd_model_held_requests",
+            "Requests flow control holds now, by the model they ask for.",
+            labels=[MODEL],
+        )
+        for label, total in totals.items():
+            family.add_metric([label], total)
+        yield family
 
 
 class DecisionMetrics:
@@ -123,9 +207,11 @@ class DecisionMetrics:
     prometheus-client's own.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, worker: int = 0) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        # The model a request was routed for (after the policy's rewrite), bounded.
+        self.models = BoundedLabels(MAX_MODEL_LABELS)
         self._decision_seconds = HistogramTally(
             "policyd_decision_duration_seconds",
             "Time Router.decide took for one request.",
@@ -134,8 +220,9 @@ class DecisionMetrics:
         )
         self._decisions = CounterTally(
             "policyd_decisions",
-            "Routing decisions by policy, outcome and picked pod ('' when not routed).",
-            ["policy", "outcome", "pod"],
+            "Routing decisions by policy, outcome, picked pod ('' when not routed) and "
+            "target model.",
+            ["policy", "outcome", ENDPOINT, MODEL],
         )
         self._node_visits = CounterTally(
             "policyd_filter_node_visits",
@@ -167,19 +254,19 @@ class DecisionMetrics:
         self._first_token = HistogramTally(
             "policyd_response_time_to_first_token_seconds",
             "From the decision to the first response body bytes.",
-            ["policy"],
+            ["policy", MODEL],
             RESPONSE_BUCKETS,
         )
         self._response_seconds = HistogramTally(
             "policyd_response_duration_seconds",
             "From the decision to the end of the response.",
-            ["policy"],
+            ["policy", MODEL],
             RESPONSE_BUCKETS,
         )
         self._responses = CounterTally(
             "policyd_responses",
             "Responses to routed requests by status class (2xx, 4xx, 5xx, aborted).",
-            ["policy", "status_class"],
+            ["policy", MODEL, "status_class"],
         )
         self._stream_errors = CounterTally(
             "policyd_extproc_stream_errors",
@@ -228,7 +315,15 @@ class DecisionMetrics:
             registry=r,
         )
         self._last_reload_ok.set(1)
-        self.flow = FlowMetrics(r)
+        build = Gauge(
+            "policyd_build_info",
+            "policyd's version, the Python it runs on and the worker's index (value 1).",
+            ["version", "python_version", "worker"],
+            registry=r,
+        )
+        build.labels(__version__, platform.python_version(), str(worker)).set(1)
+        ProcessCollector(registry=r)  # this worker's process_* (CPU, memory, descriptors)
+        self.flow = FlowMetrics(r, self.models)
         # Tally increments per step of a reused walk, and per walk (its trace).
         self._step_counts: IdentityCache[NodeTrace, _StepCounts] = IdentityCache(_STEPS_KEPT)
         self._walk_counts: IdentityCache[tuple[NodeTrace, ...], _StepCounts] = IdentityCache(
@@ -240,7 +335,8 @@ class DecisionMetrics:
     def decision(self, decision: Decision, seconds: float) -> None:
         policy = decision.policy
         self._decision_seconds.observe((policy,), seconds)
-        self._decisions.inc((policy, decision.outcome.value, decision.pod))
+        model = self.models(decision.target_model)
+        self._decisions.inc((policy, decision.outcome.value, decision.pod, model))
         trace = decision.trace
         counts = self._walk_counts.get(trace)
         if counts is None:
@@ -284,6 +380,7 @@ class DecisionMetrics:
     def response(
         self,
         policy: str,
+        model: str,
         status: int,
         *,
         completed: bool,
@@ -291,8 +388,8 @@ class DecisionMetrics:
         duration_seconds: float,
     ) -> None:
         status_class = f"{status // 100}xx" if completed and status else "aborted"
-        labels = (policy,)
-        self._responses.inc((policy, status_class))
+        labels = (policy, self.models(model))
+        self._responses.inc((*labels, status_class))
         if first_body_seconds is not None:
             self._first_token.observe(labels, first_body_seconds)
         if completed:
@@ -304,7 +401,7 @@ class DecisionMetrics:
     # -- the pool and the policies --------------------------------------------------
 
     def retain_pods(self, names: Iterable[str]) -> None:
-        """Drop decision series of pods no longer in the pool (bounds the ``pod`` label)."""
+        """Drop decision series of pods no longer in the pool (bounds the endpoint label)."""
         keep = {"", *names}
         self._decisions.drop(lambda labels: labels[2] in keep)
 

@@ -3,8 +3,18 @@
 Nothing is recorded per scrape round: at collection time the collector reads
 the pool's current snapshot (pod metrics, in-flight counts, which pods are
 candidates) and its per-pod scrape statistics, and reports them. Pods that
-left the pool simply stop being reported, so the ``pod`` label stays bounded
-by the pool's size.
+left the pool simply stop being reported, so the ``model_server_endpoint``
+label stays bounded by the pool's size, and ``model_name`` (a pod's base
+model) by the models it serves.
+
+For autoscalers (KEDA, an HPA on external metrics), per base model: the
+requests running and waiting on its pods, as scraped (the signals llm-d's
+autoscaling reads from vLLM), and a saturation gauge: the mean over the
+model's pods of how far each is towards the thresholds llm-d's saturation
+detector uses by default (``SATURATION_QUEUE`` waiting requests, a
+``SATURATION_KV_CACHE`` KV-cache use), the larger of the two, a pod without
+fresh metrics counting as 1. Below 1 the pods have room; above 1 they are
+past the thresholds, by as much as the value says.
 
 The pool is anything of the ``PoolLike`` shape (``policyd.pool.Pool``):
 ``snapshot()`` -> a ``PoolSnapshot``, ``stats`` keyed by pod
@@ -17,13 +27,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Protocol
+from typing import Final, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from policyd.pool.pod import PoolSnapshot
-from policyd.telemetry.metrics import DecisionMetrics
+from policyd.pool.pod import Pod, PoolSnapshot
+from policyd.telemetry.metrics import ENDPOINT, MODEL, DecisionMetrics
+
+SATURATION_QUEUE: Final = 5  # llm-d's default queue-depth threshold
+SATURATION_KV_CACHE: Final = 0.8  # llm-d's default KV-cache utilisation threshold
 
 
 class ScrapeStatsLike(Protocol):
@@ -55,7 +68,8 @@ class PoolCollector(Collector):
     """Reports the pool's pods and scrape health on every Prometheus scrape.
 
     With ``decisions`` given, each collection also drops the decision series
-    of pods that left (``DecisionMetrics.retain_pods``).
+    of pods that left (``DecisionMetrics.retain_pods``) and pins the models the
+    pods serve in its ``model_name`` label (``BoundedLabels.pin``).
     """
 
     def __init__(
@@ -78,15 +92,16 @@ class PoolCollector(Collector):
         now = self._clock()
         if self._decisions is not None:
             self._decisions.retain_pods(pod.name for pod in snapshot.pods)
+            self._decisions.models.pin(_served_models(snapshot.pods))
         candidates = {pod.address for pod in snapshot.candidates}
         pod_gauges = {
-            name: GaugeMetricFamily(f"policyd_pod_{name}", text, labels=["pod"])
+            name: GaugeMetricFamily(f"policyd_pod_{name}", text, labels=[ENDPOINT])
             for name, text in _POD_GAUGES
         }
         scrapes = CounterMetricFamily(
             "policyd_pod_scrapes",
             "Metrics scrapes of the pod by result (success, failure).",
-            labels=["pod", "result"],
+            labels=[ENDPOINT, "result"],
         )
         for pod in snapshot.pods:
             labels = [pod.name]
@@ -111,6 +126,7 @@ class PoolCollector(Collector):
             pod_gauges["metrics_age_seconds"].add_metric(labels, max(age, 0.0))
         yield from pod_gauges.values()
         yield scrapes
+        yield from _per_model(snapshot.pods, candidates)
         yield _gauge("policyd_pool_pods", "Pods discovered.", len(snapshot.pods))
         yield _gauge(
             "policyd_pool_candidate_pods",
@@ -148,6 +164,46 @@ _POD_GAUGES = (
     ("scrape_duration_seconds", "How long the last metrics scrape of the pod took."),
     ("metrics_age_seconds", "Time since the pod's metrics were last scraped (+Inf: never)."),
 )
+
+
+def _served_models(pods: tuple[Pod, ...]) -> Iterator[str]:
+    """Every model a pod reports serving: base models first, then adapters."""
+    for pod in pods:
+        yield pod.base_model
+    for pod in pods:
+        yield from pod.active_loras
+        yield from pod.waiting_loras
+
+
+def _per_model(pods: tuple[Pod, ...], candidates: set[str]) -> Iterator[Metric]:
+    """Running, waiting and saturation summed per base model (see the module docstring)."""
+    running: dict[str, float] = {}
+    waiting: dict[str, float] = {}
+    saturation: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for pod in pods:
+        model = pod.base_model
+        running[model] = running.get(model, 0) + pod.running
+        waiting[model] = waiting.get(model, 0) + pod.waiting_queue
+        load = 1.0
+        if pod.address in candidates:
+            load = max(pod.waiting_queue / SATURATION_QUEUE, pod.kv_cache / SATURATION_KV_CACHE)
+        saturation[model] = saturation.get(model, 0.0) + load
+        count[model] = count.get(model, 0) + 1
+    families = (
+        ("policyd_model_running_requests", "Requests running on the model's pods, as scraped.",
+         running),
+        ("policyd_model_waiting_requests", "Requests waiting in the model's pods' queues, as "
+         "scraped.", waiting),
+        ("policyd_pool_saturation", "How far the model's pods are towards saturation (mean "
+         "over its pods; 1: at the thresholds).",
+         {model: total / count[model] for model, total in saturation.items()}),
+    )  # fmt: skip
+    for name, text, values in families:
+        family = GaugeMetricFamily(name, text, labels=[MODEL])
+        for model, value in values.items():
+            family.add_metric([model], value)
+        yield family
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

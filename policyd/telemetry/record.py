@@ -59,7 +59,15 @@ _FLAGS: Final = [f"{flags:02x}" for flags in range(256)]  # traceparent's last f
 
 
 class DecisionTelemetry:
-    """Spans, metrics and the decision log for every decision; each part optional."""
+    """Spans, metrics and the decision log for every decision; each part optional.
+
+    ``span_usage``: whether the decision span carries the response's
+    ``gen_ai.usage.*`` counts. A model server that traces too (vLLM with
+    ``--otlp-traces-endpoint``) puts the same counts on its own span, the
+    decision span's child; a pipeline that sums ``gen_ai.usage.*`` over spans
+    (a span-metrics connector) then counts each token twice unless one side
+    leaves them out (``policyd serve --span-usage off``).
+    """
 
     def __init__(
         self,
@@ -67,10 +75,12 @@ class DecisionTelemetry:
         tracer: DecisionTracer | None = None,
         metrics: DecisionMetrics | None = None,
         decision_log: DecisionLog | None = None,
+        span_usage: bool = True,
     ) -> None:
         self.tracer = tracer
         self.metrics = metrics
         self.decision_log = decision_log
+        self.span_usage = span_usage
 
     def shutdown(self) -> None:
         """Export the spans still queued and write the log entries still queued."""
@@ -173,20 +183,23 @@ class RequestRecord:
         decision = self._decision
         request = self._request
         criticality = decision.criticality or request.criticality
+        operation, provider = a.operation(request.path)
         attributes: dict[str, Any] = {
-            a.GEN_AI_OPERATION: a.operation_name(request.path),
+            a.GEN_AI_OPERATION: operation,
+            a.GEN_AI_PROVIDER: provider,
             a.GEN_AI_REQUEST_MODEL: a.clip(request.model),
             a.POLICY: decision.policy,
             a.POLICY_VERSION: decision.policy_version,
             a.TARGET_MODEL: a.clip(decision.target_model),
             a.CRITICALITY: criticality,
-            a.STREAM: request.stream,
             a.OUTCOME: decision.outcome.value,
             a.PROMPT_TOKENS: request.prompt_tokens,
             a.CANDIDATES: decision.candidate_count,
             a.SURVIVORS: len(decision.survivors),
             a.DECISION_DURATION: self._seconds,
         }
+        if request.stream:
+            attributes[a.GEN_AI_REQUEST_STREAM] = True
         if request.id:
             attributes[a.REQUEST_ID] = a.clip(request.id)
         if request.max_tokens:
@@ -329,6 +342,7 @@ class RequestRecord:
         if metrics is not None and routed:
             metrics.response(
                 decision.policy,
+                decision.target_model,
                 self._status,
                 completed=end.completed,
                 first_body_seconds=end.first_body_seconds,
@@ -346,12 +360,8 @@ class RequestRecord:
                 attributes[a.TIME_TO_HEADERS] = self._to_headers
             if end.first_body_seconds is not None:
                 attributes[a.TIME_TO_FIRST_TOKEN] = end.first_body_seconds
-            if end.prompt_tokens is not None:
-                attributes[a.GEN_AI_INPUT_TOKENS] = end.prompt_tokens
-            if end.completion_tokens is not None:
-                attributes[a.GEN_AI_OUTPUT_TOKENS] = end.completion_tokens
-            if end.cached_tokens is not None:
-                attributes[a.CACHED_TOKENS] = end.cached_tokens
+            if self._owner.span_usage:
+                _put_usage(attributes, end)
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
@@ -407,6 +417,16 @@ def _parent(carrier: Mapping[str, str]) -> SpanContext | None:
         trace_flags=TraceFlags(flags & 0xFF),
         trace_state=TraceState.from_header([state]) if state else None,
     )
+
+
+def _put_usage(attributes: dict[str, Any], end: ExchangeEnd) -> None:
+    """The response's token usage, as the model server reported it, under GenAI names."""
+    if end.prompt_tokens is not None:
+        attributes[a.GEN_AI_INPUT_TOKENS] = end.prompt_tokens
+    if end.completion_tokens is not None:
+        attributes[a.GEN_AI_OUTPUT_TOKENS] = end.completion_tokens
+    if end.cached_tokens is not None:
+        attributes[a.GEN_AI_CACHED_TOKENS] = end.cached_tokens
 
 
 def _trace_headers(span: StartedSpan) -> Mapping[str, str]:

@@ -31,6 +31,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry
 
 from policyd import __version__
+from policyd.telemetry.attributes import SCHEMA_URL
 from policyd.telemetry.decision_log import DecisionLog
 from policyd.telemetry.metrics import DecisionMetrics
 from policyd.telemetry.record import DecisionTelemetry
@@ -49,12 +50,16 @@ def build_telemetry(
     registry: CollectorRegistry | None = None,
     decision_log: str = "",
     decision_log_sample_rate: float = 1.0,
+    span_usage: bool = True,
+    worker: int = 0,
 ) -> DecisionTelemetry:
     """policyd's telemetry: spans (see the module docstring), metrics, decision log.
 
     ``tracing`` None means "as configured"; ``otlp_endpoint`` (``host:port``
     or a URL) overrides the environment's endpoint. ``decision_log`` is
-    ``-`` (standard output), a file path, or empty for none. Raises
+    ``-`` (standard output), a file path, or empty for none. ``span_usage``:
+    see ``DecisionTelemetry``; ``worker``: the process's index among
+    ``--workers`` (``policyd_build_info``). Raises
     ``ValueError`` for a setting that cannot work (an unknown exporter or
     protocol, a sample rate outside [0, 1], a log file that cannot be opened).
     """
@@ -70,8 +75,9 @@ def build_telemetry(
     )
     return DecisionTelemetry(
         tracer=tracer,
-        metrics=DecisionMetrics(registry) if metrics else None,
+        metrics=DecisionMetrics(registry, worker=worker) if metrics else None,
         decision_log=log,
+        span_usage=span_usage,
     )
 
 
@@ -105,7 +111,7 @@ def tracer_from_env(*, otlp_endpoint: str = "") -> DecisionTracer:
         exporters=exporters,
         resource=resource,
         sampler=sampler,
-        scope=InstrumentationScope(INSTRUMENTATION_NAME, __version__),
+        scope=InstrumentationScope(INSTRUMENTATION_NAME, __version__, SCHEMA_URL),
     )
 
 

@@ -26,7 +26,7 @@ class Flows:
         self.held_by: dict[str, int] = {}
         self.most = 0
 
-    def held(self, band: str, flow: str, change: int) -> None:
+    def held(self, band: str, flow: str, change: int, model: str) -> None:
         count = self.held_by.get(flow, 0) + change
         if count:
             self.held_by[flow] = count

@@ -292,11 +292,14 @@ def test_the_pods_and_policyds_counters_are_read_from_their_metrics(stack: Modul
         "# TYPE vllm:prefix_cache_hits_total counter\n"
         'vllm:prefix_cache_hits_total{model_name="m"} 48.0\n'
         'vllm:prefix_cache_hits_totalx{model_name="m"} 1000.0\n'
-        'policyd_decisions_total{outcome="routed",pod="vllm-1",policy="p"} 3.0\n'
-        'policyd_decisions_total{outcome="routed",pod="vllm-2",policy="p"} 1.0\n'
-        'policyd_decisions_total{outcome="shed",pod="",policy="p"} 5.0\n'
-        'policyd_pod_scrapes_total{pod="vllm-0",result="success"} 8.0\n'
-        'policyd_pod_scrapes_total{pod="vllm-0",result="failure"} 2.0\n'
+        'policyd_decisions_total{model_name="m",model_server_endpoint="vllm-1",'
+        'outcome="routed",policy="p"} 3.0\n'
+        'policyd_decisions_total{model_name="m",model_server_endpoint="vllm-2",'
+        'outcome="routed",policy="p"} 1.0\n'
+        'policyd_decisions_total{model_name="m",model_server_endpoint="",'
+        'outcome="shed",policy="p"} 5.0\n'
+        'policyd_pod_scrapes_total{model_server_endpoint="vllm-0",result="success"} 8.0\n'
+        'policyd_pod_scrapes_total{model_server_endpoint="vllm-0",result="failure"} 2.0\n'
     )
     assert stack.metric_sum(page, "policyd_pod_scrapes_total") == 10.0
     assert stack.metric_sum(page, "policyd_pod_scrapes_total", 'result="failure"') == 2.0

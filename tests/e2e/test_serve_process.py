@@ -16,6 +16,7 @@ import grpc
 import pytest
 from e2e_rig import until_serving
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from policyd.demo.stack import warm_up
 from policyd.extproc.envoy_config import EnvoyConfigOptions
@@ -55,6 +56,15 @@ def decisions_counted(text: str, outcome: str | None = "routed") -> float:
         for sample in family.samples
         if sample.name == "policyd_decisions_total" and outcome in (None, sample.labels["outcome"])
     )
+
+
+def families_of(text: str) -> dict[str, list[Sample]]:
+    """A scrape's samples by sample name."""
+    samples: dict[str, list[Sample]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
 
 
 async def test_serve_routes_through_envoy_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
@@ -111,6 +121,18 @@ async def test_serve_routes_through_envoy_and_stops_cleanly_on_sigterm(tmp_path:
                     return counts
 
                 assert sum(await per_worker("routed")) == 4
+
+                # Each worker reports its own process, its index and the pool's models.
+                for worker, worker_port in enumerate((monitoring, monitoring + 1)):
+                    async with client.get(f"http://127.0.0.1:{worker_port}/metrics") as response:
+                        families = families_of(await response.text())
+                    (build,) = families["policyd_build_info"]
+                    assert build.labels["worker"] == str(worker)
+                    assert families["process_resident_memory_bytes"][0].value > 0
+                    assert families["process_start_time_seconds"][0].value > 0
+                    models = {s.labels["model_name"] for s in families["policyd_pool_saturation"]}
+                    assert models == {sim.servers[0].profile.base_model}
+                    assert len(families["policyd_prefix_index_blocks"]) == 2
 
                 # A burst of 160 concurrent requests reaches both workers: at most 4
                 # streams share a connection, so Envoy opens 40 or so connections.

@@ -1,28 +1,126 @@
-"""The observability assets parse, and query only metrics policyd really exports."""
+"""The observability assets parse, and query only metrics and labels policyd really exports.
+
+The dashboard is checked against Grafana's dashboard JSON schema
+(``tests/fixtures/grafana``: the schema file alone, from grafana-foundation-sdk,
+Apache-2.0). Every PromQL expression of the dashboard and the alerts is read
+for its metric selectors, label matchers and grouping labels, and each is
+checked against a real scrape of a metrics endpoint serving every family
+policyd has (each family exercised, so that each has samples and labels).
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 from telemetry_support import write_policies
 from test_metrics import FakePool, Snapshot, Stats, served
 
 from policyd.policy import PolicyStore
 from policyd.policy.decision import Decision, NodeTrace, Outcome
 from policyd.pool.pod import Pod
-from policyd.telemetry import DecisionMetrics, DecisionTelemetry, PoolCollector
+from policyd.prefix.index import PreciseIndex
+from policyd.telemetry import (
+    DecisionMetrics,
+    DecisionTelemetry,
+    PoolCollector,
+    PrefixCollector,
+    start_metrics_server,
+)
 
-ASSETS = Path(__file__).resolve().parents[2] / "telemetry"
-METRIC = re.compile(r"\b(policyd_[a-zA-Z0-9_]+)\b(\{[^}]*\})?")
-MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "telemetry"
+RULES = ROOT / "istio" / "helm" / "policyd" / "files" / "prometheus-alerts.yaml"
+DOCS = ROOT / "docs" / "observability.md"
+SCHEMA = ROOT / "tests" / "fixtures" / "grafana" / "dashboard.jsonschema.json"
+# Labels Prometheus attaches to every series of a target (the scrape job, the
+# ServiceMonitor's Kubernetes metadata): a policyd label of one of these names
+# would be renamed exported_<name> and its panels would show something else.
+TARGET_LABELS = frozenset(
+    {"job", "instance", "namespace", "pod", "service", "container", "endpoint"}
+)
+SCRAPE_METRICS = frozenset({"up"})  # made by Prometheus for each target
+TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^}]*\}|[a-zA-Z_:][a-zA-Z0-9_:]*|\S')
+MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*,?')
+LISTS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
+AGGREGATIONS = frozenset({"sum", "max", "min", "avg", "count", "topk", "bottomk", "quantile"})
+KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan", *LISTS})
+
+
+@dataclass
+class Selector:
+    """One metric selector of an expression, and the labels it matches or groups by."""
+
+    expression: str
+    name: str
+    matchers: list[tuple[str, str, str]] = field(default_factory=list)  # (label, op, value)
+    within: tuple[str, ...] = ()  # the functions and aggregations around it, outermost first
+
+
+@dataclass
+class Query:
+    expression: str
+    selectors: list[Selector]
+    grouping: set[str]  # labels of by (...), on (...), ... clauses
+
+
+def parse(expression: str) -> Query:
+    """The selectors and grouping labels of a PromQL expression.
+
+    Enough of PromQL for these files: functions and aggregations (a name
+    before ``(``), grouping clauses, range selectors, strings, numbers and
+    binary operators; anything else a name is, it is a metric selector.
+    Raises ``AssertionError`` for a label matcher block that does not parse.
+    """
+    tokens = TOKEN.findall(expression)
+    selectors: list[Selector] = []
+    grouping: set[str] = set()
+    around: list[str] = []  # per open parenthesis: the function it calls, or ""
+    called = ""
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        following = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if token in LISTS and following == "(":
+            close = tokens.index(")", i)
+            grouping.update(t for t in tokens[i + 2 : close] if t != ",")
+            i = close + 1
+            continue
+        if token == "(":
+            around.append(called)
+            called = ""
+        elif token == ")":
+            around.pop()
+        elif re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", token) and token not in KEYWORDS:
+            if following == "(" or following in LISTS:  # a function or an aggregation
+                called = token
+                i += 1
+                continue
+            selector = Selector(expression, token, within=tuple(n for n in around if n))
+            if following.startswith("{"):
+                selector.matchers = matchers_of(following, expression)
+                i += 1
+            selectors.append(selector)
+        i += 1
+    return Query(expression, selectors, grouping)
+
+
+def matchers_of(block: str, expression: str) -> list[tuple[str, str, str]]:
+    body = block[1:-1]
+    found = [(m[1], m[2], m[3]) for m in MATCHER.finditer(body)]
+    assert "".join(m[0] for m in MATCHER.finditer(body)).strip() == body.strip(), (
+        f"label matchers that do not parse: {block} in {expression!r}"
+    )
+    return found
 
 
 def dashboard() -> dict[str, Any]:
@@ -37,44 +135,109 @@ def dashboard_queries() -> Iterator[str]:
             yield target["expr"]
     for variable in board["templating"]["list"]:
         if variable["type"] == "query":
-            yield variable["definition"]
+            definition = variable["definition"]  # label_values(selector, label)
+            inner = definition.removeprefix("label_values(").removesuffix(")")
+            yield inner.rpartition(",")[0]
 
 
 def alert_rules() -> list[dict[str, Any]]:
-    rules = yaml.safe_load((ASSETS / "prometheus-alerts.yaml").read_text())
+    rules = yaml.safe_load(RULES.read_text())
     return [rule for group in rules["groups"] for rule in group["rules"]]
 
 
-def exported(tmp_path: Path) -> tuple[set[str], dict[str, set[str]]]:
-    """Every sample name policyd's registry exposes, and the label names seen per name."""
+@dataclass
+class Feed:
+    """A stand-in for a KV-event feed's counters (``FeedStats``'s shape).
+
+    Only so that every family has samples; the real feed is
+    ``test_prefix_metrics.py``'s.
+    """
+
+    batches: int = 3
+    gaps: int = 1
+    restarts: int = 0
+    clears: int = 1
+    replayed: int = 2
+    malformed: int = 0
+    disconnects: int = 0
+    lag_seconds: float | None = 0.01
+
+
+class Feeds:
+    def stats(self, pod: str) -> Feed | None:
+        return Feed()
+
+
+@dataclass
+class Exposition:
+    """A scrape: sample names, the label names seen per sample, the values per label."""
+
+    names: set[str]
+    labels: dict[str, set[str]]
+    values: dict[tuple[str, str], set[str]]
+
+
+def exported(tmp_path: Path) -> Exposition:
+    """A real scrape of an endpoint serving every family of policyd, each exercised."""
     metrics = DecisionMetrics()
     served(metrics, tmp_path, count=2)
     served(metrics, tmp_path, count=1, busy=True)
-    DecisionTelemetry(metrics=metrics).stream_error("rejected", "invalid_json")
+    telemetry = DecisionTelemetry(metrics=metrics)
+    telemetry.stream_error("rejected", "invalid_json")
     failing = NodeTrace("zone", "keep", 1, (), errors=(("a", "no such key: 'zone'"),))
     metrics.decision(Decision(Outcome.SHED, "live", "1", "m", trace=(failing,)), 0.001)
+    metrics.response("live", "m", 503, completed=True, first_body_seconds=None, duration_seconds=1)
     store = PolicyStore.open(write_policies(tmp_path))
     metrics.policies_loaded(store.current)
     metrics.on_reload(store.reload())
-    pod = Pod("a", "10.0.0.1:8000")
+    metrics.flow.held("standard", "tenant-a", 1, "m")
+    for outcome in ("dispatched", "expired", "evicted", "refused"):
+        metrics.flow.outcome("standard", "tenant-a", outcome, 0.5)
+    pod = Pod("a", "10.0.0.1:8000", base_model="m")
     pool = FakePool(Snapshot((pod,), (pod,)), {pod.address: Stats(1, 0, 0, 0.01, 1.0)})
-    metrics.registry.register(PoolCollector(pool))
-    registry: CollectorRegistry = metrics.registry
-    names: set[str] = set()
-    labels: dict[str, set[str]] = {}
-    for family in registry.collect():
-        for suffix in SUFFIXES.get(family.type, ("",)):
-            names.add(family.name + suffix)
+    metrics.registry.register(PoolCollector(pool, decisions=metrics))
+    snapshot = pool.snapshot
+    metrics.registry.register(PrefixCollector(PreciseIndex(), Feeds(), snapshot))  # type: ignore[arg-type]
+    server = start_metrics_server("127.0.0.1", 0, metrics.registry)
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+    finally:
+        server.close()
+    found = Exposition(set(), {}, {})
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels.setdefault(sample.name, set()).update(sample.labels)
-    return names, labels
+            found.names.add(sample.name)
+            found.labels.setdefault(sample.name, set()).update(sample.labels)
+            for label, label_value in sample.labels.items():
+                found.values.setdefault((sample.name, label), set()).add(label_value)
+    return found
 
 
-def referenced(expressions: list[str]) -> Iterator[tuple[str, str, set[str]]]:
-    for expression in expressions:
-        for match in METRIC.finditer(expression):
-            matchers = set(MATCHER.findall(match.group(2) or ""))
-            yield expression, match.group(1), matchers
+def problems_of(query: Query, exposition: Exposition) -> list[str]:
+    problems = []
+    known: set[str] = set(TARGET_LABELS)
+    for selector in query.selectors:
+        name = selector.name
+        if name in SCRAPE_METRICS:
+            labels = set(TARGET_LABELS)
+        elif name not in exposition.names:
+            problems.append(f"{name} is not exported (in {query.expression!r})")
+            continue
+        else:
+            labels = exposition.labels[name] | TARGET_LABELS
+        known |= labels
+        for label, op, text in selector.matchers:
+            if label not in labels:
+                problems.append(f"{name} has no label {label} (in {query.expression!r})")
+            elif op == "=" and label not in TARGET_LABELS:
+                seen = exposition.values.get((name, label), set())
+                if text not in seen:
+                    problems.append(f"{name}{{{label}={text!r}}}: never seen, only {sorted(seen)}")
+    missing = query.grouping - known - {"le"}
+    if missing:
+        problems.append(f"grouping by {sorted(missing)} that no selector has: {query.expression!r}")
+    return problems
 
 
 @pytest.mark.parametrize("source", ["dashboard", "alerts"])
@@ -84,40 +247,129 @@ def test_every_queried_metric_and_label_is_exported(tmp_path: Path, source: str)
         if source == "dashboard"
         else [rule["expr"] for rule in alert_rules()]
     )
-    names, labels = exported(tmp_path)
-    problems = []
-    for expression, name, matchers in referenced(expressions):
-        if name not in names:
-            problems.append(f"{name} is not exported (in {expression!r})")
-        elif name not in labels:
-            problems.append(f"{name}: the test exercised nothing that records it")
-        elif matchers - labels[name]:
-            problems.append(f"{name} has no label {sorted(matchers - labels[name])}")
+    exposition = exported(tmp_path)
+    queries = [parse(expression) for expression in expressions]
+    assert all(query.selectors for query in queries), "a query that reads no metric"
+    problems = [problem for query in queries for problem in problems_of(query, exposition)]
     assert problems == []
-    assert all(METRIC.search(e) for e in expressions), "a query that reads no policyd metric"
+
+
+def test_the_check_catches_a_wrong_name_label_value_or_grouping(tmp_path: Path) -> None:
+    exposition = exported(tmp_path)
+    wrong = [
+        "rate(policyd_decision_total[5m])",
+        'policyd_pod_waiting_requests{pod_name="a"}',
+        'rate(policyd_pod_scrapes_total{result="failed"}[5m])',
+        "sum by (model) (rate(policyd_decisions_total[5m]))",
+    ]
+    for expression in wrong:
+        assert problems_of(parse(expression), exposition), expression
+    with pytest.raises(AssertionError, match="do not parse"):
+        parse('policyd_pool_pods{job=~"x" oops}')
+
+
+# Gauges of policyd's own work, which each replica counts for itself: summed.
+OWN_GAUGES = frozenset({"policyd_pod_in_flight_requests", "policyd_model_held_requests"})
+
+
+def test_what_every_replica_sees_alike_is_not_summed_over_replicas() -> None:
+    """A gauge of the pool (its pods, their load, the per-model signals) is the same
+    on every replica and worker: a sum over them would double with two replicas."""
+    expressions = [*dashboard_queries(), *(rule["expr"] for rule in alert_rules())]
+    summed = []
+    for expression in expressions:
+        for selector in parse(expression).selectors:
+            name = selector.name
+            shared = name.startswith(("policyd_pool_", "policyd_model_", "policyd_pod_"))
+            if not shared or name.endswith("_total") or name in OWN_GAUGES:
+                continue
+            aggregations = [n for n in selector.within if n in AGGREGATIONS]
+            if aggregations and aggregations[-1] in ("sum", "count"):
+                summed.append(expression)
+    assert summed == []
+    assert parse("sum(max by (a) (policyd_pool_pods))").selectors[0].within == ("sum", "max")
+
+
+def test_no_policyd_label_collides_with_a_scrape_targets_labels(tmp_path: Path) -> None:
+    exposition = exported(tmp_path)
+    collisions = {
+        name: sorted(labels & TARGET_LABELS)
+        for name, labels in exposition.labels.items()
+        if name.startswith("policyd_") and labels & TARGET_LABELS
+    }
+    assert collisions == {}
 
 
 def test_the_alerts_cover_what_operators_page_on() -> None:
     rules = {rule["alert"]: rule for rule in alert_rules()}
     assert {
+        "PolicydAbsent",
+        "PolicydTargetDown",
         "PolicydAllPodsStale",
         "PolicydScrapePanic",
         "PolicydShedRateHigh",
+        "PolicydModelServer5xxRatioHigh",
+        "PolicydFlowQueueDropping",
         "PolicydPolicyReloadRejected",
         "PolicydDecisionLatencyHigh",
     } <= set(rules)
-    for rule in rules.values():
+    assert rules["PolicydAbsent"]["expr"].startswith("absent(")
+    assert parse(rules["PolicydTargetDown"]["expr"]).selectors[0].name == "up"
+    anchors = set(re.findall(r"^#### (Policyd\w+)$", DOCS.read_text(), re.MULTILINE))
+    for name, rule in rules.items():
         assert rule["labels"]["severity"] in {"warning", "critical"}
         assert rule["annotations"]["summary"]
+        assert rule["annotations"]["runbook_url"] == f"docs/observability.md#{name.lower()}"
+        assert name in anchors, f"{name} has no runbook section in docs/observability.md"
 
 
-def test_the_dashboard_is_grafana_json_with_unique_panel_ids() -> None:
+def test_the_docs_count_the_alerts_the_file_holds() -> None:
+    counted = re.search(r"ships (\w+) alerts", DOCS.read_text())
+    assert counted is not None, "docs/observability.md no longer says how many alerts ship"
+    words = "zero one two three four five six seven eight nine ten eleven twelve thirteen"
+    numbers = {word: n for n, word in enumerate(words.split())}
+    stated = int(counted[1]) if counted[1].isdigit() else numbers[counted[1]]
+    assert stated == len(alert_rules())
+
+
+def test_the_rule_file_of_the_telemetry_folder_is_the_charts() -> None:
+    assert (ASSETS / "prometheus-alerts.yaml").resolve() == RULES.resolve()
+
+
+def test_the_dashboard_is_valid_under_grafanas_dashboard_schema() -> None:
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    board = dashboard()
+    assert [e.message for e in validator.iter_errors(board)] == []
+    board["panels"][1]["gridPos"]["w"] = "wide"  # the schema does hold the dashboard to it
+    assert list(validator.iter_errors(board))
+
+
+def test_the_dashboard_has_unique_panel_ids_and_namespace_and_job_variables() -> None:
     board = dashboard()
     ids = [panel["id"] for panel in board["panels"]]
     assert len(ids) == len(set(ids))
     assert board["uid"] == "policyd-routing"
     graphs = [p for p in board["panels"] if p["type"] != "row"]
     assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in graphs)
+    variables = [v["name"] for v in board["templating"]["list"]]
+    assert {"namespace", "job"} <= set(variables)
+    for panel in graphs:
+        for target in panel["targets"]:
+            for selector in parse(target["expr"]).selectors:
+                names = {label for label, _, _ in selector.matchers}
+                assert {"namespace", "job"} <= names, f"{panel['title']}: {target['expr']}"
+
+
+def test_every_exported_family_is_charted(tmp_path: Path) -> None:
+    charted = {s.name for e in dashboard_queries() for s in parse(e).selectors}
+    families = {
+        re.sub(r"_(bucket|count|sum|total)$", "", name)
+        for name in exported(tmp_path).names
+        if name.startswith("policyd_")
+    }
+    bases = {re.sub(r"_(bucket|count|sum|total)$", "", name) for name in charted}
+    assert sorted(families - bases) == []
 
 
 def documents(name: str) -> list[dict[str, Any]]:

@@ -25,6 +25,10 @@ from policyd.telemetry import (
 )
 from policyd.telemetry.exchange_end import ExchangeEnd
 
+LIVE = {"policy": "live", "model_name": "llama"}  # what telemetry_support's requests get
+ROUTED_A = {"model_server_endpoint": "a", "model_name": "llama"}
+NOT_ROUTED = {"model_server_endpoint": "", "model_name": "llama"}
+
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
     return registry.get_sample_value(name, labels)
@@ -55,7 +59,7 @@ def test_decisions_nodes_and_latency_are_counted(tmp_path: Path) -> None:
     metrics = DecisionMetrics()
     served(metrics, tmp_path, count=3)
     r = metrics.registry
-    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", pod="a") == 3
+    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", **ROUTED_A) == 3
     assert value(r, "policyd_decision_duration_seconds_count", policy="live") == 3
     assert value(r, "policyd_decision_duration_seconds_bucket", policy="live", le="0.0005") == 3
     assert value(r, "policyd_decision_duration_seconds_bucket", policy="live", le="0.00025") == 0
@@ -65,9 +69,9 @@ def test_decisions_nodes_and_latency_are_counted(tmp_path: Path) -> None:
     assert value(r, "policyd_filter_node_pods_total", **node, result="kept") == 6
     assert value(r, "policyd_filter_node_pods_total", **node, result="dropped") == 3
     assert value(r, "policyd_filter_node_errors_total", **node) is None  # no errors
-    assert value(r, "policyd_responses_total", policy="live", status_class="2xx") == 3
-    assert value(r, "policyd_response_time_to_first_token_seconds_count", policy="live") == 3
-    assert value(r, "policyd_response_duration_seconds_sum", policy="live") == pytest.approx(2.4)
+    assert value(r, "policyd_responses_total", **LIVE, status_class="2xx") == 3
+    assert value(r, "policyd_response_time_to_first_token_seconds_count", **LIVE) == 3
+    assert value(r, "policyd_response_duration_seconds_sum", **LIVE) == pytest.approx(2.4)
 
 
 def test_decisions_that_share_a_walk_are_each_counted(tmp_path: Path) -> None:
@@ -126,12 +130,12 @@ def test_shed_decisions_and_their_walk(tmp_path: Path) -> None:
     metrics = DecisionMetrics()
     served(metrics, tmp_path, count=2, busy=True)
     r = metrics.registry
-    assert value(r, "policyd_decisions_total", policy="live", outcome="shed", pod="") == 2
+    assert value(r, "policyd_decisions_total", policy="live", outcome="shed", **NOT_ROUTED) == 2
     failure = {"policy": "live", "node": "short queue", "kind": "keep", "branch": "on_failure"}
     assert value(r, "policyd_filter_node_visits_total", **failure) == 2
     shed = {"policy": "live", "node": "too busy", "kind": "shed", "branch": "end"}
     assert value(r, "policyd_filter_node_visits_total", **shed) == 2
-    assert value(r, "policyd_responses_total", policy="live", status_class="4xx") is None
+    assert value(r, "policyd_responses_total", **LIVE, status_class="4xx") is None
 
 
 def test_cel_errors_are_counted_per_node(tmp_path: Path) -> None:
@@ -256,33 +260,40 @@ def test_the_pool_is_read_at_scrape_time() -> None:
     assert value(registry, "policyd_pool_panic_rounds_total") == 3
     assert value(registry, "policyd_pool_scrape_rounds_total") == 12
     assert value(registry, "policyd_pool_scrape_overruns_total") == 1
-    assert value(registry, "policyd_pod_candidate", pod="a") == 1
-    assert value(registry, "policyd_pod_candidate", pod="b") == 0
-    assert value(registry, "policyd_pod_waiting_requests", pod="a") == 4
-    assert value(registry, "policyd_pod_running_requests", pod="a") == 2
-    assert value(registry, "policyd_pod_kv_cache_usage_ratio", pod="a") == 0.25
-    assert value(registry, "policyd_pod_active_lora_adapters", pod="a") == 1
-    assert value(registry, "policyd_pod_max_lora_adapters", pod="b") == 4
-    assert value(registry, "policyd_pod_in_flight_requests", pod="a") == 3
-    assert value(registry, "policyd_pod_scrapes_total", pod="b", result="failure") == 5
-    assert value(registry, "policyd_pod_scrape_consecutive_failures", pod="b") == 5
-    assert value(registry, "policyd_pod_scrape_duration_seconds", pod="a") == 0.004
-    assert value(registry, "policyd_pod_metrics_age_seconds", pod="a") == 0.5
-    assert value(registry, "policyd_pod_metrics_age_seconds", pod="b") == math.inf
+    assert value(registry, "policyd_pod_candidate", model_server_endpoint="a") == 1
+    assert value(registry, "policyd_pod_candidate", model_server_endpoint="b") == 0
+    assert value(registry, "policyd_pod_waiting_requests", model_server_endpoint="a") == 4
+    assert value(registry, "policyd_pod_running_requests", model_server_endpoint="a") == 2
+    assert value(registry, "policyd_pod_kv_cache_usage_ratio", model_server_endpoint="a") == 0.25
+    assert value(registry, "policyd_pod_active_lora_adapters", model_server_endpoint="a") == 1
+    assert value(registry, "policyd_pod_max_lora_adapters", model_server_endpoint="b") == 4
+    assert value(registry, "policyd_pod_in_flight_requests", model_server_endpoint="a") == 3
+    assert (
+        value(registry, "policyd_pod_scrapes_total", model_server_endpoint="b", result="failure")
+        == 5
+    )
+    assert (
+        value(registry, "policyd_pod_scrape_consecutive_failures", model_server_endpoint="b") == 5
+    )
+    assert (
+        value(registry, "policyd_pod_scrape_duration_seconds", model_server_endpoint="a") == 0.004
+    )
+    assert value(registry, "policyd_pod_metrics_age_seconds", model_server_endpoint="a") == 0.5
+    assert value(registry, "policyd_pod_metrics_age_seconds", model_server_endpoint="b") == math.inf
     # A pod that left is no longer reported.
     pool.current = Snapshot((a,), (a,))
-    assert value(registry, "policyd_pod_candidate", pod="b") is None
+    assert value(registry, "policyd_pod_candidate", model_server_endpoint="b") is None
 
 
 def test_decision_series_of_pods_that_left_are_dropped(tmp_path: Path) -> None:
     metrics = DecisionMetrics()
     served(metrics, tmp_path)
     r = metrics.registry
-    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", pod="a") == 1
+    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", **ROUTED_A) == 1
     pool = FakePool(Snapshot((Pod("b", "10.0.0.2:8000"),), ()))
     r.register(PoolCollector(pool, decisions=metrics))
     value(r, "policyd_pool_pods")  # a scrape
-    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", pod="a") is None
+    assert value(r, "policyd_decisions_total", policy="live", outcome="routed", **ROUTED_A) is None
 
 
 # -- the endpoint --------------------------------------------------------------------------
@@ -304,7 +315,10 @@ def test_the_metrics_endpoint_serves_metrics_and_health(tmp_path: Path) -> None:
     try:
         status, content_type, body = fetch(server.url + "/metrics")
         assert status == 200 and content_type.startswith("text/plain")
-        assert 'policyd_decisions_total{outcome="routed",pod="a",policy="live"} 1.0' in body
+        assert (
+            'policyd_decisions_total{model_name="llama",model_server_endpoint="a",'
+            'outcome="routed",policy="live"} 1.0' in body
+        )
         assert fetch(server.url + "/healthz")[0] == 200
         assert fetch(server.url + "/readyz")[0] == 503
         ready[0] = True
@@ -352,3 +366,56 @@ def test_remembered_walks_do_not_grow_memory_without_bound(tmp_path: Path) -> No
     finally:
         tracemalloc.stop()
     assert grown < 1.5 * 1024 * 1024, f"{grown / 1024:.0f} KiB more after 3000 decisions"
+
+
+# -- the model label, per-model gauges, the build and the process ----------------------------
+
+
+def routed_for(model: str) -> Decision:
+    return Decision(Outcome.ROUTED, "live", "1", model, endpoint="10.0.0.1:8000", pod="a")
+
+
+def test_request_chosen_model_names_are_capped_and_the_pools_models_pinned() -> None:
+    metrics = DecisionMetrics()
+    metrics.models.limit = 2
+    served_models = Pod("a", "10.0.0.1:8000", base_model="base", active_loras=("sql-lora",))
+    pool = FakePool(Snapshot((served_models,), (served_models,)))
+    metrics.registry.register(PoolCollector(pool, decisions=metrics))
+    value(metrics.registry, "policyd_pool_pods")  # a scrape pins what the pods serve
+    for model in ("junk-1", "junk-2", "junk-3", "junk-4", "base", "sql-lora", "x" * 200):
+        metrics.decision(routed_for(model), 0.001)
+    metrics.decision(routed_for("junk-1"), 0.001)  # admitted once: its own series for good
+    counted = {
+        labels["model_name"]: sample
+        for sample, labels in (
+            (s.value, s.labels)
+            for family in metrics.registry.collect()
+            for s in family.samples
+            if s.name == "policyd_decisions_total"
+        )
+    }
+    assert counted == {"junk-1": 2, "junk-2": 1, "other": 3, "base": 1, "sql-lora": 1}
+
+
+def test_running_waiting_and_saturation_per_model_for_autoscalers() -> None:
+    idle = Pod("a", "10.0.0.1:8000", base_model="m", running=1, waiting_queue=0, kv_cache=0.2)
+    full = Pod("b", "10.0.0.2:8000", base_model="m", running=7, waiting_queue=10, kv_cache=0.4)
+    stale = Pod("c", "10.0.0.3:8000", base_model="m", running=3, waiting_queue=0)
+    other = Pod("d", "10.0.0.4:8000", base_model="n", running=2, waiting_queue=1, kv_cache=0.8)
+    pool = FakePool(Snapshot((idle, full, stale, other), (idle, full, other)))
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(pool))
+    assert value(registry, "policyd_model_running_requests", model_name="m") == 11
+    assert value(registry, "policyd_model_waiting_requests", model_name="m") == 10
+    assert value(registry, "policyd_model_running_requests", model_name="n") == 2
+    # m: idle 0.25 (KV 0.2 of 0.8), full 2.0 (10 waiting of 5), stale 1: mean 3.25 / 3.
+    assert value(registry, "policyd_pool_saturation", model_name="m") == pytest.approx(3.25 / 3)
+    assert value(registry, "policyd_pool_saturation", model_name="n") == pytest.approx(1.0)
+
+
+def test_each_worker_reports_its_build_and_its_process() -> None:
+    registry = DecisionMetrics(worker=3).registry
+    (build,) = [s for f in registry.collect() for s in f.samples if s.name == "policyd_build_info"]
+    assert build.labels["worker"] == "3" and build.labels["version"] and build.value == 1
+    assert (value(registry, "process_resident_memory_bytes") or 0) > 0
+    assert (value(registry, "process_open_fds") or 0) > 0

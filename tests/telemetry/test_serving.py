@@ -99,7 +99,12 @@ async def test_one_exchange_makes_one_complete_span(rig: Rig, spans: Spans) -> N
     assert a.TIME_TO_FIRST_TOKEN in attributes
     assert attributes[a.SHADOWS] == 1
     registry = rig.metrics.registry
-    routed = {"policy": "live", "outcome": "routed", "pod": "a"}
+    routed = {
+        "policy": "live",
+        "outcome": "routed",
+        "model_server_endpoint": "a",
+        "model_name": "llama",
+    }
     assert registry.get_sample_value("policyd_decisions_total", routed) == 1
 
 
@@ -201,3 +206,53 @@ async def test_shadows_run_after_the_live_reply_has_gone_out(rig: Rig, spans: Sp
     # could only arrive after shadow_ended).
     assert replied < slow.shadow_ended
     assert dict(spans.only().attributes or {})[a.SHADOWS] == 1
+
+
+async def one_exchange_attributes(
+    rig: Rig, spans: Spans, path: str, body: dict[str, Any], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The decision span's attributes of one exchange to ``path`` answered 200 with ``usage``."""
+    call = rig.envoy.open(metadata=[CARRIER])
+    for message in (
+        request_headers({}, path=path),
+        request_body(body),
+        response_headers(200),
+        response_body(json.dumps({"usage": usage}).encode(), end_of_stream=True),
+    ):
+        await call.write(message)
+        await call.read()
+    await call.done_writing()
+    await settled(rig.server)
+    span = spans.only()
+    assert span.name == f"chat {body['model']}"
+    return dict(span.attributes or {})
+
+
+async def test_an_anthropic_messages_request_is_a_chat_with_its_cache_reads_in_gen_ai_usage(
+    rig: Rig, spans: Spans
+) -> None:
+    usage = {"input_tokens": 3, "output_tokens": 4, "cache_read_input_tokens": 96}
+    attributes = await one_exchange_attributes(rig, spans, "/v1/messages", BODY, usage)
+    assert attributes[a.GEN_AI_OPERATION] == "chat"
+    assert attributes[a.GEN_AI_PROVIDER] == "anthropic"
+    assert attributes[a.GEN_AI_CACHED_TOKENS] == 96
+    assert attributes[a.GEN_AI_INPUT_TOKENS] == 99  # Anthropic counts cache reads apart
+    assert attributes[a.GEN_AI_OUTPUT_TOKENS] == 4
+    assert a.GEN_AI_REQUEST_STREAM not in attributes  # set only for a streaming request
+
+
+async def test_an_openai_chat_names_its_provider_its_stream_and_its_cached_tokens(
+    rig: Rig, spans: Spans
+) -> None:
+    usage = {
+        "prompt_tokens": 40,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    body = {**BODY, "stream": True}
+    attributes = await one_exchange_attributes(rig, spans, "/v1/chat/completions", body, usage)
+    assert attributes[a.GEN_AI_OPERATION] == "chat"
+    assert attributes[a.GEN_AI_PROVIDER] == "openai"
+    assert attributes[a.GEN_AI_REQUEST_STREAM] is True
+    assert attributes[a.GEN_AI_CACHED_TOKENS] == 32
+    assert attributes[a.GEN_AI_INPUT_TOKENS] == 40

@@ -361,7 +361,7 @@ def test_a_prefix_policy_records_the_chosen_and_best_match_and_the_cached_tokens
     attributes = dict(spans.only().attributes or {})
     assert attributes[a.PREFIX_MATCH] == 0.75
     assert attributes[a.BEST_PREFIX_MATCH] == 0.75
-    assert attributes[a.CACHED_TOKENS] == 160
+    assert attributes[a.GEN_AI_CACHED_TOKENS] == 160
 
 
 def test_a_policy_without_prefix_fields_records_no_prefix_attributes(
@@ -373,7 +373,7 @@ def test_a_policy_without_prefix_fields_records_no_prefix_attributes(
     record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     attributes = dict(spans.only().attributes or {})
-    assert not {a.PREFIX_MATCH, a.BEST_PREFIX_MATCH, a.CACHED_TOKENS} & set(attributes)
+    assert not {a.PREFIX_MATCH, a.BEST_PREFIX_MATCH, a.GEN_AI_CACHED_TOKENS} & set(attributes)
 
 
 def test_a_held_request_records_its_time_held_and_queue_position(
@@ -396,3 +396,27 @@ def test_a_request_never_held_records_no_flow_attributes(tmp_path: Path, spans: 
     record.after_reply(router.decide_shadows(decision))
     routed_end(record)
     assert not {a.FLOW_HELD, a.FLOW_QUEUE_POSITION} & set(spans.only().attributes or {})
+
+
+def test_the_span_leaves_token_usage_to_the_model_servers_span_when_told(
+    tmp_path: Path, spans: Spans
+) -> None:
+    router = router_for(tmp_path)
+    decision = router.decide(request(), pods())
+    telemetry = DecisionTelemetry(tracer=spans.tracer, span_usage=False)
+    record = telemetry.start(request(), decision, CARRIER, 0.001)
+    record.after_reply(router.decide_shadows(decision))
+    record.response_headers(200, 0.05)
+    routed_end(record, cached_tokens=8)
+    attributes = dict(spans.only().attributes or {})
+    assert not [name for name in attributes if name.startswith("gen_ai.usage.")]
+    assert attributes[a.GEN_AI_PROVIDER] == "openai"  # the rest of the span is unchanged
+
+
+def test_each_api_names_its_operation_and_provider() -> None:
+    assert a.operation("/v1/chat/completions") == ("chat", "openai")
+    assert a.operation("/v1/completions") == ("text_completion", "openai")
+    assert a.operation("/v1/embeddings") == ("embeddings", "openai")
+    assert a.operation("/v1/messages") == ("chat", "anthropic")
+    assert a.operation("/v1/responses") == ("chat", "openai")
+    assert a.operation("/generate") == ("inference", "openai")

@@ -184,3 +184,13 @@ def test_combine_feeds_every_sink_and_isolates_failures() -> None:
     both.stream_error("aborted", "decided")
     expected = ["start a", "after_reply", "status 200", "end True", "error aborted"]
     assert first.events == expected and second.events == expected
+
+
+def test_the_spans_scope_names_the_semantic_conventions_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    tracer = build_telemetry().tracer
+    assert tracer is not None and tracer.scope is not None
+    assert tracer.scope.name == "policyd"
+    assert tracer.scope.schema_url == "https://opentelemetry.io/schemas/1.41.0"

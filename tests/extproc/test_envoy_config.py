@@ -433,3 +433,38 @@ def test_policyd_address_lists_without_ports_are_refused(
 ) -> None:
     assert main(["envoy-config", "--policyd-addresses", addresses]) == 2
     assert capsys.readouterr().err.startswith("policyd envoy-config: ")
+
+
+# -- ports and the numbers Envoy checks only when it loads the bootstrap ------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--port", "70000"], "--port 70000 is not a port (1-65535)"),
+        (["--port", "0"], "--port 0 is not a port"),
+        (["--policyd-port", "65536"], "--policyd-port 65536 is not a port"),
+        (["--admin-port", "-1"], "--admin-port -1 is not a port"),
+        (["--model-servers", "10.0.0.5:99999"], "--model-servers 10.0.0.5:99999: 99999"),
+        (["--policyd-addresses", "10.0.0.1:0"], "--policyd-addresses 10.0.0.1:0: 0 is not"),
+        (["--otlp-endpoint", "collector:123456"], "--otlp-endpoint collector:123456: 123456"),
+        (["--otlp-endpoint", ":4317"], "--otlp-endpoint takes host:port addresses"),
+        (["--message-timeout-ms", "0"], "--message-timeout-ms must be positive"),
+        (["--stream-idle-timeout-s", "-5"], "--stream-idle-timeout-s must be >= 0"),
+    ],
+)
+def test_a_port_or_timeout_envoy_would_refuse_is_refused_with_its_flag(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["envoy-config", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"policyd envoy-config: {said}")
+
+
+def test_envoy_itself_refuses_a_listener_port_past_65535(tmp_path: Path) -> None:
+    """Why the check is policyd's: the bootstrap is YAML, and only Envoy's loading says no."""
+    (tmp_path / "envoy.yaml").write_text(render(EnvoyConfigOptions(port=70000)))
+    result = envoy_validates(tmp_path / "envoy.yaml")
+    assert result.returncode != 0
+    assert "port_value" in result.stdout + result.stderr

@@ -29,7 +29,6 @@ from policyd.policy.reader import (
     text,
 )
 from policyd.policy.scoring import ScorerSpec
-from policyd.policy.version import API_VERSION, KIND
 from policyd.policy.source import (
     Source,
     YMapping,
@@ -39,6 +38,7 @@ from policyd.policy.source import (
     kind_name,
     parse_yaml,
 )
+from policyd.policy.version import API_VERSION, KIND
 
 CRITICALITIES: Final = ("critical", "standard", "sheddable")
 PARAM_TYPES: Final = (

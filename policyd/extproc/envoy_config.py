@@ -55,7 +55,8 @@ What it sets up, and why:
   response starts, so it must exceed ``max_message_timeout`` (a hold) plus the
   time to upload the largest body; it never cuts a generation.
 - the client headers that buy priority or pick a flow (``stripped_headers``:
-  by default the criticality, deadline and ``x-tenant`` headers) are removed
+  by default the criticality, objective, fairness id, deadline and
+  ``x-tenant`` headers) are removed
   with the destination header as the request arrives, so only a filter after
   that point (an authentication filter setting them from a verified token) or,
   when the operator keeps them, a trusted proxy in front can set them
@@ -110,6 +111,7 @@ from policyd.extproc.envoy_clusters import grpc_cluster, model_cluster, policyd_
 from policyd.extproc.envoy_edge import listener
 from policyd.extproc.envoy_proto import TYPE_URL, is_ip, socket_address
 from policyd.extproc.replies import DESTINATION_HEADER
+from policyd.policy.client_headers import FAIRNESS_HEADERS, OBJECTIVE_HEADERS
 from policyd.policy.document import DEFAULT_CRITICALITY_HEADER
 from policyd.policy.flow import DEFAULT_DEADLINE_HEADER
 
@@ -132,7 +134,13 @@ TENANT_HEADER: Final = "x-tenant"
 # Client headers a policy honours for priority, deadline or flow: removed as the
 # request arrives unless the operator trusts what sets them (docs/serving.md,
 # "Trust model").
-PRIORITY_HEADERS: Final = (DEFAULT_CRITICALITY_HEADER, DEFAULT_DEADLINE_HEADER, TENANT_HEADER)
+PRIORITY_HEADERS: Final = (
+    DEFAULT_CRITICALITY_HEADER,
+    *OBJECTIVE_HEADERS,
+    *FAIRNESS_HEADERS,
+    DEFAULT_DEADLINE_HEADER,
+    TENANT_HEADER,
+)
 _HEADER_NAME: Final = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 
 

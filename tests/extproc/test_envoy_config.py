@@ -129,6 +129,10 @@ def test_a_policyd_failure_does_not_cut_a_response_but_nothing_unrouted_reaches_
                     {"remove": "x-gateway-destination-endpoint"},
                     # and the client headers that buy priority or pick a flow
                     {"remove": "x-gateway-inference-criticality"},
+                    {"remove": "x-llm-d-inference-objective"},
+                    {"remove": "x-gateway-inference-objective"},
+                    {"remove": "x-llm-d-inference-fairness-id"},
+                    {"remove": "x-gateway-inference-fairness-id"},
                     {"remove": "x-request-deadline-ms"},
                     {"remove": "x-tenant"},
                 ],
@@ -203,6 +207,10 @@ def test_the_header_flags_add_to_and_keep_from_what_is_removed(
     assert removed_headers(config) == [
         "x-gateway-destination-endpoint",
         "x-gateway-inference-criticality",
+        "x-llm-d-inference-objective",
+        "x-gateway-inference-objective",
+        "x-llm-d-inference-fairness-id",
+        "x-gateway-inference-fairness-id",
         "x-request-deadline-ms",
         "x-pool",
     ]
@@ -210,7 +218,7 @@ def test_the_header_flags_add_to_and_keep_from_what_is_removed(
     assert manager["typed_config"]["request_timeout"] == "200s"
     assert manager["typed_config"]["request_headers_timeout"] == "10s"
     # Trusting every default keeps only the destination header's removal.
-    trust_all = [f"--trust-header={name}" for name in removed_headers(config)[1:3]]
+    trust_all = [f"--trust-header={name}" for name in removed_headers(config)[1:7]]
     assert main(["envoy-config", *trust_all, "--trust-header", "x-tenant"]) == 0
     assert removed_headers(yaml.safe_load(capsys.readouterr().out)) == [
         "x-gateway-destination-endpoint"

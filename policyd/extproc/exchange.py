@@ -52,6 +52,7 @@ from policyd.extproc.errors import RequestError
 from policyd.extproc.exchange_state import OVER, State
 from policyd.extproc.holding import HeldReply, HeldRequest
 from policyd.extproc.interfaces import NULL_SPAN, RequestSpan, RouterLike
+from policyd.extproc.objectives import applied
 from policyd.extproc.openai import (
     InferenceBody,
     parse_body,
@@ -396,9 +397,11 @@ class Exchange:
         return self._decide_and_reply(body, document, trailers, candidates, router)
 
     def _parse(self, document: bytes) -> InferenceBody:
-        return parse_body(
-            document, self._path, self._server.settings.max_model_bytes, headers=self._headers
+        server = self._server
+        body = parse_body(
+            document, self._path, server.settings.max_model_bytes, headers=self._headers
         )
+        return applied(body, server.objects(), server.rng)
 
     def _decide_and_reply(
         self,
@@ -441,7 +444,8 @@ class Exchange:
             decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
         )
         target = decision.target_model or request.model
-        new_body = rewrite_model(body, target) if target != request.model else None
+        # The body's own model: an InferenceModelRewrite may have renamed the request.
+        new_body = rewrite_model(body, target) if target != body.document["model"] else None
         upstream_headers = self._upstream_headers(span)
         if self._body_mode != _DUPLEX:
             return self._server.route_replies.route(destination, upstream_headers, new_body)

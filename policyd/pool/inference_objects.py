@@ -224,16 +224,22 @@ class InferenceObjectsFollower:
     def __init__(self, options: KubernetesOptions, configuration: Any) -> None:
         assert options.inference_pool is not None
         self.current: InferenceObjects = NO_OBJECTS
+        self._options = options
+        self._configuration = configuration
         self._lock = threading.Lock()  # the two watch threads' writes; reads take none
         self._priorities: Mapping[str, int] = {}
         self._rules: Mapping[str, tuple[RewriteRule, ...]] = {}
-        self.watches = (
+
+    def watches(self) -> tuple[ObjectsWatch, ObjectsWatch]:
+        """Fresh watches of both kinds (a stopped Reflector does not run again)."""
+        options, configuration = self._options, self._configuration
+        return (
             ObjectsWatch(options, configuration, OBJECTIVES, self._objectives_changed),
             ObjectsWatch(options, configuration, REWRITES, self._rewrites_changed),
         )
 
     def _objectives_changed(self, objects: Mapping[str, Mapping[str, Any]]) -> None:
-        pool = self.watches[0].pool
+        pool = self._options.inference_pool or ""
         priorities: dict[str, int] = {}
         for name, obj in objects.items():
             read = _read(objective_of, obj, pool, "InferenceObjective", name)
@@ -244,7 +250,7 @@ class InferenceObjectsFollower:
             self.current = combine(self._priorities, self._rules)
 
     def _rewrites_changed(self, objects: Mapping[str, Mapping[str, Any]]) -> None:
-        pool = self.watches[1].pool
+        pool = self._options.inference_pool or ""
         rules: dict[str, tuple[RewriteRule, ...]] = {}
         for name, obj in objects.items():
             read = _read(rules_of, obj, pool, "InferenceModelRewrite", name)
@@ -274,7 +280,8 @@ ObjectsChanged = Callable[[Mapping[str, Mapping[str, Any]]], None]
 
 
 class ObjectsWatch(Reflector):
-    """Lists and watches one kind (``plural``) in the pool's namespace; reports every change."""
+    """Lists and watches one kind (``plural``) in the pool's namespace; reports every change
+    (every object of the kind: which name the pool is the follower's to sort out)."""
 
     def __init__(
         self,
@@ -284,8 +291,6 @@ class ObjectsWatch(Reflector):
         changed: ObjectsChanged,
     ) -> None:
         super().__init__(options, configuration, self._refused)
-        assert options.inference_pool is not None
-        self.pool = options.inference_pool
         self.plural = plural
         self.label = f"{plural} watch"
         self._changed = changed

@@ -87,7 +87,7 @@ class KubernetesDiscovery:
             pool = PoolWatch(options, self._configuration, deliver, pods.retarget)
             workers.append(("policyd-inference-pool-watch", pool))
             assert self._objects is not None
-            workers.extend((f"policyd-{w.plural}-watch", w) for w in self._objects.watches)
+            workers.extend((f"policyd-{w.plural}-watch", w) for w in self._objects.watches())
         threads = [
             threading.Thread(target=worker.run, name=name, daemon=True) for name, worker in workers
         ]

@@ -39,6 +39,7 @@ response) is ``serving.py``'s, read here through ``ServingContext``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -390,18 +391,22 @@ class Exchange:
                 reply = HeldReply(verdict.band.max_wait_s)
                 # Only the bytes are kept while held (the parsed document is several
                 # times their size); the body is parsed again at dispatch.
-                self._holding = HeldRequest(reply, verdict, document, trailers, time.perf_counter())
+                self._holding = HeldRequest(
+                    reply, verdict, document, trailers, time.perf_counter(), body.request
+                )
                 holding.held()
                 return reply
             candidates = verdict.candidates
         return self._decide_and_reply(body, document, trailers, candidates, router)
 
     def _parse(self, document: bytes) -> InferenceBody:
-        server = self._server
-        body = parse_body(
-            document, self._path, server.settings.max_model_bytes, headers=self._headers
+        """The body and its request, the pool's objective and model rewrite applied."""
+        return applied(self._parsed(document), self._server.objects(), self._server.rng)
+
+    def _parsed(self, document: bytes) -> InferenceBody:
+        return parse_body(
+            document, self._path, self._server.settings.max_model_bytes, headers=self._headers
         )
-        return applied(body, server.objects(), server.rng)
 
     def _decide_and_reply(
         self,
@@ -470,8 +475,9 @@ class Exchange:
         self.state = State.READING
         try:
             document = hold.document
+            body = dataclasses.replace(self._parsed(document), request=hold.admitted)
             reply = self._decide_and_reply(
-                self._parse(document), document, hold.trailers, candidates, self._server.routers()
+                body, document, hold.trailers, candidates, self._server.routers()
             )
         except RequestError as error:
             reply = self._reject(error)

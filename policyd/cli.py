@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -62,4 +64,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
-    return run(parsed)
+    try:
+        return run(parsed)
+    except BrokenPipeError:
+        return _reader_went_away()
+
+
+def _reader_went_away() -> int:
+    """The exit of a command whose reader closed its output (``policyd explain ... | head``).
+
+    Python ignores SIGPIPE, so a write to a closed pipe raises instead of
+    ending the process quietly as other command-line tools end. What is still
+    buffered for stdout would raise again at exit: stdout goes to /dev/null.
+    The status is the shell's for a process SIGPIPE ended (128 + 13), so
+    ``set -o pipefail`` still sees that the output was cut short.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE

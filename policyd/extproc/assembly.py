@@ -69,6 +69,7 @@ class Policyd:
             ready=self.ready,
             options=options,
             prefix=self.prefix.locator,
+            objects=pool.inference_objects,
         )
         self._watch: asyncio.Task[None] | None = None
 

@@ -55,7 +55,8 @@ What it sets up, and why:
   response starts, so it must exceed ``max_message_timeout`` (a hold) plus the
   time to upload the largest body; it never cuts a generation.
 - the client headers that buy priority or pick a flow (``stripped_headers``:
-  by default the criticality, deadline and ``x-tenant`` headers) are removed
+  by default the criticality, objective, fairness id, deadline and
+  ``x-tenant`` headers) are removed
   with the destination header as the request arrives, so only a filter after
   that point (an authentication filter setting them from a verified token) or,
   when the operator keeps them, a trusted proxy in front can set them
@@ -110,6 +111,7 @@ from policyd.extproc.envoy_clusters import grpc_cluster, model_cluster, policyd_
 from policyd.extproc.envoy_edge import listener
 from policyd.extproc.envoy_proto import TYPE_URL, is_ip, socket_address
 from policyd.extproc.replies import DESTINATION_HEADER
+from policyd.policy.client_headers import FAIRNESS_HEADERS, OBJECTIVE_HEADERS
 from policyd.policy.document import DEFAULT_CRITICALITY_HEADER
 from policyd.policy.flow import DEFAULT_DEADLINE_HEADER
 
@@ -132,7 +134,13 @@ TENANT_HEADER: Final = "x-tenant"
 # Client headers a policy honours for priority, deadline or flow: removed as the
 # request arrives unless the operator trusts what sets them (docs/serving.md,
 # "Trust model").
-PRIORITY_HEADERS: Final = (DEFAULT_CRITICALITY_HEADER, DEFAULT_DEADLINE_HEADER, TENANT_HEADER)
+PRIORITY_HEADERS: Final = (
+    DEFAULT_CRITICALITY_HEADER,
+    *OBJECTIVE_HEADERS,
+    *FAIRNESS_HEADERS,
+    DEFAULT_DEADLINE_HEADER,
+    TENANT_HEADER,
+)
 _HEADER_NAME: Final = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 
 
@@ -383,24 +391,30 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         raise ValueError("--policyd-tls-cert/--policyd-tls-key need --policyd-tls-ca")
     if (arguments.policyd_tls_cert is None) != (arguments.policyd_tls_key is None):
         raise ValueError("--policyd-tls-cert and --policyd-tls-key go together")
-    if arguments.otlp_endpoint and not arguments.otlp_endpoint.rpartition(":")[2].isdigit():
-        raise ValueError(f"--otlp-endpoint must be host:port, not {arguments.otlp_endpoint!r}")
+    for flag in ("port", "policyd_port", "admin_port"):
+        _check_port(f"--{flag.replace('_', '-')}", getattr(arguments, flag))
+    if arguments.otlp_endpoint:
+        _check_address("--otlp-endpoint", arguments.otlp_endpoint)
+    if arguments.message_timeout_ms is not None and arguments.message_timeout_ms <= 0:
+        raise ValueError("--message-timeout-ms must be positive")
+    if arguments.stream_idle_timeout_s < 0:
+        raise ValueError("--stream-idle-timeout-s must be >= 0 (0: none)")
+    if arguments.request_timeout_s <= 0 or arguments.request_headers_timeout_s <= 0:
+        raise ValueError("--request-timeout-s and --request-headers-timeout-s must be positive")
     if arguments.buffer_limit_mib <= 0:
         raise ValueError("--buffer-limit-mib must be positive")
     if arguments.policyd_streams_per_connection < 1 or arguments.policyd_max_streams < 1:
         raise ValueError("--policyd-streams-per-connection and --policyd-max-streams must be >= 1")
     model_servers = tuple(a.strip() for a in arguments.model_servers.split(",") if a.strip())
     for address in model_servers:
-        if not address.rpartition(":")[2].isdigit():
-            raise ValueError(f"--model-servers takes host:port addresses, not {address!r}")
+        _check_address("--model-servers", address)
     if len(model_servers) > 1 and not all(is_ip(a.rpartition(":")[0]) for a in model_servers):
         raise ValueError("--model-servers takes ip:port addresses or one name:port")
     policyd_addresses = tuple(
         a.strip() for a in arguments.policyd_addresses.split(",") if a.strip()
     )
     for address in policyd_addresses:
-        if not address.rpartition(":")[2].isdigit() or not address.rpartition(":")[0]:
-            raise ValueError(f"--policyd-addresses takes host:port addresses, not {address!r}")
+        _check_address("--policyd-addresses", address)
     if arguments.retries < 0:
         raise ValueError("--retries must be >= 0")
     stripped = [*PRIORITY_HEADERS, *(name.strip().lower() for name in arguments.strip_header)]
@@ -429,6 +443,19 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         otlp_endpoint=arguments.otlp_endpoint,
         ext_proc_mode=arguments.ext_proc_mode,
     )
+
+
+def _check_port(flag: str, port: int) -> None:
+    """Envoy refuses a bootstrap with a port past 65535 only when it loads it: say so here."""
+    if not 0 < port < 65536:
+        raise ValueError(f"{flag} {port} is not a port (1-65535)")
+
+
+def _check_address(flag: str, address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{flag} takes host:port addresses, not {address!r}")
+    _check_port(f"{flag} {address}:", int(port))
 
 
 def run(arguments: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ response) is ``serving.py``'s, read here through ``ServingContext``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +53,7 @@ from policyd.extproc.errors import RequestError
 from policyd.extproc.exchange_state import OVER, State
 from policyd.extproc.holding import HeldReply, HeldRequest
 from policyd.extproc.interfaces import NULL_SPAN, RequestSpan, RouterLike
+from policyd.extproc.objectives import applied
 from policyd.extproc.openai import (
     InferenceBody,
     parse_body,
@@ -389,13 +391,19 @@ class Exchange:
                 reply = HeldReply(verdict.band.max_wait_s)
                 # Only the bytes are kept while held (the parsed document is several
                 # times their size); the body is parsed again at dispatch.
-                self._holding = HeldRequest(reply, verdict, document, trailers, time.perf_counter())
+                self._holding = HeldRequest(
+                    reply, verdict, document, trailers, time.perf_counter(), body.request
+                )
                 holding.held()
                 return reply
             candidates = verdict.candidates
         return self._decide_and_reply(body, document, trailers, candidates, router)
 
     def _parse(self, document: bytes) -> InferenceBody:
+        """The body and its request, the pool's objective and model rewrite applied."""
+        return applied(self._parsed(document), self._server.objects(), self._server.rng)
+
+    def _parsed(self, document: bytes) -> InferenceBody:
         return parse_body(
             document, self._path, self._server.settings.max_model_bytes, headers=self._headers
         )
@@ -441,7 +449,8 @@ class Exchange:
             decision.endpoint, decision.fallbacks if settings.send_fallbacks else ()
         )
         target = decision.target_model or request.model
-        new_body = rewrite_model(body, target) if target != request.model else None
+        # The body's own model: an InferenceModelRewrite may have renamed the request.
+        new_body = rewrite_model(body, target) if target != body.document["model"] else None
         upstream_headers = self._upstream_headers(span)
         if self._body_mode != _DUPLEX:
             return self._server.route_replies.route(destination, upstream_headers, new_body)
@@ -466,8 +475,9 @@ class Exchange:
         self.state = State.READING
         try:
             document = hold.document
+            body = dataclasses.replace(self._parsed(document), request=hold.admitted)
             reply = self._decide_and_reply(
-                self._parse(document), document, hold.trailers, candidates, self._server.routers()
+                body, document, hold.trailers, candidates, self._server.routers()
             )
         except RequestError as error:
             reply = self._reject(error)

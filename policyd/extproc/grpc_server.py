@@ -40,6 +40,7 @@ from policyd.extproc.interfaces import (
     SnapshotSource,
     Telemetry,
 )
+from policyd.extproc.objectives import ObjectsSource, no_objects
 from policyd.extproc.process_stream import ExternalProcessor
 from policyd.extproc.serving import ServingSettings
 from policyd.prefix.probe import PrefixLocator
@@ -88,10 +89,16 @@ class ExtProcServer:
         ready: Readiness = lambda: True,
         options: ServerOptions | None = None,
         prefix: PrefixLocator | None = None,
+        objects: ObjectsSource = no_objects,
     ) -> None:
         self.options = options or ServerOptions()
         self.processor = ExternalProcessor(
-            routers, snapshots, telemetry or NoTelemetry(), self.options.settings, prefix
+            routers,
+            snapshots,
+            telemetry or NoTelemetry(),
+            self.options.settings,
+            prefix,
+            objects=objects,
         )
         self.health = HealthReporter(ready, self.options.readiness_poll_seconds)
         self.port = 0

@@ -33,6 +33,7 @@ from policyd.extproc.usage import UsageReader
 from policyd.flow import FlowAnswer, FlowControl, Held
 from policyd.flow.control import AdmissionSource, FlowObserver
 from policyd.policy.flow import HOLD_MARGIN_SECONDS, MAX_HOLD_SECONDS
+from policyd.policy.request import Request
 
 log = logging.getLogger("policyd.extproc")
 
@@ -75,6 +76,9 @@ class HeldRequest:
     document: bytes
     trailers: bool
     since: float  # perf_counter when it was held
+    # The request as admitted, the pool's objective and model rewrite applied: it
+    # is dispatched as that, whatever those objects say by then.
+    admitted: Request
 
 
 class Holding:

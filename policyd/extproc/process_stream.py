@@ -46,6 +46,7 @@ from policyd.extproc.exchange import Answer, Exchange
 from policyd.extproc.exchange_state import State
 from policyd.extproc.holding import HeldReply, Holding
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
+from policyd.extproc.objectives import ObjectsSource, no_objects
 from policyd.extproc.serving import ResponseWatch, ServingSettings
 from policyd.extproc.settlement import Settlement
 from policyd.flow.control import AdmissionSource
@@ -70,6 +71,8 @@ class ExternalProcessor:
         telemetry: Telemetry,
         settings: ServingSettings,
         prefix: PrefixLocator | None = None,
+        *,
+        objects: ObjectsSource = no_objects,
     ) -> None:
         self.routers = routers
         self.snapshots = snapshots
@@ -83,6 +86,7 @@ class ExternalProcessor:
         self.response_watch = ResponseWatch(settings.in_flight_expiry_seconds)
         self.subsets = epp.Subsets()
         self.prefix = prefix
+        self.objects = objects
         # Flow control's metrics, where the telemetry has them (test doubles may not).
         # The router's ``admission`` is asked only for a request whose policy has a
         # ``flow`` section, which only a ``policyd.policy.Router`` serves.

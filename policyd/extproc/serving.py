@@ -29,6 +29,7 @@ from policyd.extproc import epp, replies
 from policyd.extproc.budget import BODY_WAIT_SECONDS, BodyBudget, ByteBudget
 from policyd.extproc.holding import Holding
 from policyd.extproc.interfaces import RouterSource, SnapshotSource, Telemetry
+from policyd.extproc.objectives import ObjectsSource
 from policyd.extproc.openai import MAX_MODEL_BYTES
 from policyd.extproc.settlement import Settlement
 from policyd.prefix.probe import PrefixLocator
@@ -185,3 +186,5 @@ class ServingContext(Protocol):
     def prefix(self) -> PrefixLocator | None: ...
     @property
     def holding(self) -> Holding: ...
+    @property
+    def objects(self) -> ObjectsSource: ...

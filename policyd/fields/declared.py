@@ -357,4 +357,19 @@ REQUEST_FIELDS: Final[tuple[Field, ...]] = (
     Field("stream", "bool", "request", "streamed response asked for", False),
     Field("path", "string", "request", "HTTP path, e.g. `/v1/completions`", "/v1/completions"),
     Field("id", "string", "request", "request id", ""),
+    Field(
+        "objective",
+        "string",
+        "request",
+        "the InferenceObjective the request names (`x-llm-d-inference-objective`, else"
+        ' `x-gateway-inference-objective`) when policyd follows one of that name, else `""`',
+        "",
+    ),
+    Field(
+        "priority",
+        "int",
+        "request",
+        "that InferenceObjective's `priority` (0 when it sets none, or without one)",
+        0,
+    ),
 )

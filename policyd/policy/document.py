@@ -37,6 +37,7 @@ from policyd.policy.source import (
     kind_name,
     parse_yaml,
 )
+from policyd.policy.version import API_VERSION, KIND
 
 CRITICALITIES: Final = ("critical", "standard", "sheddable")
 PARAM_TYPES: Final = (
@@ -53,6 +54,8 @@ PARAM_TYPES: Final = (
 DEFAULT_CRITICALITY_HEADER: Final = "x-gateway-inference-criticality"
 
 _TOP_LEVEL: Final = (
+    "apiVersion",
+    "kind",
     "name",
     "description",
     "match",
@@ -140,6 +143,8 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
     if not isinstance(root, YMapping):
         message = f"a policy file must be a mapping, not {kind_name(root)}"
         return None, [*diagnostics, source.diagnostic(root.at, message)]
+    if not _reads_format(root, diagnostics):
+        return None, diagnostics
     fields = Fields(root, _TOP_LEVEL, diagnostics, what="the policy")
     name_node = fields.string("name")
     default_name = source.path.rsplit("/", 1)[-1].split(".", 1)[0]
@@ -183,6 +188,29 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         flow=read_flow(fields),
     )
     return spec, diagnostics
+
+
+def _reads_format(root: YMapping, diagnostics: list[Diagnostic]) -> bool:
+    """Whether ``apiVersion`` and ``kind`` (each may be absent) name the format read here.
+
+    A file of another format is not read further: its fields would be judged
+    by the wrong rules, and its one problem is its version.
+    """
+    readable = True
+    for key, expected in (("apiVersion", API_VERSION), ("kind", KIND)):
+        entry = root.entries.get(key)
+        if entry is None:
+            continue
+        value = entry[1]
+        if not isinstance(value, YScalar) or value.value != expected:
+            shown = f"'{value.value}'" if isinstance(value, YScalar) else kind_name(value)
+            message = (
+                f"{key} {shown} is not a policy format this policyd reads: "
+                f"write '{key}: {expected}' (or leave it out)"
+            )
+            diagnostics.append(value.source.diagnostic(value.at, message))
+            readable = False
+    return readable
 
 
 def _read_shadows(fields: Fields) -> tuple[ShadowRef, ...]:

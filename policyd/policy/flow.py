@@ -10,8 +10,10 @@ runs the queue it describes. What the section decides, per request:
 - ``priority``: a CEL string naming the request's band (default
   ``request.criticality``); ``bands`` lists the bands, highest first, each
   with its maximum wait and limits. A name no band has goes to the lowest.
-- ``flows``: the flow key (a CEL string, default one flow for everyone), the
-  key of a request whose expression fails or gives "", and per-flow weights.
+- ``flows``: the flow key (a CEL string; without one, the request's fairness
+  id header, ``policyd.policy.client_headers``), the key of a request whose
+  expression fails or gives "" (or that carries no fairness id), and
+  per-flow weights.
 - ``max_flows``: how many flows may hold requests or have them in flight at
   once; a request of another key past it counts under one overflow flow, so
   keys a client makes up cannot each take a turn of their own.
@@ -30,6 +32,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from policyd.cel import CelEvalError
+from policyd.policy.client_headers import FAIRNESS_HEADERS, first_of
 from policyd.policy.evaluation import BOOL, Compiling, Evaluation, Evaluator, PodExpression
 from policyd.policy.pods import PolicyPod
 from policyd.policy.reader import Expression, Fields, expression, is_number, parse_duration
@@ -232,7 +235,7 @@ class CompiledFlow:
     saturated: PodExpression
     priority: Evaluator | None  # None: request.criticality
     bands: tuple[Band, ...]
-    key: Evaluator | None  # None: every request in the default flow
+    key: Evaluator | None  # None: the fairness id header, else the default flow
     default_flow: str
     weights: Mapping[str, float]
     max_flows: int  # flows held or in flight past which new keys share the overflow flow
@@ -261,7 +264,7 @@ class CompiledFlow:
     def flow_of(self, request: Request) -> str:
         """The request's flow key; the default when the expression fails or gives ""."""
         if self.key is None:
-            return self.default_flow
+            return first_of(request.headers, FAIRNESS_HEADERS) or self.default_flow
         try:
             key = self.key({"request": request})
         except CelEvalError:

@@ -29,6 +29,8 @@ class Request:
     stream: Final[bool] = False
     path: Final[str] = "/v1/completions"
     id: Final[str] = ""
+    objective: Final[str] = ""
+    priority: Final[int] = 0
     target_model: Final[str] = ""
     criticality: Final[str] = "standard"
 
@@ -42,6 +44,8 @@ class Request:
             self.stream,
             self.path,
             self.id,
+            self.objective,
+            self.priority,
             target_model,
             criticality,
         )

@@ -321,8 +321,9 @@ class Router:
     def _resolve(policy: CompiledPolicy, request: Request, rng: random.Random) -> Request:
         """The request as the policy sees it: criticality and target model decided.
 
-        Criticality: a valid value of the policy's criticality header, else the
-        model's own, else the policy default. The caller's object is not changed.
+        Criticality: the InferenceObjective's priority, else a valid value of the
+        policy's criticality header, else the model's own, else the policy
+        default (``_criticality``). The caller's object is not changed.
         """
         rule = policy.models.get(request.model)
         target = rule.target_for(request.model, rng.random) if rule else request.model
@@ -352,7 +353,17 @@ class Router:
 
 
 def _criticality(policy: CompiledPolicy, request: Request) -> str:
-    """A valid value of the policy's criticality header, else the model's, else the default."""
+    """The InferenceObjective's, else a valid value of the policy's criticality header,
+    else the model's, else the default.
+
+    An objective's integer priority maps onto the three levels as the Gateway API
+    Inference Extension's admission does: below 0 is sheddable (shed first when
+    the pool is saturated), 0 standard, above 0 critical.
+    """
+    if request.objective:
+        if request.priority > 0:
+            return "critical"
+        return "standard" if request.priority == 0 else "sheddable"
     if policy.criticality_header:
         asked = request.headers.get(policy.criticality_header, "").strip().lower()
         if asked in CRITICALITIES:

@@ -9,6 +9,13 @@ pods:
     address: "[fd00::12]:8000"
 ```
 
+The file takes the shapes ``policyd explain --pods`` and ``policyd test``
+take, so one file serves both: the list under ``pods``, the list alone, or a
+mapping from pod name to its fields. The other declared ``pod`` fields
+(``waiting_queue``, ``kv_cache``, ...) a snapshot for ``explain`` carries are
+scraped from the pods here: they are ignored, logged once per read, while an
+undeclared key (a typo such as ``adress``) is still an error.
+
 The file is read every poll interval (in a worker thread) and compared with
 the last read: comparing contents rather than modification times also
 catches same-size edits within one timestamp tick and the symlink swap of a
@@ -27,12 +34,16 @@ from pathlib import Path
 
 import yaml
 
+from policyd.fields.declared import POD_FIELDS
 from policyd.pool.discovery import DiscoveryError, PodIdentity, split_address
 
 log = logging.getLogger(__name__)
 
 _NULL_TAG = "tag:yaml.org,2002:null"
-_POD_KEYS = ("name", "address", "labels")
+_IDENTITY_KEYS = ("name", "address", "labels")
+# What an ``explain`` snapshot may say about a pod beyond its identity: the
+# pool measures these itself.
+_MEASURED_KEYS = tuple(f.name for f in POD_FIELDS if f.name not in _IDENTITY_KEYS)
 
 
 class StaticFileDiscovery:
@@ -117,23 +128,60 @@ def parse_pod_file(data: bytes | str, source: str) -> tuple[PodIdentity, ...]:
         raise DiscoveryError(
             "the file is empty; expected 'pods:' with a list of pods", source=source, line=1
         )
-    top = _mapping(root, "the file", ("pods",), source)
-    if "pods" not in top:
-        raise DiscoveryError("missing 'pods:' (a list of pods)", source=source, line=_line(root))
-    pods_node = top["pods"]
-    if not isinstance(pods_node, yaml.SequenceNode):
-        raise DiscoveryError("'pods' must be a list", source=source, line=_line(pods_node))
-    pods = [_pod(node, source) for node in pods_node.value]
-    _reject_duplicates(pods, pods_node, source)
+    entries = _pod_entries(root, source)
+    ignored: set[str] = set()
+    pods = [_pod(name, node, source, ignored) for name, node in entries]
+    _reject_duplicates(pods, [node for _, node in entries], source)
+    if ignored:  # read once per change of the file, so logged once per change
+        log.warning(
+            "%s: ignoring %s: the pool scrapes them from the pods (they are for explain and test)",
+            source,
+            ", ".join(sorted(ignored)),
+        )
     return tuple(sorted(pods, key=lambda pod: pod.name))
 
 
-def _pod(node: yaml.Node, source: str) -> PodIdentity:
-    fields = _mapping(node, "a pod", _POD_KEYS, source)
-    for required in ("name", "address"):
-        if required not in fields:
-            raise DiscoveryError(f"the pod has no '{required}'", source=source, line=_line(node))
-    name = _text(fields["name"], "name", source)
+def _pod_entries(root: yaml.Node, source: str) -> list[tuple[str | None, yaml.Node]]:
+    """``(name from the key, pod node)`` for each shape: ``pods:`` list, list, name mapping."""
+    if isinstance(root, yaml.MappingNode) and [_key(k) for k, _ in root.value] == ["pods"]:
+        root = root.value[0][1]
+        if not isinstance(root, yaml.SequenceNode):
+            raise DiscoveryError("'pods' must be a list", source=source, line=_line(root))
+    if isinstance(root, yaml.SequenceNode):
+        return [(None, node) for node in root.value]
+    if isinstance(root, yaml.MappingNode):
+        return [(_text(key, "pod name", source), node) for key, node in root.value]
+    raise DiscoveryError(
+        "expected 'pods:' with a list of pods, a list, or a mapping from pod name to its fields",
+        source=source,
+        line=_line(root),
+    )
+
+
+def _key(node: yaml.Node) -> str | None:
+    return str(node.value) if isinstance(node, yaml.ScalarNode) else None
+
+
+def _pod(name: str | None, node: yaml.Node, source: str, ignored: set[str]) -> PodIdentity:
+    fields = _mapping(node, "a pod", (*_IDENTITY_KEYS, *_MEASURED_KEYS), source)
+    ignored.update(key for key in fields if key in _MEASURED_KEYS)
+    if name is not None:
+        if "name" in fields and _text(fields["name"], "name", source) != name:
+            raise DiscoveryError(
+                f"the pod listed as {name!r} is named {_text(fields['name'], 'name', source)!r}",
+                source=source,
+                line=_line(fields["name"]),
+            )
+    elif "name" not in fields:
+        raise DiscoveryError("the pod has no 'name'", source=source, line=_line(node))
+    else:
+        name = _text(fields["name"], "name", source)
+    if "address" not in fields:
+        raise DiscoveryError(
+            "the pod has no 'address' (ip:port; explain's default <name>:8000 is no address)",
+            source=source,
+            line=_line(node),
+        )
     address = _text(fields["address"], "address", source)
     try:
         split_address(address)
@@ -179,10 +227,10 @@ def _text(node: yaml.Node, what: str, source: str, *, allow_empty: bool = False)
     return value
 
 
-def _reject_duplicates(pods: list[PodIdentity], node: yaml.SequenceNode, source: str) -> None:
+def _reject_duplicates(pods: list[PodIdentity], nodes: list[yaml.Node], source: str) -> None:
     seen_names: set[str] = set()
     seen_addresses: set[str] = set()
-    for pod, pod_node in zip(pods, node.value, strict=True):
+    for pod, pod_node in zip(pods, nodes, strict=True):
         if pod.name in seen_names:
             raise DiscoveryError(
                 f"pod name {pod.name!r} is used twice", source=source, line=_line(pod_node)

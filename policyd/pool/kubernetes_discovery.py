@@ -5,7 +5,9 @@
 sets to the event loop; closing the iterator shuts the watch's socket down so
 the thread ends at once. With ``KubernetesOptions.inference_pool`` a second
 thread follows that InferencePool (``inference_pool.PoolWatch``) and gives the
-pod watch its selector and target ports, again whenever they change.
+pod watch its selector and target ports, again whenever they change; two more
+follow its InferenceObjectives and InferenceModelRewrites
+(``inference_objects``), which ``inference_objects()`` returns.
 
 A pod is a candidate when it is Running, its Ready condition is True, it has
 a pod IP and is not being deleted; its address is ``podIP:port``. A pod is
@@ -14,7 +16,8 @@ one candidate per target port: named as the pod when there is one port, and
 reference endpoint picker's naming) when there are several, so the decision
 log tells a pod's data-parallel ranks apart. The service account needs
 ``list`` and ``watch`` on ``pods`` in the namespace (and, for a pool, ``get``
-and ``watch`` on that InferencePool).
+and ``watch`` on that InferencePool, ``list`` and ``watch`` on
+``inferenceobjectives`` and ``inferencemodelrewrites``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from policyd.pool.discovery import DiscoveryError, PodIdentity, join_address
+from policyd.pool.inference_objects import NO_OBJECTS, InferenceObjects, InferenceObjectsFollower
 from policyd.pool.inference_pool import PoolWatch
 from policyd.pool.kubernetes_watch import (
     Delivery,
@@ -55,6 +59,15 @@ class KubernetesDiscovery:
     def __init__(self, options: KubernetesOptions, *, configuration: Any = None) -> None:
         self.options = options
         self._configuration = configuration
+        self._objects = (
+            None
+            if options.inference_pool is None
+            else InferenceObjectsFollower(options, configuration)
+        )
+
+    def inference_objects(self) -> InferenceObjects:
+        """The pool's objectives and rewrites in force (none without a pool); never blocks."""
+        return NO_OBJECTS if self._objects is None else self._objects.current
 
     async def updates(self) -> AsyncIterator[tuple[PodIdentity, ...]]:
         loop = asyncio.get_running_loop()
@@ -73,6 +86,8 @@ class KubernetesDiscovery:
         else:
             pool = PoolWatch(options, self._configuration, deliver, pods.retarget)
             workers.append(("policyd-inference-pool-watch", pool))
+            assert self._objects is not None
+            workers.extend((f"policyd-{w.plural}-watch", w) for w in self._objects.watches())
         threads = [
             threading.Thread(target=worker.run, name=name, daemon=True) for name, worker in workers
         ]

@@ -29,6 +29,7 @@ from types import TracebackType
 
 from policyd.pool.datastore import Datastore, PoolSnapshot, ScrapeStats
 from policyd.pool.discovery import Discovery, DiscoveryError, PodIdentity
+from policyd.pool.inference_objects import NO_OBJECTS, InferenceObjects
 from policyd.pool.scrape_process import ProcessScraper
 from policyd.pool.scraper import ScrapeConfig, Scraper, ScrapeResult, ScrapeRounds, pod_presets
 
@@ -43,6 +44,11 @@ class Pool:
     def __init__(self, discovery: Discovery, config: ScrapeConfig | None = None) -> None:
         self.config = config or ScrapeConfig()
         self._discovery = discovery
+        # The InferencePool's objectives and rewrites, from a source that follows
+        # them (``KubernetesDiscovery`` with an InferencePool); none from the others.
+        self.inference_objects: Callable[[], InferenceObjects] = getattr(
+            discovery, "inference_objects", lambda: NO_OBJECTS
+        )
         self._ready = asyncio.Event()
         self._datastore = Datastore(
             stale_after=self.config.stale_threshold,

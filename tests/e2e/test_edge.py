@@ -45,6 +45,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 REQUEST_TIMEOUT_S = 1.0
 CLAIMS = {
     "x-gateway-inference-criticality": "Critical",
+    "x-llm-d-inference-objective": "premium",
+    "x-gateway-inference-objective": "premium",
+    "x-llm-d-inference-fairness-id": "fresh-tenant-every-time",
+    "x-gateway-inference-fairness-id": "fresh-tenant-every-time",
     "x-request-deadline-ms": "1",
     "x-tenant": "fresh-tenant-every-time",
 }

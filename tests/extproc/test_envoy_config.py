@@ -129,6 +129,10 @@ def test_a_policyd_failure_does_not_cut_a_response_but_nothing_unrouted_reaches_
                     {"remove": "x-gateway-destination-endpoint"},
                     # and the client headers that buy priority or pick a flow
                     {"remove": "x-gateway-inference-criticality"},
+                    {"remove": "x-llm-d-inference-objective"},
+                    {"remove": "x-gateway-inference-objective"},
+                    {"remove": "x-llm-d-inference-fairness-id"},
+                    {"remove": "x-gateway-inference-fairness-id"},
                     {"remove": "x-request-deadline-ms"},
                     {"remove": "x-tenant"},
                 ],
@@ -203,6 +207,10 @@ def test_the_header_flags_add_to_and_keep_from_what_is_removed(
     assert removed_headers(config) == [
         "x-gateway-destination-endpoint",
         "x-gateway-inference-criticality",
+        "x-llm-d-inference-objective",
+        "x-gateway-inference-objective",
+        "x-llm-d-inference-fairness-id",
+        "x-gateway-inference-fairness-id",
         "x-request-deadline-ms",
         "x-pool",
     ]
@@ -210,7 +218,7 @@ def test_the_header_flags_add_to_and_keep_from_what_is_removed(
     assert manager["typed_config"]["request_timeout"] == "200s"
     assert manager["typed_config"]["request_headers_timeout"] == "10s"
     # Trusting every default keeps only the destination header's removal.
-    trust_all = [f"--trust-header={name}" for name in removed_headers(config)[1:3]]
+    trust_all = [f"--trust-header={name}" for name in removed_headers(config)[1:7]]
     assert main(["envoy-config", *trust_all, "--trust-header", "x-tenant"]) == 0
     assert removed_headers(yaml.safe_load(capsys.readouterr().out)) == [
         "x-gateway-destination-endpoint"
@@ -433,3 +441,38 @@ def test_policyd_address_lists_without_ports_are_refused(
 ) -> None:
     assert main(["envoy-config", "--policyd-addresses", addresses]) == 2
     assert capsys.readouterr().err.startswith("policyd envoy-config: ")
+
+
+# -- ports and the numbers Envoy checks only when it loads the bootstrap ------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--port", "70000"], "--port 70000 is not a port (1-65535)"),
+        (["--port", "0"], "--port 0 is not a port"),
+        (["--policyd-port", "65536"], "--policyd-port 65536 is not a port"),
+        (["--admin-port", "-1"], "--admin-port -1 is not a port"),
+        (["--model-servers", "10.0.0.5:99999"], "--model-servers 10.0.0.5:99999: 99999"),
+        (["--policyd-addresses", "10.0.0.1:0"], "--policyd-addresses 10.0.0.1:0: 0 is not"),
+        (["--otlp-endpoint", "collector:123456"], "--otlp-endpoint collector:123456: 123456"),
+        (["--otlp-endpoint", ":4317"], "--otlp-endpoint takes host:port addresses"),
+        (["--message-timeout-ms", "0"], "--message-timeout-ms must be positive"),
+        (["--stream-idle-timeout-s", "-5"], "--stream-idle-timeout-s must be >= 0"),
+    ],
+)
+def test_a_port_or_timeout_envoy_would_refuse_is_refused_with_its_flag(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["envoy-config", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"policyd envoy-config: {said}")
+
+
+def test_envoy_itself_refuses_a_listener_port_past_65535(tmp_path: Path) -> None:
+    """Why the check is policyd's: the bootstrap is YAML, and only Envoy's loading says no."""
+    (tmp_path / "envoy.yaml").write_text(render(EnvoyConfigOptions(port=70000)))
+    result = envoy_validates(tmp_path / "envoy.yaml")
+    assert result.returncode != 0
+    assert "port_value" in result.stdout + result.stderr

@@ -25,6 +25,7 @@ from extproc_support import (
 
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.policy import PolicyStore, Router
+from policyd.pool.inference_objects import InferenceObjects, combine, rules_of
 from policyd.pool.pod import Pod
 
 POLICY = """
@@ -233,3 +234,48 @@ async def test_a_held_request_keeps_only_its_bytes_and_is_parsed_at_dispatch(rig
     assert rig.held == 0
     assert rig.server.processor.body_budget.held == 0
     first.cancel()
+
+
+async def test_a_held_request_is_dispatched_as_it_was_admitted(tmp_path: Path) -> None:
+    """The pool's rewrite and objective are applied once, at admission: objects that
+    change while the request is held do not change the model it is sent as."""
+
+    def rewriting_to(target: str) -> InferenceObjects:
+        obj = {
+            "metadata": {"name": "alias", "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {
+                "poolRef": {"name": "pool"},
+                "rules": [
+                    {"matches": [{"model": {"value": "m"}}], "targets": [{"modelRewrite": target}]}
+                ],
+            },
+        }
+        rules = rules_of(obj, "pool")
+        assert rules is not None
+        return combine({}, {"alias": rules})
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    router = Router(PolicyStore.open(path), rng=random.Random(0))
+    pods = (Pod(name="p0", address="10.0.0.1:8000"),)
+    objects = [rewriting_to("m-v1")]
+    server = ExtProcServer(
+        lambda: router,
+        lambda: Snapshot(pods),
+        options=ServerOptions(port=0, grace_seconds=1),
+        objects=lambda: objects[0],
+    )
+    rig = Rig(server, EnvoySide(await server.start()), pods)
+    try:
+        first = await rig.routed()
+        held = await rig.held_call()
+        objects[0] = rewriting_to("m-v2")
+        await first.write(response_headers(end_of_stream=True))
+        reply: pb.ProcessingResponse = await asyncio.wait_for(held.read(), 30)
+        sent = json.loads(reply.request_body.response.body_mutation.body)
+        assert sent == {**BODY, "model": "m-v1"}
+        first.cancel()
+        held.cancel()
+    finally:
+        await rig.envoy.close()
+        await server.stop(0.5)

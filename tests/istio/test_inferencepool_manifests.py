@@ -16,6 +16,7 @@ import yaml
 
 from policyd.cli import build_parser
 from policyd.extproc.serve_command import check_arguments
+from policyd.pool.inference_objects import GROUPS, OBJECTIVES, REWRITES
 
 ISTIO = Path(__file__).resolve().parents[2] / "istio"
 POOL_PATH = ISTIO / "inferencepool"
@@ -63,7 +64,9 @@ def test_the_deployment_follows_the_pool_the_role_lets_it_read(
     assert pools["resourceNames"] == [pool["metadata"]["name"]]
     assert sorted(pools["verbs"]) == ["get", "watch"]
     assert sorted(rules[("",), ("pods",)]["verbs"]) == ["list", "watch"]
-    assert len(rules) == 2  # nothing else
+    objects = rules[GROUPS, (OBJECTIVES, REWRITES)]
+    assert sorted(objects["verbs"]) == ["list", "watch"]  # policyd.pool.inference_objects
+    assert len(rules) == 3  # nothing else
     binding = one("RoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]

@@ -925,6 +925,10 @@ async def test_the_gateway_removes_a_clients_priority_deadline_and_flow_headers(
     or a fresh tenant reaches policyd and the pod without the claim."""
     claims = {
         "x-gateway-inference-criticality": "Critical",
+        "x-llm-d-inference-objective": "premium",
+        "x-gateway-inference-objective": "premium",
+        "x-llm-d-inference-fairness-id": "fresh-tenant-every-time",
+        "x-gateway-inference-fairness-id": "fresh-tenant-every-time",
         "x-request-deadline-ms": "1",
         "x-tenant": "fresh-tenant-every-time",
     }

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from policyd.cli import main
+from policyd.policy.loader import policy_files
+from policyd.policy.version import API_VERSION, KIND
 
 from .helpers import RULES, problems, warnings, write
 
@@ -372,3 +375,56 @@ def test_a_bad_byte_is_an_error_at_its_place_not_a_traceback(
     assert code == 1
     assert captured.out.replace(str(tmp_path) + "/", "").splitlines() == [expected]
     assert captured.err == ""
+
+
+# -- the format's name: apiVersion and kind ------------------------------------------------
+
+
+def test_a_file_naming_the_format_and_one_naming_none_load_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = "pick: {strategy: random}\n"
+    write(tmp_path, "apiVersion: policyd.dev/v1\nkind: RoutingPolicy\n" + body, "named.yaml")
+    write(tmp_path, body, "unnamed.yaml")
+    code, lines = check(
+        tmp_path, capsys, str(tmp_path / "named.yaml"), str(tmp_path / "unnamed.yaml")
+    )
+    assert code == 0
+    assert lines[0].startswith("named.yaml: ok: policy 'named'")
+    assert lines[1].startswith("unnamed.yaml: ok: policy 'unnamed'")
+
+
+@pytest.mark.parametrize(
+    ("head", "said"),
+    [
+        (
+            "apiVersion: policyd.dev/v2\n",
+            "bad.yaml:1:13: apiVersion 'policyd.dev/v2' is not a policy format this policyd "
+            "reads: write 'apiVersion: policyd.dev/v1' (or leave it out)",
+        ),
+        (
+            "apiVersion: policyd.dev/v1\nkind: InferencePool\n",
+            "bad.yaml:2:7: kind 'InferencePool' is not a policy format this policyd reads: "
+            "write 'kind: RoutingPolicy' (or leave it out)",
+        ),
+        (
+            "kind: [RoutingPolicy]\n",
+            "bad.yaml:1:7: kind a list is not a policy format this policyd reads: "
+            "write 'kind: RoutingPolicy' (or leave it out)",
+        ),
+    ],
+)
+def test_another_format_is_refused_by_its_name_alone(
+    head: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its fields would be judged by the wrong rules: the version is its one problem."""
+    write(tmp_path, head + "filters: {a: {frobnicate: 1}}\n", "bad.yaml")
+    code, lines = check(tmp_path, capsys, str(tmp_path / "bad.yaml"))
+    assert code == 1
+    assert lines == [said]
+
+
+def test_every_shipped_policy_names_its_format() -> None:
+    for path in policy_files(RULES):
+        document = yaml.safe_load(path.read_text())
+        assert (document["apiVersion"], document["kind"]) == (API_VERSION, KIND), path

@@ -10,6 +10,7 @@ import pytest
 from policyd.cel import POD_FIELDS
 from policyd.cli import main
 from policyd.policy.inputs import StaticPod
+from policyd.pool.file_discovery import parse_pod_file
 
 from .helpers import RULES, write
 
@@ -188,3 +189,20 @@ def test_bad_inputs_are_reported_with_positions_and_exit_1(
 
 def test_hand_written_pods_carry_every_pod_field_of_the_cel_schema() -> None:
     assert set(StaticPod.__slots__) == {f.name for f in POD_FIELDS}
+
+
+def test_serves_pod_file_is_read_as_serve_reads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file ``serve --pods`` takes explains the same pods, labels and addresses included."""
+    served = "pods:\n  - name: vllm-0\n    address: 10.0.0.11:8000\n    labels: {zone: a}\n"
+    served += "  - name: vllm-1\n    address: '[fd00::12]:8000'\n"
+    pods = write(tmp_path, served, "pods.yaml")
+    request = write(tmp_path, '{"model": "m"}', "request.json")
+    policy = str(RULES / "default.yaml")
+    argv = ["explain", "--policy", policy, "--pods", str(pods), "--request", str(request), "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    identities = {i.name: i.address for i in parse_pod_file(served, "pods.yaml")}
+    assert data["survivors"] == sorted(identities)
+    assert data["endpoint"] == identities[data["pod"]]

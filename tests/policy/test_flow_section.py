@@ -56,6 +56,24 @@ def test_the_flow_key_its_default_and_its_weight(tmp_path: Path) -> None:
     assert (nobody.key, nobody.weight) == ("anonymous", 1.0)
 
 
+def test_without_a_key_the_fairness_id_header_names_the_flow_llm_ds_spelling_first(
+    tmp_path: Path,
+) -> None:
+    decide = router(tmp_path, FLOW.replace('    key: request.headers["x-tenant"]\n', ""))
+    new, old = "x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"
+    cases = {
+        "gold": {new: "gold"},
+        "tin": {old: "tin"},
+        "both": {new: "both", old: "older"},
+        "anonymous": {new: " ", "x-tenant": "gold"},  # blank, and a key the policy no longer names
+    }
+    for flow, headers in cases.items():
+        admission = decide.admission(Request("m", headers=headers))
+        assert admission is not None and admission.key == flow, headers
+    keyed = router(tmp_path, FLOW, seed=0).admission(Request("m", headers={new: "gold"}))
+    assert keyed is not None and keyed.key == "anonymous"  # a policy's own key wins
+
+
 def test_a_deadline_header_orders_else_the_band_wait(tmp_path: Path) -> None:
     decide = router(tmp_path, FLOW)
     asked = decide.admission(Request("m", headers={"x-request-deadline-ms": "1500"}))

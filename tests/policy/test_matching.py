@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from policyd.policy import Outcome, PolicyError, Router
+from policyd.policy import Outcome, PolicyError, Request, Router
 from policyd.policy.loader import load_policy_set
 
 from .helpers import pod, request, write
@@ -170,6 +170,30 @@ def test_criticality_comes_from_header_then_model_then_default(
     decision = router.decide(request(model, headers), PODS)
     assert decision.criticality == expected
     assert decision.trace[0].note == str(expected == "critical").lower()
+
+
+@pytest.mark.parametrize(
+    ("priority", "model", "header_value", "expected"),
+    [
+        (1, "batch", "sheddable", "critical"),  # above 0: over the header and the default
+        (0, "chat", "critical", "standard"),  # 0: over the model's own
+        (-5, "chat", None, "sheddable"),  # below 0: shed first, as the extension sheds
+    ],
+)
+def test_an_inference_objectives_priority_comes_before_every_other_source(
+    tmp_path: Path, priority: int, model: str, header_value: str | None, expected: str
+) -> None:
+    write(tmp_path, CRITICALITY % "x-gateway-inference-criticality")
+    router = Router(load_policy_set(tmp_path / "policy.yaml"))
+    headers = {"x-gateway-inference-criticality": header_value} if header_value else {}
+    named = Request(model, headers=headers, objective="tier", priority=priority)
+    assert router.decide(named, PODS).criticality == expected
+    # Without an objective policyd follows, the priority field alone decides nothing.
+    unnamed = Request(model, headers=headers, priority=priority)
+    assert (
+        router.decide(unnamed, PODS).criticality
+        == router.decide(request(model, headers), PODS).criticality
+    )
 
 
 def test_pool_labels_limit_the_candidates(tmp_path: Path) -> None:

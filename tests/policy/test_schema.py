@@ -34,6 +34,8 @@ def test_every_shipped_policy_validates(
 
 
 EVERYTHING = """
+apiVersion: policyd.dev/v1
+kind: RoutingPolicy
 name: everything
 description: uses every field of the format
 match:
@@ -122,6 +124,8 @@ def test_a_policy_using_every_field_is_valid_for_both(
 @pytest.mark.parametrize(
     "text",
     [
+        "apiVersion: policyd.dev/v2\n",
+        "kind: Policy\n",
         "filtres: {}\n",
         "filters:\n  a: {keep: 'true', bogus: 1}\n",
         "filters:\n  a: {description: none}\n",

@@ -1,11 +1,16 @@
-"""A FAKE Kubernetes API server: pods and InferencePools, listed and watched, on loopback.
+"""A FAKE Kubernetes API server: pods, InferencePools and their objects, listed and watched.
 
 No cluster can run here, so the Kubernetes discovery is tested against this
 stand-in (``tests/real`` runs the same discovery against the real
 kube-apiserver). It is a real HTTP server (aiohttp on 127.0.0.1) that speaks
 what the API server says on the wire for ``GET /api/v1/namespaces/{ns}/pods``
 and ``GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools``
-(and ``.../inferencepools/{name}``, a get):
+(and ``.../inferencepools/{name}``, a get), and for
+``GET /apis/{group}/v1alpha2/namespaces/{ns}/inferenceobjectives`` and
+``.../inferencemodelrewrites`` in the groups ``llm-d.ai`` and
+``inference.networking.x-k8s.io`` (``serve_object_groups`` says which groups
+have the CRDs; another answers 404 without details, as for a resource not
+served):
 
 - lists: ``PodList`` JSON with ``metadata.resourceVersion``, paged by
   ``limit`` / ``continue`` (pages served from the first page's snapshot; an
@@ -48,8 +53,21 @@ PODS = "pods"
 POOLS = "inferencepools"
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_API = f"/apis/{POOL_GROUP}/v1"
-# resource -> (kind, apiVersion)
-KINDS = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", f"{POOL_GROUP}/v1")}
+OBJECT_GROUPS = ("llm-d.ai", "inference.networking.x-k8s.io")
+OBJECT_KINDS = {
+    "inferenceobjectives": "InferenceObjective",
+    "inferencemodelrewrites": "InferenceModelRewrite",
+}
+# resource -> (kind, apiVersion); the objects' resources are "group/plural"
+KINDS = {
+    PODS: ("Pod", "v1"),
+    POOLS: ("InferencePool", f"{POOL_GROUP}/v1"),
+    **{
+        f"{group}/{plural}": (kind, f"{group}/v1alpha2")
+        for group in OBJECT_GROUPS
+        for plural, kind in OBJECT_KINDS.items()
+    },
+}
 
 
 @dataclass
@@ -103,6 +121,7 @@ class FakeKubeApiServer:
         self.forbidden = False
         self.forbidden_resources: set[str] = set()
         self.serve_inference_pools = True  # False: the CRD is not installed
+        self.serve_object_groups: set[str] = {OBJECT_GROUPS[0]}  # where the objects' CRDs are
         self.expire_every_watch = False  # a broken server: every watch is "too old"
         self.bookmark_interval = bookmark_interval
         self.bookmarks = 0  # sent so far, with the revision current at the time
@@ -126,6 +145,10 @@ class FakeKubeApiServer:
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._collection)
         app.router.add_get(POOL_API + "/namespaces/{namespace}/inferencepools", self._collection)
         app.router.add_get(POOL_API + "/namespaces/{namespace}/inferencepools/{name}", self._get)
+        for group in OBJECT_GROUPS:
+            for plural in OBJECT_KINDS:
+                path = f"/apis/{group}/v1alpha2/namespaces/{{namespace}}/{plural}"
+                app.router.add_get(path, self._collection)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -256,6 +279,35 @@ class FakeKubeApiServer:
     def delete_pool(self, name: str, *, namespace: str = "default") -> None:
         self._commit(POOLS, namespace, name, None)
 
+    def put_object(
+        self,
+        resource: str,
+        name: str,
+        spec: dict[str, Any],
+        *,
+        namespace: str = "default",
+        created: str = "2025-01-01T00:00:00Z",
+    ) -> None:
+        """Create or replace an InferenceObjective or InferenceModelRewrite (``resource``:
+        ``group/plural``) with ``spec`` as given."""
+        kind, api_version = KINDS[resource]
+        before = self._objects.get((resource, namespace, name))
+        obj = {
+            "apiVersion": api_version,
+            "kind": kind,
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": before["metadata"]["uid"] if before else str(uuid.uuid4()),
+                "creationTimestamp": created,
+            },
+            "spec": spec,
+        }
+        self._commit(resource, namespace, name, obj)
+
+    def delete_object(self, resource: str, name: str, *, namespace: str = "default") -> None:
+        self._commit(resource, namespace, name, None)
+
     def compact(self) -> None:
         """Forget history: watches resuming from any older version get 410."""
         self._history.clear()
@@ -301,18 +353,22 @@ class FakeKubeApiServer:
             and request.headers.get("Authorization") != f"Bearer {self.token}"
         ):
             return _status_response(401, "Unauthorized", "Unauthorized")
-        if resource == POOLS and not self.serve_inference_pools:
-            return _status_response(
-                404, "NotFound", "the server could not find the requested resource"
-            )
+        group = resource.partition("/")[0] if "/" in resource else ""
         if self.forbidden or resource in self.forbidden_resources:
-            group = "" if resource == PODS else POOL_GROUP
+            shown = "" if resource == PODS else (group or POOL_GROUP)
             verb = "get" if "name" in request.match_info else "list"
             return _status_response(
                 403,
                 "Forbidden",
                 f'{resource} is forbidden: User "policyd" cannot {verb} resource "{resource}" '
-                f'in API group "{group}" in the namespace "{namespace}"',
+                f'in API group "{shown}" in the namespace "{namespace}"',
+            )
+        # After authorization, as the API server: one not allowed to list gets 403 either way.
+        if (resource == POOLS and not self.serve_inference_pools) or (
+            group and group not in self.serve_object_groups
+        ):
+            return _status_response(
+                404, "NotFound", "the server could not find the requested resource"
             )
         return None
 
@@ -335,7 +391,13 @@ class FakeKubeApiServer:
         return web.json_response(_copy(obj))
 
     async def _collection(self, request: web.Request) -> web.StreamResponse:
-        resource = PODS if request.path.startswith("/api/v1/") else POOLS
+        if request.path.startswith("/api/v1/"):
+            resource = PODS
+        elif "/inferencepools" in request.path:
+            resource = POOLS
+        else:  # /apis/{group}/v1alpha2/namespaces/{ns}/{plural}
+            parts = request.path.split("/")
+            resource = f"{parts[2]}/{parts[-1]}"
         self.requests.append(
             Request(request.path, dict(request.query), dict(request.headers), resource)
         )
@@ -454,8 +516,8 @@ class FakeKubeApiServer:
                 self.bookmarks += 1
                 continue
             if item == _DROP:
-                assert request.transport is not None
-                request.transport.abort()
+                if request.transport is not None:  # None: the client has gone already
+                    request.transport.abort()
                 return
             if item == _EXPIRE:
                 await self._send(response, _expired_event(self._compacted))

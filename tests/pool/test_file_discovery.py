@@ -36,13 +36,36 @@ def test_an_empty_pod_list_is_a_valid_pool() -> None:
     assert parse_pod_file("pods: []\n", "pods.yaml") == ()
 
 
+def test_the_shapes_explain_takes_name_the_same_pods() -> None:
+    """A list alone, or a mapping from name to fields, as ``explain --pods`` reads them."""
+    listed = "- {name: vllm-0, address: 10.0.0.11:8000, labels: {model: llama-3-8b, version: 2}}\n"
+    listed += '- {name: vllm-1, address: "[fd00::12]:8000"}\n'
+    named = "vllm-1: {address: '[fd00::12]:8000'}\n"
+    named += "vllm-0: {address: 10.0.0.11:8000, labels: {model: llama-3-8b, version: 2}}\n"
+    expected = parse_pod_file(GOOD, "pods.yaml")
+    assert parse_pod_file(listed, "pods.yaml") == expected
+    assert parse_pod_file(named, "pods.yaml") == expected
+
+
+def test_an_explain_snapshot_serves_with_its_measured_fields_ignored_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    snapshot = "a: {address: 10.0.0.1:8000, waiting_queue: 60, kv_cache: 0.9}\n"
+    with caplog.at_level(logging.WARNING, logger="policyd.pool.file_discovery"):
+        pods = parse_pod_file(snapshot, "snap.yaml")
+    assert pods == (PodIdentity.of("a", "10.0.0.1:8000"),)
+    assert "snap.yaml: ignoring kv_cache, waiting_queue: the pool scrapes them" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("text", "line", "reason"),
     [
         ("pods:\n  - name: a\n    address: [1.2.3.4:80\n", 4, "not valid YAML"),
         ("", 1, "the file is empty"),
-        ("servers: []\n", 1, "unknown key 'servers'"),
-        ("# nothing but\n{}\n", 2, "missing 'pods:'"),
+        ("servers: []\n", 1, "a pod must be a mapping"),
+        ("just text\n", 1, "expected 'pods:' with a list of pods, a list, or a mapping"),
+        ("a: {address: 1.2.3.4:80, name: b}\n", 1, "the pod listed as 'a' is named 'b'"),
+        ("a: {waiting_queue: 3}\n", 1, "the pod has no 'address' (ip:port; explain's default"),
         ("pods:\n  name: a\n", 2, "'pods' must be a list"),
         ("pods:\n  - just-a-name\n", 2, "a pod must be a mapping"),
         ("pods:\n  - address: 1.2.3.4:80\n", 2, "the pod has no 'name'"),

@@ -34,6 +34,8 @@ import yaml
 from crds import gateway_api_crds, inference_extension_crds
 from kube_cluster import Cluster, start_cluster, stop_cluster
 
+from policyd.pool.inference_objects import GROUPS, OBJECTIVES, REWRITES
+
 ROOT = Path(__file__).resolve().parents[2]
 ISTIO = ROOT / "istio"
 CHART = ISTIO / "helm" / "policyd"
@@ -269,6 +271,10 @@ def test_the_edge_values_change_the_header_removal_and_the_timeout(
     assert [m["remove"] for m in mutation["typed_config"]["mutations"]] == [
         "x-gateway-destination-endpoint",
         "x-gateway-inference-criticality",
+        "x-llm-d-inference-objective",
+        "x-gateway-inference-objective",
+        "x-llm-d-inference-fairness-id",
+        "x-gateway-inference-fairness-id",
         "x-request-deadline-ms",
     ]
     assert typed["request_timeout"] == "200s"
@@ -301,6 +307,11 @@ def test_the_inferencepool_mode_changes_what_it_says(tool: Callable[[str], str])
     elsewhere = by_kind(render(tool, VALUE_SETS["inferencepool-elsewhere"]))
     role = elsewhere["Role", "policyd-inference-pool-reader"]
     assert role["rules"][0]["resourceNames"] == ["vllm"]  # the pool it follows, made elsewhere
+    assert role["rules"][1] == {  # its objectives and rewrites (policyd.pool.inference_objects)
+        "apiGroups": list(GROUPS),
+        "resources": [OBJECTIVES, REWRITES],
+        "verbs": ["list", "watch"],
+    }
     assert not {k for k, _ in elsewhere} & {"InferencePool", "HTTPRoute", "Gateway"}
 
 

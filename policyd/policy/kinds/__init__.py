@@ -30,6 +30,7 @@ from policyd.policy.kinds.weighted_random import WeightedRandom
 from policyd.policy.nodes import NodeKind
 from policyd.policy.pickers import Picker
 from policyd.policy.scoring import ScorerKind
+from policyd.policy.version import API_VERSION, KIND
 
 # By YAML word, in the order error messages and the schema list them.
 NODE_KINDS: Final[Mapping[str, NodeKind]] = {
@@ -63,4 +64,6 @@ def json_schema(template: Mapping[str, Any]) -> dict[str, Any]:
         "description": {"type": "string"},
     }
     schema["properties"]["pick"]["properties"]["strategy"]["enum"] = list(PICKERS)
+    schema["properties"]["apiVersion"]["const"] = API_VERSION
+    schema["properties"]["kind"]["const"] = KIND
     return schema

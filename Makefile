@@ -30,16 +30,16 @@ install: $(STAMP)
 
 ## Rewrites both lock files from pyproject.toml, keeping each pinned version that still
 ## fits (`make lock UPGRADE=1`: the newest that fit). requirements.lock, the image's, is
-## the runtime part of requirements-dev.lock, at the same versions. It needs only uv, not
-## an installed policyd: after a change of pyproject.toml's dependencies `make install`
-## refuses the old lock until this has run.
+## the runtime part of requirements-dev.lock with the tokenizers extra, at the same
+## versions. It needs only uv, not an installed policyd: after a change of
+## pyproject.toml's dependencies `make install` refuses the old lock until this has run.
 lock:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet \
 		"$$(grep -m1 -o '^uv==[^ ]*' $(LOCK))"
 	$(BIN)/uv pip compile pyproject.toml --extra dev $(LOCK_FLAGS) $(if $(UPGRADE),--upgrade) \
 		--output-file $(LOCK)
-	$(BIN)/uv pip compile pyproject.toml $(LOCK_FLAGS) --constraint $(LOCK) \
+	$(BIN)/uv pip compile pyproject.toml --extra tokenizers $(LOCK_FLAGS) --constraint $(LOCK) \
 		--output-file requirements.lock
 
 ## The main job on an embedded default: Envoy + policyd + a simulated pool.

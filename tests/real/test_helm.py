@@ -24,7 +24,11 @@
 from __future__ import annotations
 
 import copy
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ import yaml
 from crds import gateway_api_crds, inference_extension_crds
 from kube_cluster import Cluster, start_cluster, stop_cluster
 
+from policyd.extproc.envoy_process import free_port
 from policyd.pool.inference_objects import GROUPS, OBJECTIVES, REWRITES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +59,32 @@ VALUE_SETS: dict[str, list[str]] = {
         "autoscaling.enabled=true",
         "--set",
         "serviceMonitor.enabled=true",
+    ],
+    "extensions": [
+        "--set",
+        "podLabels.team=inference",
+        "--set",
+        "podAnnotations.example\\.com/owner=ml",
+        "--set",
+        "priorityClassName=system-cluster-critical",
+        "--set-json",
+        'topologySpreadConstraints=[{"maxSkew":1,"topologyKey":"kubernetes.io/hostname","whenUnsatisfiable":"ScheduleAnyway","labelSelector":{"matchLabels":{"app.kubernetes.io/name":"policyd"}}}]',
+        "--set-json",
+        'affinity={"podAntiAffinity":{"preferredDuringSchedulingIgnoredDuringExecution":[{"weight":100,"podAffinityTerm":{"topologyKey":"kubernetes.io/hostname","labelSelector":{"matchLabels":{"app.kubernetes.io/name":"policyd"}}}}]}}',
+        "--set-json",
+        'extraVolumes=[{"name":"decision-log","emptyDir":{}}]',
+        "--set-json",
+        'extraVolumeMounts=[{"name":"decision-log","mountPath":"/var/log/policyd"}]',
+        "--set",
+        "serve.workers=3",
+        "--set",
+        "serviceMonitor.enabled=true",
+    ],
+    "openshift": [
+        "--set",
+        "podSecurityContext.runAsUser=null",
+        "--set",
+        "podSecurityContext.runAsGroup=null",
     ],
     "inferencepool": POOL_MODE,
     "inferencepool-plaintext": [*POOL_MODE, "--set", "tls.enabled=false"],
@@ -503,3 +534,159 @@ def test_the_strict_dry_run_would_catch_a_misspelt_field(
         status, message = cluster.create_when_served(document, NAMESPACE)
         assert status >= 400, (document["kind"], status, message)
         assert "unknown field" in message or "not declared in schema" in message, message
+
+
+# --- extension points, shown by their effect ------------------------------------------
+
+
+def pod_spec(objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = objects["Deployment", "policyd"]["spec"]["template"]["spec"]
+    return spec
+
+
+def test_the_extension_values_reach_the_pod(tool: Callable[[str], str]) -> None:
+    objects = by_kind(render(tool, VALUE_SETS["extensions"]))
+    deployment = objects["Deployment", "policyd"]
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "inference"
+    assert "team" not in deployment["spec"]["selector"]["matchLabels"]  # the selector is fixed
+    assert template["metadata"]["annotations"]["example.com/owner"] == "ml"
+    pod = template["spec"]
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    (spread,) = pod["topologySpreadConstraints"]
+    # the documented label selector matches the chart's own pods
+    assert spread["labelSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert "podAntiAffinity" in pod["affinity"]
+    assert {"name": "decision-log", "emptyDir": {}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "decision-log", "mountPath": "/var/log/policyd"} in mounts
+    assert {m["name"] for m in mounts} == {"policy", "tls", "decision-log"}  # the chart's stay
+
+
+def test_openshift_leaves_the_uid_to_the_platform(tool: Callable[[str], str]) -> None:
+    default = pod_spec(by_kind(render(tool, [])))["securityContext"]
+    assert (default["runAsUser"], default["runAsGroup"]) == (65532, 65532)  # the image's user
+    assigned = pod_spec(by_kind(render(tool, VALUE_SETS["openshift"])))["securityContext"]
+    assert "runAsUser" not in assigned and "runAsGroup" not in assigned
+    assert assigned["runAsNonRoot"] is True
+    assert assigned["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def readme_example() -> str:
+    """The values example of the chart's README ("A tokenizer and a decision log")."""
+    text = (CHART / "README.md").read_text()
+    start = text.index("```yaml\n", text.index("**A tokenizer and a decision log")) + len(
+        "```yaml\n"
+    )
+    return text[start : text.index("```", start)]
+
+
+def test_the_readme_example_gives_the_tokenizer_and_the_log_their_volumes(
+    tool: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The decision log's directory is a writable emptyDir on the read-only root file
+    system, and the tokenizer's path lies in a volume of its own."""
+    values = tmp_path / "values.yaml"
+    values.write_text(readme_example())
+    pod = pod_spec(by_kind(render(tool, ["-f", str(values)])))
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    args = container["args"]
+    (log,) = [a.split("=", 1)[1] for a in args if a.startswith("--decision-log=")]
+    (tokenizer,) = [a.split(":", 1)[1] for a in args if a.startswith("--prefix-tokenizer=hf:")]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def mount_of(path: str) -> dict[str, Any]:
+        (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")
+                    or path == m["mountPath"]]  # fmt: skip
+        return mount
+
+    log_mount = mount_of(str(Path(log).parent))
+    assert "emptyDir" in volumes[log_mount["name"]] and not log_mount.get("readOnly", False)
+    tokenizer_mount = mount_of(tokenizer)
+    assert "configMap" in volumes[tokenizer_mount["name"]]
+    assert container["args"][0] == "serve"
+
+
+def consecutive_free_ports(count: int) -> int:
+    """A port P such that P .. P+count-1 are free now."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            for offset in range(1, count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", first + offset))
+        except OSError:
+            continue
+        return first
+    raise AssertionError("no free run of ports")
+
+
+def test_the_servicemonitor_scrapes_every_worker(
+    tool: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The rendered Deployment's own arguments run (pods from a file instead of the
+    Kubernetes API, no TLS); every port the ServiceMonitor names, followed through the
+    metrics Service to the container port, is a worker's /metrics."""
+    workers, grpc_port = 3, free_port()
+    monitoring = consecutive_free_ports(workers)
+    values = [
+        "--set", f"serve.workers={workers}", "--set", f"serve.port={grpc_port}",
+        "--set", f"serve.monitoringPort={monitoring}", "--set", "serviceMonitor.enabled=true",
+        "--set", "tls.enabled=false",
+    ]  # fmt: skip
+    objects = by_kind(render(tool, values))
+    (container,) = pod_spec(objects)["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    service_ports = {
+        p["name"]: p["targetPort"] for p in objects["Service", "policyd-metrics"]["spec"]["ports"]
+    }
+    endpoints = objects["ServiceMonitor", "policyd"]["spec"]["endpoints"]
+    scraped = [container_ports[service_ports[e["port"]]] for e in endpoints]
+    assert len(scraped) == workers
+
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(f"pods:\n  - {{name: vllm-0, address: '127.0.0.1:{free_port()}'}}\n")
+    args = [a for a in container["args"] if not a.startswith(("--k8s-", "--policy=", "--host="))]
+    args += [f"--policy={ROOT / 'rules' / 'default.yaml'}", f"--pods={pods}", "--host=127.0.0.1"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "policyd", *args], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        answered: set[int] = set()
+        deadline = time.monotonic() + 60
+        while answered != set(scraped):
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, f"unanswered: {set(scraped) - answered}"
+            for port in set(scraped) - answered:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                        if b"policyd_decisions_total" in r.read() or r.status == 200:
+                            answered.add(port)
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        # nothing beyond the last worker: the ServiceMonitor names every port there is
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{monitoring + workers}/metrics", timeout=2)
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def test_the_httproute_gives_generations_no_route_timeout(tool: Callable[[str], str]) -> None:
+    route = by_kind(render(tool, POOL_MODE))["HTTPRoute", "inference"]["spec"]["rules"][0]
+    assert route["timeouts"] == {"request": "0s"}
+    changed = by_kind(
+        render(tool, [*POOL_MODE, "--set", "inferencePool.httpRoute.requestTimeout=1h"])
+    )
+    assert changed["HTTPRoute", "inference"]["spec"]["rules"][0]["timeouts"] == {"request": "1h"}
+    refused = helm(tool, "template", "policyd", str(CHART), *POOL_MODE, "--set",
+                   "inferencePool.httpRoute.requestTimeout=600")  # fmt: skip
+    assert refused.returncode != 0 and "requestTimeout" in refused.stderr
+
+
+def test_the_schema_refuses_a_misspelt_extension_value(tool: Callable[[str], str]) -> None:
+    for wrong in ("podLabel.team=x", "extraVolume[0].name=x", "podSecurityContext.runAsUser=0"):
+        refused = helm(tool, "template", "policyd", str(CHART), "--set", wrong)
+        assert refused.returncode != 0, wrong

@@ -27,6 +27,14 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/*
+The name of worker i's monitoring port (policyd serve --workers: worker i serves
+/metrics on --monitoring-port + i): "monitoring", then "monitoring-1", ...
+*/}}
+{{- define "policyd.monitoringPortName" -}}
+{{- if eq (int .) 0 }}monitoring{{ else }}monitoring-{{ . }}{{ end -}}
+{{- end -}}
+
 {{- define "policyd.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "policyd.fullname" .) .Values.serviceAccount.name -}}

@@ -27,6 +27,8 @@ class Request:
     prompt_tokens: Final[int] = 0
     max_tokens: Final[int] = 0
     stream: Final[bool] = False
+    slo_ttft_ms: Final[float] = 0.0
+    slo_tpot_ms: Final[float] = 0.0
     path: Final[str] = "/v1/completions"
     id: Final[str] = ""
     target_model: Final[str] = ""
@@ -40,6 +42,8 @@ class Request:
             self.prompt_tokens,
             self.max_tokens,
             self.stream,
+            self.slo_ttft_ms,
+            self.slo_tpot_ms,
             self.path,
             self.id,
             target_model,

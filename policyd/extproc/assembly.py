@@ -29,9 +29,12 @@ from collections.abc import Callable
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.interfaces import Telemetry
 from policyd.extproc.prefix_matching import PrefixMatching
+from policyd.latency.learning import Learning
+from policyd.latency.models import LatencyModels
 from policyd.policy import PolicyStore, Reload, Router
 from policyd.pool import Pool
 from policyd.prefix.options import PrefixSettings
+from policyd.telemetry.fanout import combine
 
 log = logging.getLogger("policyd.extproc.service")
 
@@ -55,7 +58,12 @@ class Policyd:
         if policy_poll_seconds <= 0:
             raise ValueError(f"policy poll interval must be positive, not {policy_poll_seconds}")
         self.store = store
-        self.router = Router(store)
+        # The pods' latency models learn from every routed exchange and cost a decision
+        # nothing until a policy reads the predicted fields.
+        self.latency = LatencyModels()
+        self.router = Router(store, latency=self.latency)
+        learning = Learning(self.latency)
+        telemetry = learning if telemetry is None else combine(telemetry, learning)
         self.pool = pool
         self.policy_poll_seconds = policy_poll_seconds
         self._on_reload = on_reload

@@ -22,6 +22,7 @@ from typing import Final, NamedTuple, Protocol
 from policyd.latency.model import WARM, Fit, Learner
 
 COLD: Final = -1.0  # the predicted_* fields' value while a pod has no prediction yet
+MAX_PODS: Final = 10_000  # pods with models; past it, the longest known is forgotten
 MAX_CACHED: Final = 4096  # snapshot pods whose folded terms are kept; past it, start again
 # A linear fit may extrapolate below zero at loads it has not seen: a prediction
 # is never below a tenth of a millisecond.
@@ -142,6 +143,8 @@ class LatencyModels:
         who = identity(pod)
         learners = self._learners.get(pod.name)
         if learners is None or who != learners.identity:
+            if learners is None and len(self._learners) >= MAX_PODS:
+                self.forget({next(iter(self._learners))})  # the longest known: pods churn
             learners = self._learners[pod.name] = _PodLearners(who)
         if outcome.ttft_ms is not None:
             learners.ttft.learn(

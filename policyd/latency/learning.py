@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policyd.latency.models import COLD, LatencyModels, Outcome
-from policyd.policy.decision import Decision, Outcome as Routed, ShadowReport
+from policyd.policy.decision import Decision, ShadowReport
+from policyd.policy.decision import Outcome as Routed
 from policyd.policy.request import Request
 from policyd.telemetry.exchange_end import ExchangeEnd
 

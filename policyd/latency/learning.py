@@ -101,8 +101,8 @@ def outcome_of(
         if end.first_body_seconds is None:
             return None
         ttft_ms = end.first_body_seconds * 1000.0
-        if tokens > 1:
-            tpot_ms = (total_ms - ttft_ms) / (tokens - 1)
+        tpot_s = end.time_per_output_token(streamed=True)
+        tpot_ms = tpot_s * 1000.0 if tpot_s else None
     else:
         _, tpot = models.predict_many((pod,), (uncached,), context)[0]
         if tokens == 1:

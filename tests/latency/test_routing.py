@@ -116,3 +116,16 @@ def test_an_unfinished_or_unrouted_exchange_teaches_nothing(tmp_path: Path) -> N
     sink.start(request, decide(request, ()), {}, 0.0).end(ExchangeEnd(True, 1.0, 0.2, 1, 5))
     sink.start(request, decide(request, PODS), {}, 0.0).end(ExchangeEnd(True, 1.0, 0.2, 1, None))
     assert dict(models.fits) == {}
+
+
+def test_the_documented_example_routes_as_the_documentation_says(tmp_path: Path) -> None:
+    text = (Path(__file__).parents[2] / "docs" / "policy-language.md").read_text()
+    start = text.index("name: slo-example")
+    example = text[start : text.index("```", start)]
+    decide = router(tmp_path, example, trained()).decide
+    # Under 500 ms only "fast" (120 ms) is predicted to make it.
+    assert decide(Request(model="m", prompt_tokens=500, slo_ttft_ms=500.0), PODS).pod == "fast"
+    # Nobody is predicted under 50 ms: everyone is in play, the quickest first.
+    assert decide(Request(model="m", prompt_tokens=500, slo_ttft_ms=50.0), PODS).pod == "fast"
+    # A cold pod scores as one predicted at 500 ms: ahead of the slow one (900 ms).
+    assert decide(Request(model="m", prompt_tokens=500), (PODS[0], PODS[2])).pod == "new"

@@ -234,8 +234,7 @@ def slo_of(headers: Mapping[str, str], names: tuple[str, ...]) -> float:
             value = -1.0
         if not 0.0 < value <= MAX_SLO_MS:
             raise RequestError.bad_request(
-                f"header {name} must be a positive number of milliseconds up to"
-                f" {MAX_SLO_MS:.0f}",
+                f"header {name} must be a positive number of milliseconds up to {MAX_SLO_MS:.0f}",
                 "invalid_slo",
             )
         return value

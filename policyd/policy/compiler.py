@@ -67,12 +67,16 @@ _PREFIX_READS: Final = frozenset({"pod.*", *(f"pod.{field.name}" for field in PR
 _PREDICTION_READS: Final = frozenset(
     {"pod.*", *(f"pod.{field.name}" for field in PREDICTION_POD_FIELDS)}
 )
-_NOT_CACHEABLE: Final = _PREFIX_READS | _PREDICTION_READS | {
-    "pod.in_flight",
-    "request.*",
-    "request.headers",
-    "request.id",
-}
+_NOT_CACHEABLE: Final = (
+    _PREFIX_READS
+    | _PREDICTION_READS
+    | {
+        "pod.in_flight",
+        "request.*",
+        "request.headers",
+        "request.id",
+    }
+)
 
 WalkKey = Callable[[Request], Hashable]
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from policyd.fields.prediction import Prediction
-from policyd.fields.prefix_match import NO_MATCH, PrefixMatch
+from policyd.fields.prefix_match import PrefixMatch
 from policyd.policy.compiler import CompiledPolicy
 from policyd.policy.decision import (
     Decision,
@@ -265,11 +265,12 @@ class Router:
         resolved = self._resolve(policy, request, rng)
         best_prefix: float | None = None
         predicts = policy.reads_prediction and self._latency is not None and bool(candidates)
-        if (policy.reads_prefix or predicts) and candidates:
+        if candidates and ((policy.reads_prefix and prompt is not None) or predicts):
             matches: Sequence[PrefixMatch] = (
                 prompt.match(resolved.target_model, candidates)
                 if prompt is not None
-                else [NO_MATCH] * len(candidates)
+                # No prompt to match: the pods' own prefix fields stay as they are.
+                else [PrefixMatch(p.prefix_match, p.prefix_tokens) for p in candidates]
             )
             if predicts:
                 candidates = self._predicted(resolved, candidates, matches)

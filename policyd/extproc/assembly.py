@@ -41,6 +41,21 @@ log = logging.getLogger("policyd.extproc.service")
 ReloadListener = Callable[[Reload], None]
 
 
+def _predictions_read(store: PolicyStore) -> Callable[[], bool]:
+    """Whether a policy in force (or one of its shadows) reads the predicted latencies:
+    the models learn only then. Kept per policy set, which a reload replaces whole."""
+    seen: list[object] = [None, False]
+
+    def wanted() -> bool:
+        current = store.current
+        if seen[0] is not current:
+            every = (*current.policies, *(s for p in current.policies for s in p.shadows))
+            seen[:] = [current, any(p.reads_prediction for p in every)]
+        return bool(seen[1])
+
+    return wanted
+
+
 class Policyd:
     """One policyd: owns the router over ``store``, the ``pool`` and the gRPC server."""
 
@@ -62,7 +77,7 @@ class Policyd:
         # nothing until a policy reads the predicted fields.
         self.latency = LatencyModels()
         self.router = Router(store, latency=self.latency)
-        learning = Learning(self.latency)
+        learning = Learning(self.latency, _predictions_read(store))
         telemetry = learning if telemetry is None else combine(telemetry, learning)
         self.pool = pool
         self.policy_poll_seconds = policy_poll_seconds

@@ -129,3 +129,17 @@ def test_the_documented_example_routes_as_the_documentation_says(tmp_path: Path)
     assert decide(Request(model="m", prompt_tokens=500, slo_ttft_ms=50.0), PODS).pod == "fast"
     # A cold pod scores as one predicted at 500 ms: ahead of the slow one (900 ms).
     assert decide(Request(model="m", prompt_tokens=500), (PODS[0], PODS[2])).pod == "new"
+
+
+def test_nothing_is_learned_while_no_policy_in_force_reads_predictions(tmp_path: Path) -> None:
+    models = LatencyModels()
+    decide = router(tmp_path, PLAIN, models).decide
+    reading = [False]
+    sink = Learning(models, lambda: reading[0])
+    request = Request(model="m", prompt_tokens=400, stream=True)
+    end = ExchangeEnd(True, 1.0, 0.2, 400, 5)
+    sink.start(request, decide(request, PODS[1:2]), {}, 0.0).end(end)
+    assert dict(models.fits) == {}
+    reading[0] = True
+    sink.start(request, decide(request, PODS[1:2]), {}, 0.0).end(end)
+    assert models.fits["fast"].ttft.samples == 1

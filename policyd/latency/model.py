@@ -18,6 +18,7 @@ which decisions read by reference, with no lock.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import mul
 from typing import Final, NamedTuple
 
 FORGET: Final = 0.995  # each older outcome weighs this much less: ~200 outcomes of memory
@@ -59,23 +60,25 @@ class Learner:
     def learn(self, features: Sequence[float], value: float) -> None:
         if len(features) != self.width or not 0.0 < value < float("inf"):
             return
-        if not all(-1e12 < x < 1e12 for x in features):
+        if not sum(map(abs, features)) < 1e12:  # also false for NaN
             return
-        p, theta, n = self._p, self._theta, self.width
-        px = [sum(p[i][j] * features[j] for j in range(n)) for i in range(n)]
-        denominator = FORGET + sum(features[i] * px[i] for i in range(n))
+        p, theta = self._p, self._theta
+        x = features
+        # Sums over zipped rows rather than indexed loops: this runs once per answer.
+        px = [sum(map(mul, row, x)) for row in p]
+        denominator = FORGET + sum(map(mul, x, px))
         gain = [v / denominator for v in px]
-        predicted = sum(theta[i] * features[i] for i in range(n))
+        predicted = sum(map(mul, theta, x))
         error = value - predicted
         if self.fit.samples >= WARM:
             bound = CLIP * max(abs(predicted), 1.0)
             error = min(max(error, -bound), bound)
-        for i in range(n):
-            theta[i] += gain[i] * error
+        for i, g in enumerate(gain):
+            theta[i] += g * error
         # P = (P - gain * (x' P)) / forget; x' P is px transposed (P is symmetric).
-        for i in range(n):
-            row = p[i]
-            g = gain[i]
-            for j in range(n):
-                row[j] = (row[j] - g * px[j]) / FORGET
+        scale = 1.0 / FORGET
+        self._p = [
+            [(v - g * q) * scale for v, q in zip(row, px, strict=True)]
+            for row, g in zip(p, gain, strict=True)
+        ]
         self.fit = Fit(tuple(theta), self.fit.samples + 1)

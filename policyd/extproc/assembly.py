@@ -29,13 +29,31 @@ from collections.abc import Callable
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.interfaces import Telemetry
 from policyd.extproc.prefix_matching import PrefixMatching
+from policyd.latency.learning import Learning
+from policyd.latency.models import LatencyModels
 from policyd.policy import PolicyStore, Reload, Router
 from policyd.pool import Pool
 from policyd.prefix.options import PrefixSettings
+from policyd.telemetry.fanout import combine
 
 log = logging.getLogger("policyd.extproc.service")
 
 ReloadListener = Callable[[Reload], None]
+
+
+def _predictions_read(store: PolicyStore) -> Callable[[], bool]:
+    """Whether a policy in force (or one of its shadows) reads the predicted latencies:
+    the models learn only then. Kept per policy set, which a reload replaces whole."""
+    seen: list[object] = [None, False]
+
+    def wanted() -> bool:
+        current = store.current
+        if seen[0] is not current:
+            every = (*current.policies, *(s for p in current.policies for s in p.shadows))
+            seen[:] = [current, any(p.reads_prediction for p in every)]
+        return bool(seen[1])
+
+    return wanted
 
 
 class Policyd:
@@ -55,7 +73,12 @@ class Policyd:
         if policy_poll_seconds <= 0:
             raise ValueError(f"policy poll interval must be positive, not {policy_poll_seconds}")
         self.store = store
-        self.router = Router(store)
+        # The pods' latency models learn from every routed exchange and cost a decision
+        # nothing until a policy reads the predicted fields.
+        self.latency = LatencyModels()
+        self.router = Router(store, latency=self.latency)
+        learning = Learning(self.latency, _predictions_read(store))
+        telemetry = learning if telemetry is None else combine(telemetry, learning)
         self.pool = pool
         self.policy_poll_seconds = policy_poll_seconds
         self._on_reload = on_reload

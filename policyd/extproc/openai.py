@@ -61,6 +61,12 @@ APIS: Final = (
 )
 
 REQUEST_ID_HEADER: Final = "x-request-id"
+# The client's latency objectives, in milliseconds: llm-d's names, then their older
+# aliases. A statement of need, not a claim to priority: they fill ``request.slo_*``
+# and nothing else (docs/serving.md, trust model), so policyd keeps the client's.
+SLO_TTFT_HEADERS: Final = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+SLO_TPOT_HEADERS: Final = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+MAX_SLO_MS: Final = 86_400_000.0  # a day: any objective past it is a mistake, not a need
 _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 
 
@@ -207,10 +213,32 @@ def parse_body(
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         stream=stream,
+        slo_ttft_ms=slo_of(headers, SLO_TTFT_HEADERS),
+        slo_tpot_ms=slo_of(headers, SLO_TPOT_HEADERS),
         path=path,
         id=headers.get(REQUEST_ID_HEADER, ""),
     )
     return InferenceBody(document, request, turns)
+
+
+def slo_of(headers: Mapping[str, str], names: tuple[str, ...]) -> float:
+    """The objective the first of ``names`` present states, in ms (0.0: none); a value
+    that is not a positive number of milliseconds up to a day is a 400."""
+    for name in names:
+        text = headers.get(name)
+        if text is None:
+            continue
+        try:
+            value = float(text) if len(text) <= 32 else -1.0
+        except ValueError:
+            value = -1.0
+        if not 0.0 < value <= MAX_SLO_MS:
+            raise RequestError.bad_request(
+                f"header {name} must be a positive number of milliseconds up to {MAX_SLO_MS:.0f}",
+                "invalid_slo",
+            )
+        return value
+    return 0.0
 
 
 def rewrite_model(body: InferenceBody, model: str) -> bytes:

@@ -10,7 +10,8 @@ schema (``policyd.cel.schema``); the typed classes that
 copy in ``policyd.policy.request``; ``PolicyPod``, the ``Prefixed`` and
 ``AsSeen`` overlays and ``StaticPod``, the pods written by hand for
 ``policyd test`` / ``explain``, in ``policyd.policy.pods``; ``PrefixMatch``
-in ``policyd.fields.prefix_match``; a test fails while one is stale); the
+in ``policyd.fields.prefix_match``; ``Prediction`` in ``policyd.fields.prediction``;
+a test fails while one is stale); the
 datastore's copying; the metric presets and ``--metric-*`` flags; the
 decision log's and span's pod inputs; and the schema tables of
 docs/policy-language.md (a test holds the tables to the declarations).
@@ -22,7 +23,9 @@ from policyd.fields.declared import (
     KV_CACHE,
     LORA_INFO,
     METRICS,
+    NO_PREDICTION,
     POD_FIELDS,
+    PREDICTION_POD_FIELDS,
     PREEMPTIONS,
     PREFIX_POD_FIELDS,
     PRESET_NAMES,
@@ -39,7 +42,9 @@ __all__ = [
     "KV_CACHE",
     "LORA_INFO",
     "METRICS",
+    "NO_PREDICTION",
     "POD_FIELDS",
+    "PREDICTION_POD_FIELDS",
     "PREEMPTIONS",
     "PREFIX_POD_FIELDS",
     "PRESET_NAMES",

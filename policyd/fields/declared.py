@@ -34,9 +34,18 @@ Kind = str
 # - "scrape": the scrape's bookkeeping (``metrics_age``);
 # - "prefix": per request and pod, from the prompt and the prefix-cache index
 #   (``policyd.prefix``); the router sets it only for a policy that reads it;
+# - "prediction": per request and pod, from policyd's latency models
+#   (``policyd.latency``); the router sets it only for a policy that reads it;
 # - "request": the request's headers and body, read by ``policyd.extproc.openai``;
 # - "policy": decided by the router for each request (``Request.decided``).
-Origin = Literal["identity", "metric", "serving", "scrape", "prefix", "request", "policy"]
+Origin = Literal[
+    "identity", "metric", "serving", "scrape", "prefix", "prediction", "request", "policy"
+]
+
+# A predicted_* field's value while the pod has no prediction yet (too few outcomes
+# learned since it joined, restarted or changed model): below any real latency, so
+# ``pod.predicted_ttft_ms >= 0.0`` says "there is a prediction".
+NO_PREDICTION: Final = -1.0
 
 # How the series of a metric make one value; each is one rule of
 # ``policyd.pool.exposition``:
@@ -314,10 +323,31 @@ POD_FIELDS: Final[tuple[Field, ...]] = (
         0,
         logged=False,
     ),
+    Field(
+        "predicted_ttft_ms",
+        "double",
+        "prediction",
+        "time to first token this request is predicted to see on the pod, in ms, learned"
+        " from policyd's own outcomes; -1.0 while the pod has no prediction yet (see"
+        " docs/policy-language.md, SLO-aware routing)",
+        NO_PREDICTION,
+        logged=False,
+    ),
+    Field(
+        "predicted_tpot_ms",
+        "double",
+        "prediction",
+        "time per output token predicted for this request on the pod, in ms; -1.0 while"
+        " the pod has no prediction yet",
+        NO_PREDICTION,
+        logged=False,
+    ),
 )
 
 # The fields the router computes per request and pod from the prompt.
 PREFIX_POD_FIELDS: Final = tuple(field for field in POD_FIELDS if field.origin == "prefix")
+# The fields the router asks the latency models for, per request and pod.
+PREDICTION_POD_FIELDS: Final = tuple(field for field in POD_FIELDS if field.origin == "prediction")
 
 # The fields a scrape produces, in the order of ``policyd.pool.exposition.PodMetrics``.
 SCRAPED_POD_FIELDS: Final = tuple(field for field in POD_FIELDS if field.metric is not None)
@@ -355,6 +385,22 @@ REQUEST_FIELDS: Final[tuple[Field, ...]] = (
         0,
     ),
     Field("stream", "bool", "request", "streamed response asked for", False),
+    Field(
+        "slo_ttft_ms",
+        "double",
+        "request",
+        "the client's time-to-first-token objective in ms (header `x-llm-d-slo-ttft-ms`,"
+        " or `x-slo-ttft-ms`); 0 when it states none",
+        0.0,
+    ),
+    Field(
+        "slo_tpot_ms",
+        "double",
+        "request",
+        "the client's time-per-output-token objective in ms (header `x-llm-d-slo-tpot-ms`,"
+        " or `x-slo-tpot-ms`); 0 when it states none",
+        0.0,
+    ),
     Field("path", "string", "request", "HTTP path, e.g. `/v1/completions`", "/v1/completions"),
     Field("id", "string", "request", "request id", ""),
     Field(

@@ -9,6 +9,9 @@ the room that owns its class:
 - ``policyd/fields/prefix_match.py``: ``PrefixMatch``, one request's match on
   one pod (the fields of origin ``"prefix"``), which the prefix room computes
   and the policy room lays over pods: both may import this room;
+- ``policyd/fields/prediction.py``: ``Prediction``, one request's predicted
+  latencies on one pod (the fields of origin ``"prediction"``), which the
+  router asks ``policyd.latency`` for and lays over pods;
 - ``policyd/pool/pod_types.py``: ``Pod`` (a snapshot's pod) and ``PodMetrics``
   (a scrape's fields);
 - ``policyd/policy/pods.py``: ``PolicyPod``, the protocol the router reads
@@ -51,6 +54,15 @@ IN_FLIGHT: Final = "in_flight"
 
 def prefix_fields(pod_fields: Sequence[Field]) -> tuple[Field, ...]:
     return tuple(f for f in pod_fields if f.origin == "prefix")
+
+
+def prediction_fields(pod_fields: Sequence[Field]) -> tuple[Field, ...]:
+    return tuple(f for f in pod_fields if f.origin == "prediction")
+
+
+def overlaid_fields(pod_fields: Sequence[Field]) -> tuple[Field, ...]:
+    """The fields one request lays over a pod: its prefix match and its predictions."""
+    return (*prefix_fields(pod_fields), *prediction_fields(pod_fields))
 
 
 def scraped_fields(pod_fields: Sequence[Field]) -> tuple[Field, ...]:
@@ -200,13 +212,36 @@ def prefix_match_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     return _module(doc, standard, ours, body)
 
 
+def prediction_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
+    predicted = prediction_fields(pod_fields)
+    doc = (
+        "What ``policyd.latency`` predicts per pod, and the router lays over it (``Prefixed``).\n\n"
+        'Its fields are the pod fields of origin ``"prediction"``: declaring one adds it\n'
+        "here, to the overlay and to ``Pod`` (with its default); the router sets it from\n"
+        "the latency models."
+    )
+    body = [
+        "@dataclass(slots=True)",
+        "class Prediction:",
+        '    """One request\'s predicted latencies on one pod (read-only to mypy)."""',
+        "",
+        *(_attribute(f, f.default, wrap="Final") for f in predicted),
+        "",
+        "",
+        "NO_PREDICTION: Final = Prediction()",
+    ]
+    standard, ours = _type_imports(predicted, ("Final",))
+    return _module(doc, standard, ours, body)
+
+
 def pod_types_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     doc = (
         "A model-server pod as the pool publishes it (``Pod``), and a scrape's values.\n\n"
         "``Pod``'s attributes are the CEL schema's ``pod`` fields. ``in_flight`` is not\n"
         "stored: it reads the pod's ``InFlight`` counter, which outlives snapshots. Nor\n"
-        "are the prefix fields: they belong to one request, so a snapshot's pod answers\n"
-        "their defaults, and the router lays each request's values over it."
+        "are the prefix and prediction fields: they belong to one request, so a\n"
+        "snapshot's pod answers their defaults, and the router lays each request's\n"
+        "values over it."
     )
     body = [
         *_duration_constants(stored_fields(pod_fields)),
@@ -228,7 +263,7 @@ def pod_types_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
         "",
         *(_attribute(f, f.default, wrap="Final") for f in stored_fields(pod_fields)),
         "    load: Final[InFlight] = field(default_factory=InFlight, compare=False, repr=False)",
-        *(_attribute(f, f.default, wrap="ClassVar") for f in prefix_fields(pod_fields)),
+        *(_attribute(f, f.default, wrap="ClassVar") for f in overlaid_fields(pod_fields)),
         "",
         "    @property",
         f"    def {IN_FLIGHT}(self) -> int:",
@@ -258,7 +293,8 @@ def pods_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
         "scorers take pods as ``PolicyPod``. It is a protocol because this room may not\n"
         "import the pool's ``Pod``, which satisfies it by its attributes, as ``StaticPod``\n"
         "(a pod written in a file, for ``policyd explain`` and ``policyd test``) and the\n"
-        "two overlays do: ``Prefixed`` (one request's prefix match laid over a pod) and\n"
+        "two overlays do: ``Prefixed`` (one request's prefix match and latency\n"
+        "predictions laid over a pod) and\n"
         "``AsSeen`` (a pod with the in-flight count a live decision saw)."
     )
     lines = [
@@ -269,18 +305,30 @@ def pods_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     for f in pod_fields:
         lines += ["", "    @property", f"    def {f.name}(self) -> {python_type(f)}: ..."]
     prefix = prefix_fields(pod_fields)
-    prefix_names = {f.name for f in prefix}
+    predicted = prediction_fields(pod_fields)
+    prefix_names = {f.name for f in (*prefix, *predicted)}
     lines += [
         "",
         "",
         "class Prefixed:",
-        '    """A pod with one request\'s prefix-cache match laid over it."""',
+        '    """A pod with one request\'s prefix match and predicted latencies laid over it."""',
         "",
         _slots(("pod", *prefix_names)),
         "",
-        "    def __init__(self, pod: PolicyPod, match: PrefixMatch) -> None:",
+        *_call(
+            "    ",
+            "def __init__(",
+            [
+                "self",
+                "pod: PolicyPod",
+                "match: PrefixMatch",
+                "prediction: Prediction = NO_PREDICTION",
+            ],
+            ") -> None:",
+        ),
         "        self.pod = pod",
         *(f"        self.{f.name} = match.{f.name}" for f in prefix),
+        *(f"        self.{f.name} = prediction.{f.name}" for f in predicted),
         *_delegates(f for f in pod_fields if f.name not in prefix_names),
         "",
         "",
@@ -303,6 +351,7 @@ def pods_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     ]
     standard, ours = _type_imports(pod_fields, ("Protocol",))
     ours.append("from policyd.fields.prefix_match import PrefixMatch")
+    ours.append("from policyd.fields.prediction import NO_PREDICTION, Prediction")
     return _module(doc, standard, ours, lines)
 
 
@@ -350,6 +399,7 @@ def sources(
     """Each generated module's name and the source it must hold."""
     return {
         "policyd.fields.prefix_match": prefix_match_source(pod_fields),
+        "policyd.fields.prediction": prediction_source(pod_fields),
         "policyd.pool.pod_types": pod_types_source(pod_fields),
         "policyd.policy.pods": pods_source(pod_fields),
         "policyd.policy.request": request_source(request_fields),

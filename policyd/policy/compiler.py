@@ -43,7 +43,7 @@ from policyd.cel import (
     pod_type,
     request_type,
 )
-from policyd.fields import PREFIX_POD_FIELDS
+from policyd.fields import PREDICTION_POD_FIELDS, PREFIX_POD_FIELDS
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
 from policyd.policy.document import PolicySpec
 from policyd.policy.evaluation import Evaluator, Needs, PodExpression
@@ -63,12 +63,20 @@ _NO_FIELD: Final = re.compile(r"undefined field '([^']*)' not found in struct 'p
 # every request), nor what differs per request anyway (headers, the request id).
 # Reads that make a policy need each request's prefix-cache match.
 _PREFIX_READS: Final = frozenset({"pod.*", *(f"pod.{field.name}" for field in PREFIX_POD_FIELDS)})
-_NOT_CACHEABLE: Final = _PREFIX_READS | {
-    "pod.in_flight",
-    "request.*",
-    "request.headers",
-    "request.id",
-}
+# Reads that make a policy need each request's latency predictions.
+_PREDICTION_READS: Final = frozenset(
+    {"pod.*", *(f"pod.{field.name}" for field in PREDICTION_POD_FIELDS)}
+)
+_NOT_CACHEABLE: Final = (
+    _PREFIX_READS
+    | _PREDICTION_READS
+    | {
+        "pod.in_flight",
+        "request.*",
+        "request.headers",
+        "request.id",
+    }
+)
 
 WalkKey = Callable[[Request], Hashable]
 
@@ -128,6 +136,9 @@ class CompiledPolicy:
     # Some expression reads the prefix fields: the router computes each
     # request's prefix-cache match for this policy, and for no other.
     reads_prefix: bool = False
+    # Some expression reads the predicted latencies: the router asks the latency
+    # models for this request on each candidate, for this policy and no other.
+    reads_prediction: bool = False
     # Flow control (None: a saturated pool is routed to, or shed, as the tree says).
     flow: CompiledFlow | None = None
 
@@ -248,6 +259,7 @@ class _Compiler:
             shadows_at=spec.shadows_node.at if spec.shadows_node is not None else None,
             walk_key=walk_key,
             reads_prefix=bool(self.every_read & _PREFIX_READS),
+            reads_prediction=bool(self.every_read & _PREDICTION_READS),
             flow=flow,
         )
         return policy, self.diagnostics

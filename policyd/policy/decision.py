@@ -118,6 +118,12 @@ class Decision:
     # match and the best any candidate offered (None: not computed).
     prefix_match: float | None = None
     best_prefix_match: float | None = None
+    # Requests policyd had in flight on the chosen pod as it was chosen (the latency
+    # models learn the outcome against the load the decision saw).
+    chosen_in_flight: int = 0
+    # For a policy that reads the predicted latencies: the chosen pod's (TTFT ms,
+    # TPOT ms), -1.0 where it had none yet (None: not computed).
+    predicted: tuple[float, float] | None = None
     # Flow control held the request before this decision (None: it was not held):
     # for how long, and how many requests were held ahead of it when it came.
     held_seconds: float | None = None

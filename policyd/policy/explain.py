@@ -1,8 +1,10 @@
 """Why a request would go where it goes: the tree walk with every pod's value.
 
-``explain`` runs the real router, then re-evaluates each visited node's
-expression on the pods that entered it (CEL is pure, so the values are the
-ones the router saw) and every scorer on the survivors. The router's hot path
+``explain`` runs the real router (over pods written by hand: their
+``predicted_*`` fields are what the file says, as any other field), then
+re-evaluates each visited node's expression on the pods that entered it (CEL
+is pure, so the values are the ones the router saw) and every scorer on the
+survivors. The router's hot path
 stays lean; the detail is computed only here. What a node shows is its kind's
 (``Node.explain``); the summary under it follows from its trace.
 """
@@ -50,6 +52,9 @@ class Explanation:
     fallback_pods: tuple[str, ...]  # names of the decision's fallback endpoints
     shadows: tuple[ShadowResult, ...] = ()  # what each shadow policy would have decided
     held: str = ""  # why flow control would hold the request ("": it would not)
+    # For a policy that reads the predicted latencies: each pod's (name, TTFT ms,
+    # TPOT ms), -1.0 where it has none yet.
+    predictions: tuple[tuple[str, float, float], ...] = ()
 
 
 def explain(
@@ -71,6 +76,12 @@ def explain(
         )
     ev = Evaluation(resolved)
     by_name = {pod.name: pod for pod in pods}
+    predictions: tuple[tuple[str, float, float], ...] = ()
+    if policy.reads_prediction:
+        predictions = tuple(
+            (pod.name, pod.predicted_ttft_ms, pod.predicted_tpot_ms)
+            for pod in in_pool(policy.pool_labels, pods)
+        )
     entering = in_pool(policy.pool_labels, pods)
     details: list[NodeDetail] = []
     scores: tuple[ScoreDetail, ...] = ()
@@ -92,7 +103,16 @@ def explain(
         if trace.branch == "on_success":
             entering = [by_name[name] for name in trace.kept]
     return Explanation(
-        decision, policy, resolved, len(pods), tuple(details), scores, fallback_pods, shadows, held
+        decision,
+        policy,
+        resolved,
+        len(pods),
+        tuple(details),
+        scores,
+        fallback_pods,
+        shadows,
+        held,
+        predictions,
     )
 
 
@@ -165,6 +185,11 @@ def render_text(explanation: Explanation) -> str:
         f"criticality={r.criticality or '-'}"
     )
     lines.append(f"pods      {explanation.candidates} candidates")
+    if explanation.predictions:
+        lines.append("predicted (ms; - where the pod has no prediction yet)")
+        width = max(len(name) for name, _, _ in explanation.predictions)
+        for name, ttft, tpot in explanation.predictions:
+            lines.append(f"   {name:<{width}}  ttft {_ms(ttft):<8} tpot {_ms(tpot)}")
     for number, node in enumerate(explanation.nodes, start=1):
         t = node.trace
         lines.append("")
@@ -213,6 +238,10 @@ def render_text(explanation: Explanation) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ms(value: float) -> str:
+    return "-" if value < 0.0 else f"{value:.4g}"
+
+
 def _shadow_line(shadow: ShadowResult) -> str:
     d = shadow.decision
     would = f"{d.pod} ({d.endpoint})" if d.outcome is Outcome.ROUTED else d.outcome.value
@@ -256,6 +285,13 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
         "fallbacks": list(d.fallbacks),
         "fallback_pods": list(explanation.fallback_pods),
         "survivors": list(d.survivors),
+        "predictions": {
+            name: {
+                "ttft_ms": ttft if ttft >= 0.0 else None,
+                "tpot_ms": tpot if tpot >= 0.0 else None,
+            }
+            for name, ttft, tpot in explanation.predictions
+        },
         "nodes": [
             {
                 "node": n.trace.node,

@@ -5,7 +5,8 @@
 scorers take pods as ``PolicyPod``. It is a protocol because this room may not
 import the pool's ``Pod``, which satisfies it by its attributes, as ``StaticPod``
 (a pod written in a file, for ``policyd explain`` and ``policyd test``) and the
-two overlays do: ``Prefixed`` (one request's prefix match laid over a pod) and
+two overlays do: ``Prefixed`` (one request's prefix match and latency
+predictions laid over a pod) and
 ``AsSeen`` (a pod with the in-flight count a live decision saw).
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from policyd.cel.values import Duration
+from policyd.fields.prediction import NO_PREDICTION, Prediction
 from policyd.fields.prefix_match import PrefixMatch
 
 _METRICS_AGE: Final = Duration(0)
@@ -78,16 +80,26 @@ class PolicyPod(Protocol):
     @property
     def prefix_tokens(self) -> int: ...
 
+    @property
+    def predicted_ttft_ms(self) -> float: ...
+
+    @property
+    def predicted_tpot_ms(self) -> float: ...
+
 
 class Prefixed:
-    """A pod with one request's prefix-cache match laid over it."""
+    """A pod with one request's prefix match and predicted latencies laid over it."""
 
-    __slots__ = ("pod", "prefix_match", "prefix_tokens")
+    __slots__ = ("pod", "predicted_tpot_ms", "predicted_ttft_ms", "prefix_match", "prefix_tokens")
 
-    def __init__(self, pod: PolicyPod, match: PrefixMatch) -> None:
+    def __init__(
+        self, pod: PolicyPod, match: PrefixMatch, prediction: Prediction = NO_PREDICTION
+    ) -> None:
         self.pod = pod
         self.prefix_match = match.prefix_match
         self.prefix_tokens = match.prefix_tokens
+        self.predicted_ttft_ms = prediction.predicted_ttft_ms
+        self.predicted_tpot_ms = prediction.predicted_tpot_ms
 
     @property
     def name(self) -> str:
@@ -231,6 +243,14 @@ class AsSeen:
     def prefix_tokens(self) -> int:
         return self.pod.prefix_tokens
 
+    @property
+    def predicted_ttft_ms(self) -> float:
+        return self.pod.predicted_ttft_ms
+
+    @property
+    def predicted_tpot_ms(self) -> float:
+        return self.pod.predicted_tpot_ms
+
 
 @dataclass(frozen=True, slots=True)
 class StaticPod:
@@ -254,3 +274,5 @@ class StaticPod:
     metrics_age: Duration = _METRICS_AGE
     prefix_match: float = 0.0
     prefix_tokens: int = 0
+    predicted_ttft_ms: float = -1.0
+    predicted_tpot_ms: float = -1.0

@@ -27,6 +27,8 @@ class Request:
     prompt_tokens: Final[int] = 0
     max_tokens: Final[int] = 0
     stream: Final[bool] = False
+    slo_ttft_ms: Final[float] = 0.0
+    slo_tpot_ms: Final[float] = 0.0
     path: Final[str] = "/v1/completions"
     id: Final[str] = ""
     objective: Final[str] = ""
@@ -42,6 +44,8 @@ class Request:
             self.prompt_tokens,
             self.max_tokens,
             self.stream,
+            self.slo_ttft_ms,
+            self.slo_tpot_ms,
             self.path,
             self.id,
             self.objective,

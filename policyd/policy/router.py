@@ -17,6 +17,14 @@ once per decision, only for such a policy, so a policy that reads neither
 pays nothing for them. The decision carries the chosen
 pod's match and the best one on offer, to show whether locality won.
 
+So it is with the predicted latencies (``pod.predicted_ttft_ms``,
+``pod.predicted_tpot_ms``): for a policy that reads them, the router asks the
+``LatencyPredictor`` it was built with (``policyd.latency``) once per decision
+for every candidate, from the request's uncached prompt tokens (its prompt
+less the prefix match, when there is a prompt to match) and its context, and
+lays them over the candidates with the prefix match; the decision carries the
+chosen pod's.
+
 When the policy has shadow policies, the decision carries ``ShadowInputs``
 (plain data: the shadows, the request, the candidates, the pick), and
 ``decide_shadows(decision)`` decides the same request over the same
@@ -45,6 +53,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from policyd.fields.prediction import Prediction
 from policyd.fields.prefix_match import PrefixMatch
 from policyd.policy.compiler import CompiledPolicy
 from policyd.policy.decision import (
@@ -77,6 +86,17 @@ class PrefixMatcher(Protocol):
     def match(self, model: str, pods: Sequence[PolicyPod]) -> Sequence[PrefixMatch]:
         """Per pod, in order: its prefix fields for this prompt served as ``model``
         (the target model or adapter)."""
+        ...
+
+
+class LatencyPredictor(Protocol):
+    """Each pod's predicted latencies for one request (``policyd.latency.LatencyModels``)."""
+
+    def predict_many(
+        self, pods: Sequence[PolicyPod], uncached_tokens: Sequence[int], context_tokens: int
+    ) -> list[tuple[float, float]]:
+        """Per pod, in order: (TTFT ms, TPOT ms) at its in-flight count and uncached
+        prompt tokens, -1.0 each where it has no prediction yet."""
         ...
 
 
@@ -121,9 +141,14 @@ class Router:
     """Decides requests against the store's current policy set."""
 
     def __init__(
-        self, policies: PolicyStore | PolicySet, *, rng: random.Random | None = None
+        self,
+        policies: PolicyStore | PolicySet,
+        *,
+        rng: random.Random | None = None,
+        latency: LatencyPredictor | None = None,
     ) -> None:
         self._store = policies if isinstance(policies, PolicyStore) else PolicyStore(policies)
+        self._latency = latency
         self._rng = rng if rng is not None else random.Random()
         self._shadow_rng = random.Random()  # a copy: shadows never draw from the live sequence
         self._shadow_rng.setstate(self._rng.getstate())
@@ -239,10 +264,20 @@ class Router:
     ) -> tuple[Decision, PolicyPod | None]:
         resolved = self._resolve(policy, request, rng)
         best_prefix: float | None = None
-        if policy.reads_prefix and prompt is not None and candidates:
-            matches = prompt.match(resolved.target_model, candidates)
-            candidates = [Prefixed(pod, m) for pod, m in zip(candidates, matches, strict=True)]
-            best_prefix = max(m.prefix_match for m in matches)
+        predicts = policy.reads_prediction and self._latency is not None and bool(candidates)
+        if candidates and ((policy.reads_prefix and prompt is not None) or predicts):
+            matches: Sequence[PrefixMatch] = (
+                prompt.match(resolved.target_model, candidates)
+                if prompt is not None
+                # No prompt to match: the pods' own prefix fields stay as they are.
+                else [PrefixMatch(p.prefix_match, p.prefix_tokens) for p in candidates]
+            )
+            if predicts:
+                candidates = self._predicted(resolved, candidates, matches)
+            else:
+                candidates = [Prefixed(p, m) for p, m in zip(candidates, matches, strict=True)]
+            if prompt is not None:
+                best_prefix = max(m.prefix_match for m in matches)
         walk, ev = self._walk(policy, resolved, candidates)
         if walk.outcome is not None:
             return self._answer(
@@ -266,8 +301,12 @@ class Router:
         chosen = policy.picker.pick(totals, count, policy.fallbacks, rng)
         pod = survivors[chosen[0]]
         prefix_match: float | None = None
+        predicted: tuple[float, float] | None = None
         if isinstance(pod, Prefixed):
-            prefix_match = pod.prefix_match
+            if policy.reads_prefix and prompt is not None:
+                prefix_match = pod.prefix_match
+            if predicts:
+                predicted = (pod.predicted_ttft_ms, pod.predicted_tpot_ms)
             pod = pod.pod
         top: tuple[tuple[str, float], ...] = ()
         if totals is not None and policy.scorers:
@@ -290,8 +329,24 @@ class Router:
             chosen=pod,
             prefix_match=prefix_match,
             best_prefix_match=best_prefix,
+            chosen_in_flight=pod.in_flight,
+            predicted=predicted,
         )
         return decision, pod
+
+    def _predicted(
+        self, request: Request, pods: Sequence[PolicyPod], matches: Sequence[PrefixMatch]
+    ) -> list[PolicyPod]:
+        """The candidates with this request's prefix match and predictions laid over them."""
+        assert self._latency is not None
+        prompt_tokens = request.prompt_tokens
+        uncached = [max(prompt_tokens - m.prefix_tokens, 0) for m in matches]
+        context = prompt_tokens + request.max_tokens // 2
+        predictions = self._latency.predict_many(pods, uncached, context)
+        return [
+            Prefixed(pod, match, Prediction(ttft, tpot))
+            for pod, match, (ttft, tpot) in zip(pods, matches, predictions, strict=True)
+        ]
 
     def _walk(
         self, policy: CompiledPolicy, request: Request, candidates: Sequence[PolicyPod]

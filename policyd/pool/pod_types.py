@@ -3,8 +3,9 @@
 
 ``Pod``'s attributes are the CEL schema's ``pod`` fields. ``in_flight`` is not
 stored: it reads the pod's ``InFlight`` counter, which outlives snapshots. Nor
-are the prefix fields: they belong to one request, so a snapshot's pod answers
-their defaults, and the router lays each request's values over it.
+are the prefix and prediction fields: they belong to one request, so a
+snapshot's pod answers their defaults, and the router lays each request's
+values over it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Pod:
     load: Final[InFlight] = field(default_factory=InFlight, compare=False, repr=False)
     prefix_match: ClassVar[float] = 0.0
     prefix_tokens: ClassVar[int] = 0
+    predicted_ttft_ms: ClassVar[float] = -1.0
+    predicted_tpot_ms: ClassVar[float] = -1.0
 
     @property
     def in_flight(self) -> int:

@@ -66,6 +66,13 @@ BEST_PREFIX_MATCH: Final = "policyd.prefix.best_match"
 # Flow control held the request before this decision: for how long (seconds), and how
 # many requests were held ahead of it (its band and above) when it came.
 FLOW_HELD: Final = "policyd.flow.held"
+# The client's objectives (ms; request.slo_*), set when it stated them; for a policy
+# that reads the predictions, the chosen pod's predicted TTFT and TPOT (ms; absent
+# while it had none).
+SLO_TTFT: Final = "policyd.slo.ttft_ms"
+SLO_TPOT: Final = "policyd.slo.tpot_ms"
+PREDICTED_TTFT: Final = "policyd.predicted.ttft_ms"
+PREDICTED_TPOT: Final = "policyd.predicted.tpot_ms"
 FLOW_QUEUE_POSITION: Final = "policyd.flow.queue_position"
 SHADOWS: Final = "policyd.shadows"  # how many shadow policies were evaluated
 SHADOWS_AGREED: Final = "policyd.shadows.agreed"  # how many agreed with the live pick
@@ -75,6 +82,12 @@ RESPONSE_COMPLETED: Final = "policyd.response.completed"
 TIME_TO_HEADERS: Final = "policyd.response.time_to_headers"
 TIME_TO_FIRST_TOKEN: Final = "policyd.response.time_to_first_token"
 RESPONSE_DURATION: Final = "policyd.response.duration"
+# A streamed answer's time per output token after the first (seconds), and whether
+# each stated objective was met: TTFT by the first body bytes (a whole answer's are
+# its last), TPOT by a streamed answer's pace.
+TIME_PER_OUTPUT_TOKEN: Final = "policyd.response.time_per_output_token"
+SLO_TTFT_MET: Final = "policyd.slo.ttft_met"
+SLO_TPOT_MET: Final = "policyd.slo.tpot_met"
 
 # -- the walk through the filter tree ------------------------------------------------------
 WALK: Final = "policyd.walk"  # walk_summary: one step per visited node, "a (filter) 6→4 > ..."

@@ -32,3 +32,13 @@ class ExchangeEnd(NamedTuple):
     prompt_tokens: int | None
     completion_tokens: int | None
     cached_tokens: int | None = None
+
+    def time_per_output_token(self, streamed: bool) -> float | None:
+        """Seconds per output token after the first: a streamed, completed answer of
+        more than one token says it; a whole answer's first bytes come with its last,
+        so it does not (None)."""
+        tokens = self.completion_tokens
+        first = self.first_body_seconds
+        if not streamed or not self.completed or first is None or tokens is None or tokens < 2:
+            return None
+        return max(self.duration_seconds - first, 0.0) / (tokens - 1)

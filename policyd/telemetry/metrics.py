@@ -31,6 +31,8 @@ from policyd.telemetry.tally import CounterTally, HistogramTally, Labels, TallyC
 DECISION_BUCKETS: Final = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
 )  # fmt: skip
+# Relative prediction errors: 5% .. 5x.
+ERROR_BUCKETS: Final = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 RESPONSE_BUCKETS: Final = (
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
@@ -275,6 +277,19 @@ class DecisionMetrics:
             "or reset (Envoy reset the stream after the exchange ended, code after_end).",
             ["kind", "code"],
         )
+        self._prediction_error = HistogramTally(
+            "policyd_latency_prediction_error_ratio",
+            "|predicted - actual| / actual of the chosen pod's predicted latency (latency"
+            " ttft or tpot), for policies that read the predictions; streamed answers.",
+            ["policy", MODEL, "latency"],
+            ERROR_BUCKETS,
+        )
+        self._objectives = CounterTally(
+            "policyd_slo_requests",
+            "Completed requests that stated a latency objective (ttft or tpot), by whether"
+            " the answer met it (true, false).",
+            ["policy", MODEL, "objective", "met"],
+        )
         self._reloads = CounterTally(
             "policyd_policy_reloads",
             "Policy reload attempts by result (ok, rejected).",
@@ -294,6 +309,8 @@ class DecisionMetrics:
                     self._response_seconds,
                     self._responses,
                     self._stream_errors,
+                    self._prediction_error,
+                    self._objectives,
                     self._reloads,
                 ]
             )
@@ -394,6 +411,29 @@ class DecisionMetrics:
             self._first_token.observe(labels, first_body_seconds)
         if completed:
             self._response_seconds.observe(labels, duration_seconds)
+
+    def latency(
+        self,
+        decision: Decision,
+        *,
+        ttft: float | None,
+        tpot: float | None,
+        ttft_met: bool | None,
+        tpot_met: bool | None,
+    ) -> None:
+        """A completed answer's latencies (seconds) against the prediction and objectives."""
+        policy, model = decision.policy, self.models(decision.target_model)
+        if decision.predicted is not None:
+            for name, predicted_ms, actual in zip(
+                ("ttft", "tpot"), decision.predicted, (ttft, tpot), strict=True
+            ):
+                if predicted_ms >= 0.0 and actual:
+                    error = abs(predicted_ms / 1000.0 - actual) / actual
+                    self._prediction_error.observe((policy, model, name), error)
+        if ttft_met is not None:
+            self._objectives.inc((policy, model, "ttft", "true" if ttft_met else "false"))
+        if tpot_met is not None:
+            self._objectives.inc((policy, model, "tpot", "true" if tpot_met else "false"))
 
     def stream_error(self, kind: str, code: str) -> None:
         self._stream_errors.inc((kind, code))

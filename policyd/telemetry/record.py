@@ -219,10 +219,20 @@ class RequestRecord:
                 attributes[a.SCORE] = decision.score
             if decision.prefix_match is not None:
                 attributes[a.PREFIX_MATCH] = decision.prefix_match
+            if decision.predicted is not None:
+                ttft, tpot = decision.predicted
+                if ttft >= 0.0:
+                    attributes[a.PREDICTED_TTFT] = ttft
+                if tpot >= 0.0:
+                    attributes[a.PREDICTED_TPOT] = tpot
         else:
             attributes[a.ERROR_TYPE] = decision.outcome.value
         if decision.best_prefix_match is not None:
             attributes[a.BEST_PREFIX_MATCH] = decision.best_prefix_match
+        if request.slo_ttft_ms:
+            attributes[a.SLO_TTFT] = request.slo_ttft_ms
+        if request.slo_tpot_ms:
+            attributes[a.SLO_TPOT] = request.slo_tpot_ms
         if decision.held_seconds is not None:
             attributes[a.FLOW_HELD] = decision.held_seconds
             attributes[a.FLOW_QUEUE_POSITION] = decision.queue_position or 0
@@ -337,8 +347,11 @@ class RequestRecord:
 
     def end(self, end: ExchangeEnd) -> None:
         decision = self._decision
+        request = self._request
         routed = decision.outcome is Outcome.ROUTED
         metrics = self._owner.metrics
+        tpot = end.time_per_output_token(request.stream)
+        ttft_met, tpot_met = _objectives_met(request, end, tpot)
         if metrics is not None and routed:
             metrics.response(
                 decision.policy,
@@ -348,6 +361,14 @@ class RequestRecord:
                 first_body_seconds=end.first_body_seconds,
                 duration_seconds=end.duration_seconds,
             )
+            if end.completed:
+                metrics.latency(
+                    decision,
+                    ttft=end.first_body_seconds if request.stream else None,
+                    tpot=tpot,
+                    ttft_met=ttft_met,
+                    tpot_met=tpot_met,
+                )
         span = self._span
         tracer = self._owner.tracer
         if span is not None and span.recording and tracer is not None:
@@ -362,6 +383,12 @@ class RequestRecord:
                 attributes[a.TIME_TO_FIRST_TOKEN] = end.first_body_seconds
             if self._owner.span_usage:
                 _put_usage(attributes, end)
+            if tpot is not None:
+                attributes[a.TIME_PER_OUTPUT_TOKEN] = tpot
+            if ttft_met is not None:
+                attributes[a.SLO_TTFT_MET] = ttft_met
+            if tpot_met is not None:
+                attributes[a.SLO_TPOT_MET] = tpot_met
             if routed and self._status >= 500:
                 attributes[a.ERROR_TYPE] = str(self._status)
                 self._span_status = Status(StatusCode.ERROR)
@@ -388,6 +415,21 @@ class RequestRecord:
                 "cached_tokens": end.cached_tokens,
             }
             decision_log.write(entry)
+
+
+def _objectives_met(
+    request: Request, end: ExchangeEnd, tpot: float | None
+) -> tuple[bool | None, bool | None]:
+    """Whether the answer met each objective the client stated (None: none stated, or
+    the answer does not say: it did not complete, or a whole answer's pace)."""
+    if not end.completed:
+        return None, None
+    ttft_met = tpot_met = None
+    if request.slo_ttft_ms and end.first_body_seconds is not None:
+        ttft_met = end.first_body_seconds * 1000.0 <= request.slo_ttft_ms
+    if request.slo_tpot_ms and tpot is not None:
+        tpot_met = tpot * 1000.0 <= request.slo_tpot_ms
+    return ttft_met, tpot_met
 
 
 def _parent(carrier: Mapping[str, str]) -> SpanContext | None:

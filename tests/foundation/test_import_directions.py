@@ -34,8 +34,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "prefix": ("policyd.fields",),
     "flow": ("policyd.policy",),
+    "latency": (
+        "policyd.policy.decision",
+        "policyd.policy.request",
+        "policyd.telemetry.exchange_end",
+    ),
     "extproc": (
         "policyd.flow",
+        "policyd.latency",
         "policyd.policy",
         "policyd.pool",
         "policyd.prefix",
@@ -47,6 +53,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "policyd.extproc",
         "policyd.fields",
         "policyd.flow",
+        "policyd.latency",
         "policyd.policy",
         "policyd.pool",
         "policyd.prefix",

@@ -10,7 +10,7 @@ while the pool is saturated is held, and dispatched when a pod has room, on a
 scrape round or when a request ends on a pod (policyd's own in-flight
 counts), decided then over the pods with room.
 
-Four ways of handling overload, on the same requests:
+Five ways of handling overload, on the same requests:
 
 - ``none``: ``rules/default.yaml`` as today (standard requests are routed
   anyway and queue in the pods; sheddable ones are shed when no pod has spare
@@ -19,7 +19,10 @@ Four ways of handling overload, on the same requests:
   marked sheddable, so it is shed (429) when no pod has spare capacity;
 - ``flow``: ``rules/default.yaml`` with the ``flow`` section below;
 - ``flow+lora-prefix``: ``rules/lora-prefix.yaml`` (approximate prefix
-  mode) with the same section.
+  mode) with the same section;
+- ``rules/flow.yaml``: the shipped flow policy, whose saturation reads the
+  pods' own queues, KV caches and the request's budget, with no threshold
+  chosen on these seeds.
 
 ``--workload seed-flow`` runs the seed experiment (closed loop, 100
 connections) with ``rules/lora-prefix.yaml`` and the same section against
@@ -114,6 +117,7 @@ WORKLOADS: Final[dict[str, Callable[[], Classes]]] = {
 }
 MULTIPLES: Final = {"overload": (1.5, 2.0, 3.0), "tenants": (2.0, 3.0), "priorities": (2.0,)}
 CRITICALITY: Final = "x-gateway-inference-criticality"
+SHIPPED_FLOW: Final = "rules/flow.yaml"  # the contender name of the shipped flow policy
 IDLE_SHARE: Final = 0.2  # of the capacity: the idle reference
 POD_COUNT: Final = 6
 # The calibration offers this many times an upper bound of the pool's capacity:
@@ -413,6 +417,9 @@ def contenders(directory: Path, combined: Path, saturated: str) -> list[Contende
     if combined.exists():
         flow = flow_policy(combined, directory, saturated)
         found.append(Contender(f"flow+{combined.stem}", flow, prefix=True))
+    # The shipped flow policy, whose saturation reads only the pods' own signals: no
+    # threshold of it was chosen on these workloads' seeds.
+    found.append(Contender(SHIPPED_FLOW, RULES / "flow.yaml", prefix=True))
     return found
 
 
@@ -555,7 +562,7 @@ def goals(
     field: Sequence[Contender],
 ) -> list[str]:
     lines: list[str] = []
-    flows = [c.name for c in field if c.name.startswith("flow")]
+    flows = [c.name for c in field if c.name.startswith("flow") or c.name == SHIPPED_FLOW]
     for multiple, by in results.items():
         none = by["none"]
         for contender in flows:

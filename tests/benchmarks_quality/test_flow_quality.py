@@ -34,7 +34,7 @@ def test_a_short_run_over_capacity_holds_and_loses_nothing(
     flow_quality: ModuleType, tmp_path: Path
 ) -> None:
     field = flow_quality.contenders(tmp_path, tmp_path / "absent.yaml", flow_quality.SATURATED)
-    assert [c.name for c in field] == ["none", "shed-only", "flow"]
+    assert [c.name for c in field] == ["none", "shed-only", "flow", "rules/flow.yaml"]
     tenants = flow_quality.Tenants()
     flow = flow_quality.run_one(field[2], tenants, 30.0, 20.0, 1)
     assert flow.peak_held > 0 and flow.lost == 0

@@ -35,6 +35,7 @@ from inference_sim import (
     stop_pods,
     until_ready,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -200,3 +201,151 @@ async def test_lora_affinity_follows_the_adapters_the_inference_sim_runs(
             assert stream_decision["pod"] == home
     finally:
         await stop_pods(pods)
+
+
+# -- precise prefix matching from the simulator's KV events ----------------------------------
+
+
+def ids(start: int, count: int) -> list[int]:
+    """A token-id prompt: policyd keys the ids as given, the simulator caches them as given."""
+    return list(range(start, start + count))
+
+
+async def index_blocks(client: aiohttp.ClientSession, gate: Gateway, pod: str) -> float:
+    """The blocks policyd's precise index holds for ``pod``, from its own /metrics."""
+    samples = (await pod_metrics(client, gate.monitoring_url)).get("policyd_prefix_index_blocks")
+    return sum(s.value for s in samples or () if s.labels["model_server_endpoint"] == pod)
+
+
+@pytest.mark.parametrize("encoding", [(), ("--use-vllm-map-event-format",)], ids=["arrays", "maps"])
+async def test_precise_mode_follows_the_inference_sims_kv_events(
+    encoding: tuple[str, ...], inference_sim: str, client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # A KV cache of 64 blocks of 16 tokens per pod.
+    flags = ("--block-size", "16", "--kv-cache-size", "64", "--event-batch-size", "4", *FAST)
+    pods = [
+        start_pod(inference_sim, f"kv-{i}", tmp_path, *flags, *encoding, kv_events=True)
+        for i in range(2)
+    ]
+    try:
+        await until_ready(client, pods)
+        policy = REPO / "rules" / "prefix-aware.yaml"
+        async with gateway(tmp_path, policy, pods, "--prefix-index", "precise") as gate:
+            # Two ZMQ hops join late (the pod dials the relay once a second, a SUB's
+            # subscription arrives after it connects): one-block prompts until policyd
+            # has indexed one from each pod.
+            for n, pod in enumerate(pods):
+                probes = iter(range(10_000 * (n + 1), 10_000 * (n + 2), 16))
+                await until(
+                    lambda pod=pod, probes=probes: probed(client, gate, pod, next(probes)),
+                    f"a block of {pod.name} indexed",
+                )
+            # Each pod is warmed directly, past policyd, with its own 3-block prompt.
+            prompts = {pod.name: ids(100_000 * (n + 1), 48) for n, pod in enumerate(pods)}
+            for pod in pods:
+                held = await index_blocks(client, gate, pod.name)
+                body = {"model": MODEL, "prompt": prompts[pod.name], "max_tokens": 1}
+                assert (await post(client, pod.url, body))[0] == 200
+                await until(
+                    lambda pod=pod, held=held: indexed(
+                        client, gate, pod.name, lambda blocks: blocks >= held + 3
+                    ),
+                    f"{pod.name}'s blocks indexed",
+                )
+            # Through Envoy, each prompt (and 8 tokens more) goes to the pod holding it.
+            for pod in pods:
+                logged = len(gate.decisions())
+                body = {"model": MODEL, "prompt": prompts[pod.name] + ids(1, 8), "max_tokens": 1}
+                status, answer = await post(client, gate.url, body)
+                assert status == 200, answer
+                decision = (await settled(gate, logged + 1))[-1]
+                assert decision["pod"] == pod.name
+                assert decision["prefix_match"] == pytest.approx(48 / 56)
+            # Evicted blocks leave the index: 64 new blocks fill the first pod's cache. The
+            # index holds 64 only once it has them all (before, it holds the probe it
+            # waited for, the warm prompt and fewer than 64 - 4 of them).
+            first = pods[0]
+            for n in range(4):
+                body = {"model": MODEL, "prompt": ids(500_000 + 256 * n, 256), "max_tokens": 1}
+                assert (await post(client, first.url, body))[0] == 200
+            await until(
+                lambda: indexed(client, gate, first.name, lambda blocks: blocks == 64),
+                "the index to hold only the 64 blocks the pod still holds",
+            )
+            logged = len(gate.decisions())
+            body = {"model": MODEL, "prompt": prompts[first.name], "max_tokens": 1}
+            assert (await post(client, gate.url, body))[0] == 200
+            decision = (await settled(gate, logged + 1))[-1]
+            assert decision["best_prefix_match"] == 0
+    finally:
+        await stop_pods(pods)
+
+
+async def probed(client: aiohttp.ClientSession, gate: Gateway, pod: SimPod, first: int) -> bool:
+    """Whether policyd's index holds a block of ``pod``; if not, one more one-block prompt."""
+    if await index_blocks(client, gate, pod.name) > 0:
+        return True
+    body = {"model": MODEL, "prompt": ids(first, 16), "max_tokens": 1}
+    status, answer = await post(client, pod.url, body)
+    assert status == 200, answer
+    await asyncio.sleep(0.2)
+    return False
+
+
+async def indexed(
+    client: aiohttp.ClientSession, gate: Gateway, pod: str, check: Callable[[float], bool]
+) -> bool:
+    """Whether the blocks policyd's index holds for ``pod`` pass ``check``."""
+    return check(await index_blocks(client, gate, pod))
+
+
+# -- failure injection ------------------------------------------------------------------------
+
+
+async def test_injected_failures_reach_the_client_as_the_pod_sent_them(
+    inference_sim: str, client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # One pod fails every request with one of the simulator's OpenAI errors (429, 401,
+    # 400, 503, 404); round-robin alternates the pods. Envoy retries only connection
+    # failures, so each error reaches the client as the pod sent it, policyd logs it as
+    # the answer to a routed request, and keeps routing.
+    pods = [
+        start_pod(inference_sim, "flaky", tmp_path, "--failure-injection-rate", "100", *FAST),
+        start_pod(inference_sim, "healthy", tmp_path, *FAST),
+    ]
+    try:
+        await until_ready(client, pods)
+        async with gateway(tmp_path, REPO / "rules" / "round-robin.yaml", pods) as gate:
+            answers = []
+            for n in range(8):
+                logged = len(gate.decisions())
+                body = {"model": MODEL, "prompt": f"request {n}", "max_tokens": 2}
+                answers.append(await post(client, gate.url, body))
+                await settled(gate, logged + 1)
+            decisions = gate.decisions()
+            async with client.get(gate.monitoring_url + "/metrics") as response:
+                metrics = await response.text()
+    finally:
+        await stop_pods(pods)
+    assert [d["pod"] for d in decisions].count("flaky") == 4
+    for (status, answer), decision in zip(answers, decisions, strict=True):
+        assert decision["outcome"] == "routed"
+        assert decision["response"]["status"] == status
+        if decision["pod"] == "flaky":
+            assert status in (400, 401, 404, 429, 503)
+            assert answer["error"]["code"] == status and answer["error"]["message"]
+        else:
+            assert status == 200 and answer["choices"]
+        # A failed request leaves no count behind: the requests went one at a time, so a
+        # pod's in-flight count (logged just after the decision, settled a few
+        # milliseconds after the reply) is at most the request itself.
+        assert all(p["in_flight"] <= 1 for p in decision["pods"])
+    classes = {
+        s.labels["status_class"]: s.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "policyd_responses"
+        for s in family.samples
+        if s.name == "policyd_responses_total"
+    }
+    assert classes.get("2xx") == 4
+    assert classes.get("4xx", 0) + classes.get("5xx", 0) == 4

@@ -306,9 +306,9 @@ async def test_injected_failures_reach_the_client_as_the_pod_sent_them(
     inference_sim: str, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     # One pod fails every request with one of the simulator's OpenAI errors (429, 401,
-    # 400, 503, 404); round-robin alternates the pods. Envoy retries only connection
-    # failures, so each error reaches the client as the pod sent it, policyd logs it as
-    # the answer to a routed request, and keeps routing.
+    # 400, 503, 404); round-robin alternates the pods. Envoy retries no answer a pod gave,
+    # so each error reaches the client as the pod sent it, policyd logs it as the answer
+    # to a routed request, and keeps routing.
     pods = [
         start_pod(inference_sim, "flaky", tmp_path, "--failure-injection-rate", "100", *FAST),
         start_pod(inference_sim, "healthy", tmp_path, *FAST),

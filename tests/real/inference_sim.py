@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policyd.extproc.envoy_config import EnvoyConfigOptions
 from policyd.extproc.envoy_process import EnvoyProcess, free_port, start_envoy
-from policyd.extproc.prefix_matching import KV_EVENTS_PORT_LABEL
+from policyd.extproc.prefix_matching import KV_EVENTS_PORT_LABEL, KV_REPLAY_PORT_LABEL
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "infsim/base"  # no Hugging Face model: the simulator's dummy tokenizer
@@ -93,6 +93,7 @@ class SimPod:
     process: subprocess.Popen[bytes]
     log: Path
     relay: KvRelay | None = None
+    replay_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -106,23 +107,31 @@ class SimPod:
         labels = "role: serving"
         if self.relay is not None:
             labels += f", '{KV_EVENTS_PORT_LABEL}': '{self.relay.outbound_port}'"
+        if self.replay_port is not None:
+            labels += f", '{KV_REPLAY_PORT_LABEL}': '{self.replay_port}'"
         return f"  - {{name: {self.name}, address: '{self.address}', labels: {{{labels}}}}}\n"
 
 
-def start_pod(binary: str, name: str, tmp: Path, *flags: str, kv_events: bool = False) -> SimPod:
+def start_pod(
+    binary: str, name: str, tmp: Path, *flags: str, kv_events: bool = False, replay: bool = False
+) -> SimPod:
     """Start one pod (``flags`` after the model and port); with ``kv_events``, its KV cache
-    on and its events forwarded by a ``KvRelay`` (call it inside the event loop)."""
+    on and its events forwarded by a ``KvRelay`` (call it inside the event loop), and with
+    ``replay`` its replay socket too (which it binds itself)."""
     port = free_port()
     relay = KvRelay.open() if kv_events else None
+    replay_port = free_port() if kv_events and replay else None
     command = [binary, "--model", MODEL, "--port", str(port), "--force-dummy-tokenizer", *flags]
     if relay is not None:
         command += ["--enable-kvcache", "--zmq-endpoint", f"tcp://127.0.0.1:{relay.inbound_port}"]
+    if replay_port is not None:
+        command += ["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"]
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "POD_IP": "127.0.0.1"}
         )
-    return SimPod(name, port, process, log, relay)
+    return SimPod(name, port, process, log, relay, replay_port)
 
 
 async def until_ready(client: aiohttp.ClientSession, pods: Sequence[SimPod]) -> None:

@@ -281,6 +281,46 @@ async def test_precise_mode_follows_the_inference_sims_kv_events(
         await stop_pods(pods)
 
 
+async def test_precise_mode_replays_what_the_inference_sim_published_before_policyd_followed(
+    inference_sim: str, client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # The first message policyd gets from a pod makes it ask the pod's replay socket for
+    # what came before; the inference-sim answers in llm-d's framing (the topic first).
+    # One event per batch: the simulator publishes a batch when it is full or a second
+    # after its first event, so the early prompt's goes out before policyd follows.
+    flags = ("--block-size", "16", "--kv-cache-size", "64", "--event-batch-size", "1", *FAST)
+    pods = [
+        start_pod(inference_sim, f"replay-{i}", tmp_path, *flags, kv_events=True, replay=True)
+        for i in range(2)
+    ]
+    try:
+        await until_ready(client, pods)
+        early = ids(200_000, 48)  # sent to the first pod before anyone follows its events
+        body = {"model": MODEL, "prompt": early, "max_tokens": 1}
+        assert (await post(client, pods[0].url, body))[0] == 200
+        policy = REPO / "rules" / "prefix-aware.yaml"
+        async with gateway(tmp_path, policy, pods, "--prefix-index", "precise") as gate:
+            probes = iter(range(300_000, 400_000, 16))
+            await until(
+                lambda: probed(client, gate, pods[0], next(probes)), "a block of the pod indexed"
+            )
+            logged = len(gate.decisions())
+            body = {"model": MODEL, "prompt": early + ids(1, 8), "max_tokens": 1}
+            status, answer = await post(client, gate.url, body)
+            assert status == 200, answer
+            decision = (await settled(gate, logged + 1))[-1]
+            assert decision["pod"] == pods[0].name
+            assert decision["prefix_match"] == pytest.approx(48 / 56)
+            replayed = (await pod_metrics(client, gate.monitoring_url))[
+                "policyd_prefix_kv_event_replayed_batches_total"
+            ]
+            assert any(
+                s.labels["model_server_endpoint"] == pods[0].name and s.value > 0 for s in replayed
+            )
+    finally:
+        await stop_pods(pods)
+
+
 async def probed(client: aiohttp.ClientSession, gate: Gateway, pod: SimPod, first: int) -> bool:
     """Whether policyd's index holds a block of ``pod``; if not, one more one-block prompt."""
     if await index_blocks(client, gate, pod.name) > 0:

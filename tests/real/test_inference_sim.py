@@ -7,7 +7,8 @@ twice: what the client got, and what policyd's decision log says it decided on
 routing with every shipped policy, LoRA affinity over the simulator's
 ``vllm:lora_requests_info``, precise prefix matching from its KV events (its
 own encoding: a parent hash of 0 for a sequence's first block, and events as
-maps of field names), and its failure injection. docs/model-servers.md says
+maps of field names) and from its replay socket (replies that carry the
+topic), and its failure injection. docs/model-servers.md says
 what the simulator showed about policyd's assumptions.
 """
 
@@ -178,7 +179,9 @@ async def test_lora_affinity_follows_the_adapters_the_inference_sim_runs(
                 home = pods[running.index(1)].name
                 other = pods[running.index(0)].name
                 seen = dict.fromkeys(ADAPTERS, 0)
+                deadline = time.monotonic() + READY_S  # within the held stream's ~90 s
                 while min(seen.values()) < 3:
+                    assert time.monotonic() < deadline, f"policyd saw lora-a at home {seen}"
                     for adapter in ADAPTERS:
                         logged = len(gate.decisions())
                         body = {"model": adapter, "prompt": "short", "max_tokens": 2}

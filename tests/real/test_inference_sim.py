@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,47 +214,58 @@ def ids(start: int, count: int) -> list[int]:
     return list(range(start, start + count))
 
 
-async def index_blocks(client: aiohttp.ClientSession, gate: Gateway, pod: str) -> float:
-    """The blocks policyd's precise index holds for ``pod``, from its own /metrics."""
-    samples = (await pod_metrics(client, gate.monitoring_url)).get("policyd_prefix_index_blocks")
+async def per_pod(client: aiohttp.ClientSession, gate: Gateway, name: str, pod: str) -> float:
+    """The value policyd's own /metrics gives ``pod`` in the family ``name``."""
+    samples = (await pod_metrics(client, gate.monitoring_url)).get(name)
     return sum(s.value for s in samples or () if s.labels["model_server_endpoint"] == pod)
+
+
+BLOCKS = "policyd_prefix_index_blocks"
+BATCHES = "policyd_prefix_kv_event_batches_total"  # applied, live and replayed
 
 
 @pytest.mark.parametrize("encoding", [(), ("--use-vllm-map-event-format",)], ids=["arrays", "maps"])
 async def test_precise_mode_follows_the_inference_sims_kv_events(
     encoding: tuple[str, ...], inference_sim: str, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    # A KV cache of 64 blocks of 16 tokens per pod.
-    flags = ("--block-size", "16", "--kv-cache-size", "64", "--event-batch-size", "4", *FAST)
+    # A KV cache of 64 blocks of 16 tokens per pod; one event per batch, so that each
+    # request bringing new blocks is one batch and each block evicted one more. What a
+    # pod published before policyd followed it comes from its replay socket: policyd has
+    # applied all a pod published once its count of batches is that many.
+    flags = ("--block-size", "16", "--kv-cache-size", "64", "--event-batch-size", "1", *FAST)
     pods = [
-        start_pod(inference_sim, f"kv-{i}", tmp_path, *flags, *encoding, kv_events=True)
+        start_pod(
+            inference_sim, f"kv-{i}", tmp_path, *flags, *encoding, kv_events=True, replay=True
+        )
         for i in range(2)
     ]
     try:
         await until_ready(client, pods)
         policy = REPO / "rules" / "prefix-aware.yaml"
         async with gateway(tmp_path, policy, pods, "--prefix-index", "precise") as gate:
+
+            async def applied(pod: SimPod, count: int) -> None:
+                await until(
+                    lambda: _equals(per_pod(client, gate, BATCHES, pod.name), count),
+                    f"{count} batches of {pod.name} applied",
+                )
+
             # Two ZMQ hops join late (the pod dials the relay once a second, a SUB's
             # subscription arrives after it connects): one-block prompts until policyd
-            # has indexed one from each pod.
+            # has a message from each pod.
+            probes = {pod.name: 0 for pod in pods}
             for n, pod in enumerate(pods):
-                probes = iter(range(10_000 * (n + 1), 10_000 * (n + 2), 16))
                 await until(
-                    lambda pod=pod, probes=probes: probed(client, gate, pod, next(probes)),
-                    f"a block of {pod.name} indexed",
+                    lambda n=n, pod=pod: probed(client, gate, pod, probes, 10_000 * (n + 1)),
+                    f"a batch of {pod.name} applied",
                 )
             # Each pod is warmed directly, past policyd, with its own 3-block prompt.
             prompts = {pod.name: ids(100_000 * (n + 1), 48) for n, pod in enumerate(pods)}
             for pod in pods:
-                held = await index_blocks(client, gate, pod.name)
                 body = {"model": MODEL, "prompt": prompts[pod.name], "max_tokens": 1}
                 assert (await post(client, pod.url, body))[0] == 200
-                await until(
-                    lambda pod=pod, held=held: indexed(
-                        client, gate, pod.name, lambda blocks: blocks >= held + 3
-                    ),
-                    f"{pod.name}'s blocks indexed",
-                )
+                await applied(pod, probes[pod.name] + 1)
+                assert await per_pod(client, gate, BLOCKS, pod.name) == probes[pod.name] + 3
             # Through Envoy, each prompt (and 8 tokens more) goes to the pod holding it.
             for pod in pods:
                 logged = len(gate.decisions())
@@ -264,17 +275,15 @@ async def test_precise_mode_follows_the_inference_sims_kv_events(
                 decision = (await settled(gate, logged + 1))[-1]
                 assert decision["pod"] == pod.name
                 assert decision["prefix_match"] == pytest.approx(48 / 56)
-            # Evicted blocks leave the index: 64 new blocks fill the first pod's cache. The
-            # index holds 64 only once it has them all (before, it holds the probe it
-            # waited for, the warm prompt and fewer than 64 - 4 of them).
+            # Evicted blocks leave the index: 64 new blocks fill the first pod's cache and
+            # evict the probes' and the prompt's (a batch each).
             first = pods[0]
             for n in range(4):
                 body = {"model": MODEL, "prompt": ids(500_000 + 256 * n, 256), "max_tokens": 1}
                 assert (await post(client, first.url, body))[0] == 200
-            await until(
-                lambda: indexed(client, gate, first.name, lambda blocks: blocks == 64),
-                "the index to hold only the 64 blocks the pod still holds",
-            )
+            evicted = probes[first.name] + 3
+            await applied(first, probes[first.name] + 1 + 4 + evicted)
+            assert await per_pod(client, gate, BLOCKS, first.name) == 64
             logged = len(gate.decisions())
             body = {"model": MODEL, "prompt": prompts[first.name], "max_tokens": 1}
             assert (await post(client, gate.url, body))[0] == 200
@@ -282,6 +291,10 @@ async def test_precise_mode_follows_the_inference_sims_kv_events(
             assert decision["best_prefix_match"] == 0
     finally:
         await stop_pods(pods)
+
+
+async def _equals(value: Awaitable[float], expected: float) -> bool:
+    return await value == expected
 
 
 async def test_precise_mode_replays_what_the_inference_sim_published_before_policyd_followed(
@@ -303,9 +316,9 @@ async def test_precise_mode_replays_what_the_inference_sim_published_before_poli
         assert (await post(client, pods[0].url, body))[0] == 200
         policy = REPO / "rules" / "prefix-aware.yaml"
         async with gateway(tmp_path, policy, pods, "--prefix-index", "precise") as gate:
-            probes = iter(range(300_000, 400_000, 16))
+            probes = {pods[0].name: 0}
             await until(
-                lambda: probed(client, gate, pods[0], next(probes)), "a block of the pod indexed"
+                lambda: probed(client, gate, pods[0], probes, 300_000), "a batch of the pod applied"
             )
             logged = len(gate.decisions())
             body = {"model": MODEL, "prompt": early + ids(1, 8), "max_tokens": 1}
@@ -324,22 +337,19 @@ async def test_precise_mode_replays_what_the_inference_sim_published_before_poli
         await stop_pods(pods)
 
 
-async def probed(client: aiohttp.ClientSession, gate: Gateway, pod: SimPod, first: int) -> bool:
-    """Whether policyd's index holds a block of ``pod``; if not, one more one-block prompt."""
-    if await index_blocks(client, gate, pod.name) > 0:
+async def probed(
+    client: aiohttp.ClientSession, gate: Gateway, pod: SimPod, sent: dict[str, int], base: int
+) -> bool:
+    """Whether policyd has applied a batch of ``pod``; if not, one more one-block prompt
+    (counted in ``sent``)."""
+    if await per_pod(client, gate, BATCHES, pod.name) > 0:
         return True
-    body = {"model": MODEL, "prompt": ids(first, 16), "max_tokens": 1}
+    body = {"model": MODEL, "prompt": ids(base + 16 * sent[pod.name], 16), "max_tokens": 1}
     status, answer = await post(client, pod.url, body)
     assert status == 200, answer
+    sent[pod.name] += 1
     await asyncio.sleep(0.2)
     return False
-
-
-async def indexed(
-    client: aiohttp.ClientSession, gate: Gateway, pod: str, check: Callable[[float], bool]
-) -> bool:
-    """Whether the blocks policyd's index holds for ``pod`` pass ``check``."""
-    return check(await index_blocks(client, gate, pod))
 
 
 # -- failure injection ------------------------------------------------------------------------

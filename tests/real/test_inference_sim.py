@@ -47,6 +47,7 @@ LORA_FLAGS = (
     *(json.dumps({"name": name, "path": f"/adapters/{name}"}) for name in ADAPTERS),
 )
 RUNNING = "vllm:num_requests_running"
+ACTIVE_LORAS = "policyd_pod_active_lora_adapters"
 FAST = ("--time-to-first-token", "5ms", "--inter-token-latency", "2ms", "--seed", "7")
 
 
@@ -182,6 +183,23 @@ async def test_lora_affinity_follows_the_adapters_the_inference_sim_runs(
                 assert sorted(running) == [0, 1]
                 home = pods[running.index(1)].name
                 other = pods[running.index(0)].name
+
+                # Until policyd sees lora-a run at home, only lora-a: another adapter sent
+                # there would wait for the slot. The simulator stamps its LoRA series to
+                # the second, so the held request's waiting and running series may tie
+                # (docs/model-servers.md) until a lora-a request at home sets one again.
+                async def seen_at_home() -> bool:
+                    if await per_pod(client, gate, ACTIVE_LORAS, home) == 1:
+                        return True
+                    body = {"model": "lora-a", "prompt": "short", "max_tokens": 2}
+                    assert (await post(client, gate.url, body))[0] == 200
+                    return False
+
+                await until(seen_at_home, "policyd to see lora-a run at home")
+                await until(  # and none at the other pod, where a probe may have gone
+                    lambda: _equals(per_pod(client, gate, ACTIVE_LORAS, other), 0),
+                    "policyd to see no adapter run at the other pod",
+                )
                 seen = dict.fromkeys(ADAPTERS, 0)
                 deadline = time.monotonic() + READY_S  # within the held stream's ~90 s
                 while min(seen.values()) < 3:

@@ -7,7 +7,12 @@ trailing defaults, so any length from the tag and five fields on is accepted:
 ``block_hashes, parent_block_hash, token_ids, block_size, lora_id`` then
 ``medium``, ``lora_name`` (vLLM PR #27577) and fields policyd does not read
 (``extra_keys``, ``group_idx``, ...). Hashes are unsigned 64-bit integers, or
-bytes when the pod runs with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
+bytes when the pod runs with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``. An
+event may also be a map of its field names tagged under ``"type"`` (vLLM PR
+#42892; llm-d's inference-sim with ``--use-vllm-map-event-format``): it is read
+as the array of the same fields. A parent hash of 0 is no parent: llm-d's
+encoders (the inference-sim's array format) write 0, its ``EmptyBlockHash``,
+where vLLM writes nil, and a 64-bit block hash is 0 with odds of 2**-64.
 
 Decoding never raises: a payload that is no batch decodes to None, an event of
 another shape is skipped (counted in ``EventBatch.skipped``) and the rest of its
@@ -29,6 +34,18 @@ EngineHash = int | bytes  # the pod's name for a block; policyd keys are recompu
 
 _STORED_MIN_FIELDS: Final = 6  # the tag and block_hashes .. lora_id
 _REMOVED_MIN_FIELDS: Final = 2
+# A map-encoded event's fields in their array order (after the tag), as far as read.
+_STORED_FIELDS: Final = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+)
+_REMOVED_FIELDS: Final = ("block_hashes", "medium")
+_NO_PARENT: Final = 0  # llm-d's EmptyBlockHash
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +130,10 @@ def decode_batch(payload: bytes, base_model: str | None = None) -> EventBatch | 
 
 
 def decode_event(raw: Any, base_model: str | None = None) -> KvEvent | None:
-    """One event array, or None when it has no known tag or its fields have wrong types."""
+    """One event (an array, or a map of field names), or None when it has no known tag or
+    its fields have wrong types."""
+    if isinstance(raw, dict):
+        raw = _as_array(raw)
     if not isinstance(raw, tuple | list) or not raw:
         return None
     tag = raw[0]
@@ -133,7 +153,7 @@ def decode_event(raw: Any, base_model: str | None = None) -> KvEvent | None:
         ):
             return BlockStored(
                 tuple(hashes),
-                parent,
+                None if parent == _NO_PARENT else parent,
                 tuple(tokens),
                 block_size,
                 lora_id,
@@ -150,6 +170,18 @@ def decode_event(raw: Any, base_model: str | None = None) -> KvEvent | None:
         return None
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
+    return None
+
+
+def _as_array(raw: dict[Any, Any]) -> tuple[Any, ...] | None:
+    """A map-encoded event as its array: the tag, then its fields in order (absent: None)."""
+    tag = raw.get("type")
+    if tag == "BlockStored":
+        return (tag, *(raw.get(name) for name in _STORED_FIELDS))
+    if tag == "BlockRemoved":
+        return (tag, *(raw.get(name) for name in _REMOVED_FIELDS))
+    if tag == "AllBlocksCleared":
+        return (tag,)
     return None
 
 

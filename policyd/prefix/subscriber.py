@@ -7,8 +7,9 @@ subscriber checks the sequence numbers:
 
 - the next one: applied;
 - a jump forward (messages dropped, e.g. at a high-water mark): the missing
-  batches are asked from the pod's replay socket (a DEALER to its ROUTER) and
-  applied first; without a replay socket, or when it no longer holds them, the
+  batches are asked from the pod's replay socket (a DEALER to its ROUTER; its
+  replies framed as vLLM's or as llm-d's, which add the topic) and applied
+  first; without a replay socket, or when it no longer holds them, the
   pod's entries are cleared and indexing starts again from this batch;
 - a step back (the publisher restarted and counts from 0 again), any number
   but the next after the connection dropped, or a jump longer than a replay
@@ -85,6 +86,9 @@ REPLAY_BACKOFF_S: Final = 30.0
 MALFORMED_LOG_INTERVAL_S: Final = 60.0  # one warning per pod at most this often
 _END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 _SEQ_BYTES: Final = 8
+# A replay reply after the DEALER's empty delimiter: vLLM's [seq, payload]; llm-d's
+# (its router reads it, its inference-sim writes it) [topic, seq, payload].
+_LLM_D_REPLY_FRAMES: Final = 4
 _RECONNECT_IVL_MS: Final = 100
 _RECONNECT_IVL_MAX_MS: Final = 5_000
 _MONITORED: Final = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
@@ -356,6 +360,8 @@ class KvEventSubscriber:
                 async with asyncio.timeout_at(min(deadline, loop.time() + idle)):
                     frames = await dealer.recv_multipart()
                 answered = True
+                if len(frames) == _LLM_D_REPLY_FRAMES:
+                    del frames[1]  # the topic: llm-d's replies carry it, vLLM's do not
                 if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES or frames[1] == _END_SEQ:
                     break
                 seq = int.from_bytes(frames[1], "big")

@@ -82,6 +82,51 @@ def test_malformed_events_are_skipped_and_counted_the_rest_kept(
     assert not caplog.records  # the subscriber logs per pod, without the contents
 
 
+def test_a_parent_hash_of_zero_starts_a_sequence_as_llm_d_encoders_write_it() -> None:
+    # llm-d's encoders (the inference-sim's array format) write EmptyBlockHash, 0, where
+    # vLLM writes nil; read as a hash, every first block would chain to a block never seen.
+    batch = decode_batch(payload(["BlockStored", [7, 8], 0, [5] * 32, 16, None, "GPU"]), "base")
+    assert batch is not None
+    (stored,) = batch.events
+    assert isinstance(stored, BlockStored) and stored.parent_block_hash is None
+    assert stored.served_as == "base"
+
+
+def test_events_encoded_as_maps_decode_as_their_arrays_do() -> None:
+    # vLLM PR #42892's encoding (the inference-sim's --use-vllm-map-event-format): each
+    # event a map of its field names, tagged under "type"; absent fields take defaults.
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [3],
+        "parent_block_hash": 2,
+        "token_ids": [5] * 16,
+        "block_size": 16,
+        "medium": "GPU",
+        "lora_name": "a",
+        "lora_id": 1,
+        "extra_keys": [None],
+    }
+    first = {"type": "BlockStored", "block_hashes": [2], "token_ids": [4] * 16, "block_size": 16}
+    removed = {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    batch = decode_batch(payload(first, stored, removed, {"type": "AllBlocksCleared"}), "base")
+    assert batch is not None and batch.skipped == 0
+    assert batch.events == (
+        BlockStored((2,), None, (4,) * 16, 16, None, None, None, "base"),
+        BlockStored((3,), 2, (5,) * 16, 16, 1, "GPU", "a", "base"),
+        BlockRemoved((3,), "GPU"),
+        AllBlocksCleared(),
+    )
+    malformed = [
+        {"block_hashes": [1]},  # no tag
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * 16},  # no block size
+        {"type": "BlockEvicted"},
+        {b"type": "AllBlocksCleared"},  # a key that is no string
+    ]
+    batch = decode_batch(payload(*malformed, removed))
+    assert batch is not None and batch.events == (BlockRemoved((3,), "GPU"),)
+    assert batch.skipped == len(malformed)
+
+
 @pytest.mark.parametrize(
     "raw",
     [b"", b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0]), msgpack.packb(["t", []])],
@@ -169,6 +214,7 @@ def test_costly_or_lying_payloads_allocate_in_proportion_to_their_length(
 
 
 HASHES = st.integers(0, 2**64 - 1)
+NONZERO_HASHES = st.integers(1, 2**64 - 1)
 
 
 @st.composite
@@ -182,7 +228,7 @@ def sim_events(draw: st.DrawFn) -> list[KvEvent]:
                     st.integers(0, 2**31 - 1), min_size=16 * len(hashes), max_size=16 * len(hashes)
                 )
             )
-            parent = draw(st.none() | HASHES)
+            parent = draw(st.none() | NONZERO_HASHES)  # 0 is no parent (llm-d's)
             adapter = draw(st.none() | st.sampled_from(["adapter-1", "adapter-2"]))
             events.append(BlocksStored(tuple(hashes), parent, tuple(tokens), adapter))
         elif kind == "removed":

@@ -475,3 +475,47 @@ async def test_a_replay_longer_than_the_routers_high_water_mark_is_asked_again_w
             await serving
         router.close(linger=0)
         xpub.close(linger=0)
+
+
+async def test_replay_replies_that_carry_the_topic_are_replayed() -> None:
+    # llm-d's framing (its router reads it, its inference-sim writes it): each replay reply
+    # is [topic, seq, payload] after the delimiter, the end marker [b"", -1, b""]; vLLM's
+    # has no topic frame.
+    context = zmq.asyncio.Context.instance()
+    xpub = context.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    router = context.socket(zmq.ROUTER)
+    endpoint = f"tcp://127.0.0.1:{xpub.bind_to_random_port('tcp://127.0.0.1')}"
+    replay = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    topic = f"kv@127.0.0.1:8000@{BASE}".encode()
+    texts = [words(f"t{n}_", 40) for n in range(3)]
+    buffered = [(n + 1, encode_batch([stored(text)], 1.0, 16, {})) for n, text in enumerate(texts)]
+
+    async def serve_replay() -> None:
+        while True:
+            client, _, start = await router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in buffered:
+                if seq >= first:
+                    await router.send_multipart(
+                        (client, b"", topic, seq.to_bytes(8, "big"), payload)
+                    )
+            await router.send_multipart((client, b"", b"", b"\xff" * 8, b""))
+
+    serving = asyncio.create_task(serve_replay())
+    index = PreciseIndex()
+    try:
+        async with following(index, {"pod-a": endpoint}, {endpoint: replay}) as subscriber:
+            await subscribed(xpub)
+            last = encode_batch([stored(words("last", 40))], 1.0, 16, {})
+            await xpub.send_multipart((topic, (len(texts) + 1).to_bytes(8, "big"), last))
+            await eventually(lambda: matched(index, "pod-a", words("last", 40)) == 2, "live")
+            await eventually(lambda: index.blocks("pod-a") == 2 * len(texts) + 2, "replayed")
+            stats = subscriber.stats("pod-a")
+            assert stats is not None and stats.replayed == len(texts) and stats.malformed == 0
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        router.close(linger=0)
+        xpub.close(linger=0)

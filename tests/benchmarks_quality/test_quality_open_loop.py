@@ -7,6 +7,7 @@ the knee is found as documented, and that the goals are judged as stated.
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,50 @@ def test_every_open_workload_sweeps_rates_on_every_profile() -> None:
         assert set(workload.rates) == set(PROFILES), workload.name
         for rates in workload.rates.values():
             assert list(rates) == sorted(set(rates)) and rates[0] > 0
+
+
+def test_replicas_run_both_prefix_policies_in_both_modes_at_each_count(tmp_path: Path) -> None:
+    prefix, combined = tmp_path / "p.yaml", tmp_path / "c.yaml"
+    prefix.write_text("x"), combined.write_text("x")
+    arguments = argparse.Namespace(
+        prefix_policy=prefix, combined_policy=combined, replicas=[1, 2, 3], policy=[]
+    )
+    replicated = [
+        (c.name, c.policy, c.mode, c.replicas)
+        for c in quality.open_contenders(arguments)
+        if c.replicas > 1
+    ]
+    assert replicated == [
+        ("p approx x2", prefix, quality.APPROXIMATE, 2),
+        ("p precise x2", prefix, quality.PRECISE, 2),
+        ("c approx x2", combined, quality.APPROXIMATE, 2),
+        ("c precise x2", combined, quality.PRECISE, 2),
+        ("p approx x3", prefix, quality.APPROXIMATE, 3),
+        ("p precise x3", prefix, quality.PRECISE, 3),
+        ("c approx x3", combined, quality.APPROXIMATE, 3),
+        ("c precise x3", combined, quality.PRECISE, 3),
+    ]
+    arguments.replicas = [1]
+    assert all(c.replicas == 1 for c in quality.open_contenders(arguments))
+
+
+def test_the_replica_goal_compares_with_one_replica_of_the_same_policy_and_mode() -> None:
+    contenders = [
+        quality.Contender("p approx", Path("p.yaml"), quality.APPROXIMATE),
+        quality.Contender("p precise", Path("p.yaml"), quality.PRECISE),
+        quality.Contender("p approx x2", Path("p.yaml"), quality.APPROXIMATE, 2),
+        quality.Contender("p precise x2", Path("p.yaml"), quality.PRECISE, 2),
+    ]
+    at = {
+        "p approx": _figures(tokens=100, p90=0.40, hits=0.80),
+        "p precise": _figures(tokens=100, p90=0.50, hits=0.80),
+        "p approx x2": _figures(tokens=100, p90=0.41, hits=0.60),
+        "p precise x2": _figures(tokens=100, p90=0.52, hits=0.79),
+    }
+    lines = quality.replica_goals(contenders, {1.0: at, 1.5: at}, 1.0)
+    assert len(lines) == 4  # two replicated contenders at the knee and at 1.5x it
+    approximate = next(line for line in lines if "p approx x2 vs p approx" in line)
+    assert "hit rate 60.0% vs 80.0% (0.750x)" in approximate and approximate.endswith("MISSED")
+    precise = next(line for line in lines if "p precise x2 vs p precise" in line)
+    assert "(0.988x), TTFT p90 0.52 s vs 0.50 s (1.040x;" in precise
+    assert precise.endswith(": met")

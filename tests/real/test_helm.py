@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import socket
 import subprocess
 import sys
@@ -85,6 +86,12 @@ VALUE_SETS: dict[str, list[str]] = {
         "podSecurityContext.runAsUser=null",
         "--set",
         "podSecurityContext.runAsGroup=null",
+    ],
+    "precise": [
+        "--set",
+        "prefix.index=precise",
+        "--set",
+        "prefix.tokenizer=hf:/etc/policyd/tokenizer",
     ],
     "inferencepool": POOL_MODE,
     "inferencepool-plaintext": [*POOL_MODE, "--set", "tls.enabled=false"],
@@ -690,3 +697,120 @@ def test_the_schema_refuses_a_misspelt_extension_value(tool: Callable[[str], str
     for wrong in ("podLabel.team=x", "extraVolume[0].name=x", "podSecurityContext.runAsUser=0"):
         refused = helm(tool, "template", "policyd", str(CHART), "--set", wrong)
         assert refused.returncode != 0, wrong
+
+
+# --- precise prefix mode, for several replicas ---------------------------------------------
+
+
+def test_the_schema_refuses_precise_mode_without_the_pods_tokenizer(
+    tool: Callable[[str], str],
+) -> None:
+    for values in (
+        ["--set", "prefix.index=precise"],  # estimate's pseudo-ids match no pod's blocks
+        ["--set", "prefix.index=precise", "--set", "prefix.tokenizer=estimate"],
+        ["--set", "prefix.index=exact"],
+        ["--set", "prefix.kvEventsPort=0"],
+    ):
+        refused = helm(tool, "template", "policyd", str(CHART), *values)
+        assert refused.returncode != 0, values
+        assert "/prefix/" in refused.stderr, refused.stderr
+    args = pod_spec(by_kind(render(tool, [])))["containers"][0]["args"]
+    assert not [a for a in args if a.startswith(("--prefix-", "--kv-events"))]  # approximate
+
+
+def _metric(port: int, name: str, pod: str) -> float | None:
+    """One series of a replica's /metrics for ``pod`` (None: not there, or no answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'model_server_endpoint="{pod}"' in line:
+            return float(line.rpartition(" ")[2])
+    return None
+
+
+def test_precise_values_make_every_replica_index_the_pods_kv_events(
+    tool: Callable[[str], str], tmp_path: Path
+) -> None:
+    """Two replicas run the rendered Deployment's own arguments (pods from a file instead
+    of the Kubernetes API, no TLS) beside a simulated pod that publishes KV events on the
+    chart's ports. A prompt sent to the pod directly, routed by neither replica, reaches
+    both indexes: each follows the pod's events, not its own routing."""
+    events = consecutive_free_ports(2)
+    values = [
+        "--set", "prefix.index=precise", "--set", "prefix.tokenizer=sim",
+        "--set", f"prefix.kvEventsPort={events}",
+        "--set", f"prefix.kvEventsReplayPort={events + 1}",
+        "--set", "tls.enabled=false", "--set", "replicaCount=2",
+    ]  # fmt: skip
+    objects = by_kind(render(tool, values))
+    assert objects["Deployment", "policyd"]["spec"]["replicas"] == 2
+    (container,) = pod_spec(objects)["containers"]
+    rendered = container["args"]
+    assert "--prefix-index=precise" in rendered and "--prefix-tokenizer=sim" in rendered
+    pod_port = free_port()
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(f"pods:\n  - {{name: vllm-0, address: '127.0.0.1:{pod_port}'}}\n")
+    kept = [
+        a for a in rendered
+        if not a.startswith(("--k8s-", "--policy=", "--host=", "--port=", "--monitoring-port="))
+    ]  # fmt: skip
+    logs = [tmp_path / name for name in ("sim.log", "policyd-0.log", "policyd-1.log")]
+    commands = [
+        ["sim", "--pods", "1", "--base-port", str(pod_port), "--host", "127.0.0.1",
+         "--time-scale", "10", "--kv-events-port-base", str(events)],
+    ]  # fmt: skip
+    monitoring = [free_port(), free_port()]
+    for port in monitoring:
+        commands.append(
+            [*kept, f"--policy={ROOT / 'rules' / 'prefix-aware.yaml'}", f"--pods={pods}",
+             "--host=127.0.0.1", f"--port={free_port()}", f"--monitoring-port={port}"]
+        )  # fmt: skip
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for command, log in zip(commands, logs, strict=True):
+            with log.open("wb") as stderr:
+                processes.append(
+                    subprocess.Popen([sys.executable, "-m", "policyd", *command], stderr=stderr)
+                )
+
+        def running() -> bool:
+            return all(p.poll() is None for p in processes)
+
+        deadline = time.monotonic() + 60
+        while any(_metric(p, "policyd_prefix_index_blocks", "vllm-0") is None for p in monitoring):
+            assert running(), [log.read_text() for log in logs]
+            assert time.monotonic() < deadline, "a replica's /metrics did not come up"
+            time.sleep(0.2)
+        assert all(_metric(p, "policyd_prefix_index_blocks", "vllm-0") == 0 for p in monitoring)
+        body = json.dumps(
+            {"model": "meta-llama/Llama-2-7b-hf", "prompt": "the pool's shared prefix " * 40,
+             "max_tokens": 4}
+        ).encode()  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{pod_port}/v1/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        )
+        sent = False
+        while True:
+            if not sent:
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        sent = response.status == 200
+                except OSError:
+                    pass  # the pod is not up yet
+            blocks = [_metric(p, "policyd_prefix_index_blocks", "vllm-0") or 0 for p in monitoring]
+            if sent and min(blocks) > 0:
+                break
+            assert running(), [log.read_text() for log in logs]
+            assert time.monotonic() < deadline + 60, f"blocks per replica: {blocks}"
+            time.sleep(0.2)
+        assert blocks[0] == blocks[1]  # the same events, so the same index
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.communicate(timeout=30)

@@ -96,7 +96,14 @@ class _RecordingRouter(Router):
 
 
 class SloRun(FlowRun):
-    """An open-loop run of ``SloMix`` whose router predicts latencies and learns them."""
+    """An open-loop run of ``SloMix`` whose router predicts latencies and learns them.
+
+    With ``replicas`` above 1, as many routers (policyd replicas), each with its
+    own models, take the requests in turn (as Envoy spreads them) and each learns
+    from the answers it routed only; they share the simulator's in-flight counts
+    (the pods' load as one router would count it), so what differs is what each
+    learned.
+    """
 
     def __init__(
         self,
@@ -104,14 +111,23 @@ class SloRun(FlowRun):
         workload: SloMix,
         requests: Sequence[OpenRequest],
         seed: int,
+        *,
         profile: Profile = PROFILE,
+        replicas: int = 1,
     ) -> None:
         super().__init__(contender, requests, seed, profile)
         self.workload = workload
-        self.models = LatencyModels()
-        self.router: _RecordingRouter = _RecordingRouter(
-            PolicyStore.open(contender.policy), rng=random.Random(f"p-{seed}"), latency=self.models
-        )
+        self.replica_models = [LatencyModels() for _ in range(replicas)]
+        self.models = self.replica_models[0]
+        self.routers = [
+            _RecordingRouter(
+                PolicyStore.open(contender.policy),
+                rng=random.Random(f"p-{seed}" if r == 0 else f"p-{seed}-{r}"),
+                latency=models,
+            )
+            for r, models in enumerate(self.replica_models)
+        ]
+        self.router: _RecordingRouter = self.routers[0]
         count = len(requests)
         self.decisions: list[Decision | None] = [None] * count
         self.served: list[Request | None] = [None] * count
@@ -127,6 +143,7 @@ class SloRun(FlowRun):
         return served_request(path, body, kind.headers(), index).request
 
     def _decide(self, index: int, request: Request, candidates: Sequence[Any]) -> str | None:
+        self.router = self.routers[index % len(self.routers)]
         pod = super()._decide(index, request, candidates)
         self.decisions[index] = self.router.last
         self.served[index] = request
@@ -152,9 +169,10 @@ class SloRun(FlowRun):
             completion_tokens=state.generated,
             cached_tokens=state.cached_tokens,
         )
-        outcome = outcome_of(self.models, request, decision, end)
+        models = self.replica_models[index % len(self.replica_models)]
+        outcome = outcome_of(models, request, decision, end)
         if outcome is not None:
-            self.models.learn(outcome)
+            models.learn(outcome)
 
 
 # --- figures --------------------------------------------------------------------------
@@ -189,6 +207,7 @@ class SloFigures:
     ttft_errors: tuple[float, ...]  # absolute percentage errors after warm-up, in arrival order
     tpot_errors: tuple[float, ...]
     cold: int  # requests after warm-up routed to a pod without a prediction
+    ttft_learning: tuple[float, ...]  # the TTFT errors from the first request on: the curve
 
 
 def slo_figures(
@@ -218,6 +237,7 @@ def slo_figures(
             refused=sum(1 for i in indexes if run.answered[i] is not None),
         )
     ttft_errors, tpot_errors, cold = prediction_errors(run, decisions)
+    learning = prediction_errors(run, decisions, skip=0)[0]
     refused = tuple(i for i, status in enumerate(run.answered) if status is not None)
     return SloFigures(
         classes,
@@ -230,6 +250,7 @@ def slo_figures(
         tuple(ttft_errors),
         tuple(tpot_errors),
         cold,
+        tuple(learning),
     )
 
 
@@ -246,15 +267,15 @@ def _tpot_met(record: Any, objective_ms: float) -> bool:
 
 
 def prediction_errors(
-    run: FlowResult, decisions: Sequence[Decision | None]
+    run: FlowResult, decisions: Sequence[Decision | None], skip: int = WARMUP
 ) -> tuple[list[float], list[float], int]:
     """The chosen pod's prediction against the simulator's truth, for the requests after
-    the first ``WARMUP`` (in arrival order): TTFT and TPOT absolute percentage errors,
+    the first ``skip`` (in arrival order): TTFT and TPOT absolute percentage errors,
     and how many were routed to a pod without a prediction."""
     ttft_errors: list[float] = []
     tpot_errors: list[float] = []
     cold = 0
-    for i, record in enumerate(run.result.records[WARMUP:], start=WARMUP):
+    for i, record in enumerate(run.result.records[skip:], start=skip):
         decision = decisions[i]
         if decision is None or decision.predicted is None or not record.completed:
             continue
@@ -293,9 +314,10 @@ def run_one(
     seed: int,
     *,
     profile: Profile = PROFILE,
+    replicas: int = 1,
 ) -> SloFigures:
     requests = workload.requests(rate=rate, duration_s=duration_s, seed=seed)
-    run = SloRun(contender, workload, requests, seed, profile)
+    run = SloRun(contender, workload, requests, seed, profile=profile, replicas=replicas)
     return slo_figures(run.outcome(), workload, run.decisions, duration_s)
 
 
@@ -371,8 +393,8 @@ def table(rate: float, seeds: Sequence[Seeded]) -> list[str]:
         f"{would} met the objective when run anyway "
         f"({would / refused_total if refused_total else 0.0:.0%})",
         f"slo's predictions after {WARMUP} requests: TTFT MdAPE {mdape(ttft):.1f}%, TPOT "
-        f"{mdape(tpot):.1f}%, cold {sum(s.slo.cold for s in seeds)}; TTFT curve per {CURVE} "
-        f"(first seed): {curve(seeds[0].slo.ttft_errors)}; TPOT: {curve(seeds[0].slo.tpot_errors)}",
+        f"{mdape(tpot):.1f}%, cold {sum(s.slo.cold for s in seeds)}; TTFT MdAPE per {CURVE} "
+        f"requests from the first (first seed): {curve(seeds[0].slo.ttft_learning)}",
     ]
     return rows
 
@@ -547,6 +569,33 @@ def live_table(group: tuple[str, str, float], pickers: Mapping[str, Sequence[Any
     return rows
 
 
+def replica_table(args: argparse.Namespace, workload: SloMix, seeds: range) -> list[str]:
+    """The prediction error and interactive attainment with each replica count."""
+    contender = Contender("slo", args.policy, prefix=True)
+    rows = [
+        f"{POD_COUNT} pods of {PROFILE.name}, seeds {seeds.start}-{seeds.stop - 1}, "
+        f"{args.duration:g} s of arrivals, {args.policy}",
+        "",
+        "| requests/s | replicas | TTFT MdAPE | TPOT MdAPE | cold after warm-up "
+        "| interactive TTFT met | req/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rate in args.rates:
+        for replicas in sorted({1, *args.replicas}):
+            runs = [
+                run_one(contender, workload, rate, args.duration, s, replicas=replicas)
+                for s in seeds
+            ]
+            rows.append(
+                f"| {rate:g} | {replicas} | {mdape([e for r in runs for e in r.ttft_errors]):.1f}% "
+                f"| {mdape([e for r in runs for e in r.tpot_errors]):.1f}% "
+                f"| {sum(r.cold for r in runs)} "
+                f"| {statistics.mean(r.classes['interactive'].attainment for r in runs):.1%} "
+                f"| {statistics.mean(r.completed_per_s for r in runs):.2f} |"
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -554,9 +603,18 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
     parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
     parser.add_argument("--policy", type=Path, default=SLO_POLICY, help="the SLO contender")
+    parser.add_argument(
+        "--replicas", type=int, nargs="+",
+        help="instead: the SLO contender's prediction error with this many replicas "
+        "each learning on its own, against one",
+    )  # fmt: skip
     args = parser.parse_args()
     workload = SloMix()
     seeds = range(args.first_seed, args.first_seed + args.seeds)
+    if args.replicas:
+        for line in replica_table(args, workload, seeds):
+            print(line, flush=True)
+        return
     began = time.perf_counter()
     results: dict[float, list[Seeded]] = {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -93,6 +93,22 @@ def test_a_run_teaches_the_models_only_for_a_policy_that_reads_them(slo: ModuleT
     assert len(figures.met) == len(requests)
 
 
+def test_replicas_each_learn_from_the_answers_they_routed(slo: ModuleType) -> None:
+    requests = SloMix().requests(rate=6.0, duration_s=30.0, seed=5)
+    contender = slo.Contender("slo", slo.SLO_POLICY, prefix=True)
+    run = slo.SloRun(contender, SloMix(), requests, 5, replicas=2)
+    run.outcome()
+    first, second = run.replica_models
+    assert first.fits and second.fits and first is not second
+    taught = {
+        name: (first.fits[name].ttft.samples, second.fits[name].ttft.samples) for name in first.fits
+    }
+    # Each replica took every other request and learned from those only: about half each.
+    mine, theirs = sum(a for a, _ in taught.values()), sum(b for _, b in taught.values())
+    assert mine + theirs <= len(requests)
+    assert 0.3 < mine / (mine + theirs) < 0.7
+
+
 def test_the_counterfactual_routes_what_the_policy_would_refuse(
     slo: ModuleType, tmp_path: Path
 ) -> None:

@@ -411,12 +411,16 @@ def goals(results: Mapping[float, Sequence[Seeded]]) -> list[str]:
         ttft = mdape([e for s in seeds for e in s.slo.ttft_errors])
         tpot = mdape([e for s in seeds for e in s.slo.tpot_errors])
         only_sheddable = all(s.slo.refused_classes <= {"sheddable"} for s in seeds)
+        accuracy = (
+            f"MdAPE TTFT {ttft:.1f}% (goal <= 20%): {verdict(ttft <= GOAL_TTFT_MDAPE)}, TPOT "
+            f"{tpot:.1f}% (goal <= 15%): {verdict(tpot <= GOAL_TPOT_MDAPE)}"
+            if not math.isnan(ttft)
+            else f"no prediction error: no run had more than {WARMUP} requests"
+        )
         lines.append(
             f"{rate / KNEE:.3g}x ({rate:g}/s): interactive TTFT met {slo:.1%} (lora-prefix "
             f"{combined:.1%}); throughput {ratio:.1%} of lora-prefix's; only sheddable "
-            f"refused: {verdict(only_sheddable)}; MdAPE TTFT {ttft:.1f}% (goal <= 20%): "
-            f"{verdict(ttft <= GOAL_TTFT_MDAPE)}, TPOT {tpot:.1f}% (goal <= 15%): "
-            f"{verdict(tpot <= GOAL_TPOT_MDAPE)}"
+            f"refused: {verdict(only_sheddable)}; {accuracy}"
         )
         if rate <= KNEE:
             worse = [

@@ -32,6 +32,13 @@ workload's:
   waits divided alike); plus an idle run (a fifth of the capacity, ``none``)
   for the goals' idle TTFT. Only the small tenant's requests are streamed
   under tenants (the flood's are not, to keep the machine's CPU for the pods).
+- **slo** (``--profile l4-llama3.1-8b`` only, so not by default):
+  ``SloMix``'s interactive, batch and sheddable classes, each with its
+  criticality and objective headers (interactive and sheddable streamed,
+  batch answered whole), at the knee and the goal's load of
+  ``slo_quality.py``; contenders ``lora-prefix`` and ``slo``; per cell each
+  class's objectives met and policyd's own count of the objectives it read
+  and its prediction error (``slo_quality.live_table``).
 
 Every other request is streamed (TTFT: the first streamed token) and asks for
 the usage (output tokens). Arrival times run on the wall clock divided by the

@@ -32,6 +32,13 @@ workload's:
   waits divided alike); plus an idle run (a fifth of the capacity, ``none``)
   for the goals' idle TTFT. Only the small tenant's requests are streamed
   under tenants (the flood's are not, to keep the machine's CPU for the pods).
+- **slo** (``--profile l4-llama3.1-8b`` only, so not by default):
+  ``SloMix``'s interactive, batch and sheddable classes, each with its
+  criticality and objective headers (interactive and sheddable streamed,
+  batch answered whole), at the knee and the goal's load of
+  ``slo_quality.py``; contenders ``lora-prefix`` and ``slo``; per cell each
+  class's objectives met and policyd's own count of the objectives it read
+  and its prediction error (``slo_quality.live_table``).
 
 ``--replicas`` and ``--prefix-index`` run each picker of the seed and prefix
 workloads on that many ``policyd serve`` replicas behind the one Envoy, in
@@ -87,6 +94,7 @@ import aiohttp
 import flow_quality
 import live_report
 import quality
+import slo_quality
 import yaml
 from live_report import CellRun, Virtual
 from live_stack import (
@@ -110,6 +118,7 @@ from policyd.sim.workloads import (
     MultiTurn,
     Priorities,
     SharedPrefix,
+    SloMix,
     Tenants,
 )
 
@@ -133,7 +142,10 @@ FLOW_MULTIPLES: Final = {"tenants": (2.0, 3.0), "priorities": (2.0,)}
 IDLE: Final = "idle"
 SHIPPED_FLOW: Final = flow_quality.SHIPPED_FLOW
 FLOW_PICKERS: Final = ("none", "flow", "flow+lora-prefix", SHIPPED_FLOW)
-WORKLOADS: Final = (SEED, *PREFIX, *FLOW)
+# The SLO workload (issue 35) runs on the V1 profile only (so not by default), its
+# contenders lora-prefix and slo (``slo_quality.LIVE_PICKERS``).
+SLO: Final = "slo"
+WORKLOADS: Final = (SEED, *PREFIX, *FLOW, SLO)
 OPEN_TIMEOUT_S: Final = 120.0  # simulated, from the send (the virtual runs' client)
 QUICK_REQUESTS: Final = 100
 QUICK_DURATION_S: Final = 30.0
@@ -201,6 +213,8 @@ def loads(
     simulated time); a flow workload at ``multiples`` of the capacity where given."""
     if workload == SEED:
         return [("burst", 0.0)]
+    if workload == SLO:
+        return [(f"{name} {rate:g}/s", rate) for name, rate in slo_quality.LIVE_LOADS]
     if workload in PREFIX:
         knee = KNEES[profile][workload]
         return [(f"knee {knee:g}/s", knee), (f"1.5x knee {knee * 1.5:g}/s", knee * 1.5)]
@@ -220,6 +234,11 @@ def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
                     if workload in FLOW:
                         contenders = [FLOW_PICKERS[0]] if load == IDLE else arguments.flow_pickers
                         cells = [Cell(workload, load, rate, scale, p, repeat) for p in contenders]
+                    elif workload == SLO:
+                        cells = [
+                            Cell(workload, load, rate, scale, p, repeat)
+                            for p in slo_quality.LIVE_PICKERS
+                        ]
                     else:
                         cells = [
                             Cell(workload, load, rate, scale, p, repeat, replicas, index)
@@ -245,7 +264,11 @@ def seed_adapters(workload: SeedWorkload, seed: int) -> list[str]:
 
 def open_requests(cell: Cell, arguments: argparse.Namespace) -> tuple[OpenRequest, ...]:
     workload: Workload = (
-        PREFIX[cell.workload]() if cell.workload in PREFIX else FLOW[cell.workload]()
+        SloMix()
+        if cell.workload == SLO
+        else PREFIX[cell.workload]()
+        if cell.workload in PREFIX
+        else FLOW[cell.workload]()
     )
     return workload.requests(rate=cell.rate, duration_s=arguments.duration, seed=arguments.seed)
 
@@ -303,6 +326,8 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
             streamed = [
                 cell.workload != "tenants" or r.group == live_report.SMALL_TENANT for r in requests
             ]
+            if cell.workload == SLO:
+                streamed = [SloMix().of(r.group).streamed for r in requests]
             outcomes, ended = await run_open(
                 stack.url,
                 requests,
@@ -313,6 +338,9 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
                 critical_default=not flow,
                 watch=stack if flow else None,
                 counters=counters,
+                headers=(lambda group: SloMix().of(group).headers())
+                if cell.workload == SLO
+                else None,
             )
             prompts = [
                 (r.adapter or profile.base_model, r.prompt)
@@ -327,7 +355,11 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         counters.scrapes, counters.failed_scrapes = seen.scrapes, seen.failed_scrapes
         counters.pod_finished, counters.pod_tokens = seen.pod_finished, seen.pod_tokens
         counters.peak_rss_kb = stack.peak_rss_kb()
-    return live_report.cell_run(
+        slo = {}
+        if cell.workload == SLO:
+            slo = slo_quality.live_figures(outcomes, cell.time_scale, SloMix())
+            slo.update(await slo_quality.live_policyd_figures(stack.monitoring_port))
+    run = live_report.cell_run(
         key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.name, cell.repeat),
         outcomes=outcomes,
         ended_s=ended,
@@ -339,6 +371,7 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         flow=flow,
         wall_s=time.monotonic() - began,
     )
+    return dataclasses.replace(run, slo=slo)
 
 
 # --- the virtual twins ----------------------------------------------------------------------
@@ -386,7 +419,9 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument(
+        "--workload", nargs="+", choices=WORKLOADS, default=[w for w in WORKLOADS if w != SLO]
+    )
     parser.add_argument(
         "--time-scale", type=float, nargs="+", default=[0.5, 1.0, 3.0],
         help="simulated seconds per wall second, each a run of its own (default 0.5 1 3)",
@@ -450,6 +485,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--duration and --time-scale must be positive")
     if arguments.profile not in KNEES:
         parser.error(f"--profile must be one of {', '.join(KNEES)}, not {arguments.profile}")
+    if SLO in arguments.workload and arguments.profile != slo_quality.PROFILE.name:
+        parser.error(f"--workload {SLO} runs on --profile {slo_quality.PROFILE.name}")
+    if arguments.virtual and SLO in arguments.workload:
+        parser.error(f"--virtual has no twin for --workload {SLO}: see slo_quality.py")
     if arguments.virtual and arguments.profile != quality.PROFILE.name:
         parser.error(f"--virtual needs --profile {quality.PROFILE.name} (the virtual runs')")
     return arguments
@@ -463,7 +502,9 @@ def report(runs: Sequence[CellRun]) -> list[str]:
         workload, load, scale = group
         if load == IDLE:
             continue
-        if workload in FLOW:
+        if workload == SLO:
+            lines += slo_quality.live_table(group, pickers)
+        elif workload in FLOW:
             idle = groups.get((workload, IDLE, scale), {}).get(FLOW_PICKERS[0], [])
             lines += live_report.flow_table(group, pickers, idle)
             lines += ["", *live_report.flow_goals(group, pickers, idle)]

@@ -94,6 +94,7 @@ class CellRun:
     wall_s: float = 0.0
     pod_finished: float = 0.0  # requests the pods finished, whether or not the client saw it
     pod_tokens: float = 0.0  # tokens the pods generated, for clients that gave up too
+    slo: Mapping[str, float] = field(default_factory=dict)  # the SLO workload's figures
 
 
 def ttft_values(outcomes: Sequence[Outcome], scale: float, rule: str) -> list[float]:

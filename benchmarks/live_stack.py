@@ -532,13 +532,15 @@ async def run_open(
     critical_default: bool,
     watch: Stack | None = None,
     counters: PoolCounters | None = None,
+    headers: Callable[[str], Mapping[str, str]] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Open-loop arrivals on the wall clock (``at_s / time_scale``), each on its own connection.
 
     A chat turn that follows another is sent its think time after that one
     completed, and never if it did not. Each request gives up ``timeout_s``
     (simulated) after its send. With ``watch``, policyd's held requests are
-    sampled every 0.2 s into ``counters.peak_held``.
+    sampled every 0.2 s into ``counters.peak_held``. ``headers`` gives a request's
+    headers by its group, in place of ``class_headers`` (the SLO workload's classes).
     """
     clock = _Clock()
     outcomes = [Outcome(item.group, streamed=streamed[i]) for i, item in enumerate(requests)]
@@ -556,7 +558,9 @@ async def run_open(
                     session,
                     f"{url}{path}",
                     body,
-                    class_headers(item.group, critical_default),
+                    headers(item.group)
+                    if headers is not None
+                    else class_headers(item.group, critical_default),
                     outcome,
                     clock=clock,
                     timeout_s=timeout,

@@ -368,17 +368,24 @@ async def _stream(
     progress: _Progress,
     text_seed: int,
 ) -> web.StreamResponse:
-    """Server-sent events: one chunk per generated token, usage if asked, then ``[DONE]``."""
+    """Server-sent events: one chunk per generated token, usage if asked, then ``[DONE]``.
+
+    A chat stream opens with the assistant's role, sent with the first token as
+    vLLM sends it (its first engine output), not before: the first body bytes
+    are the time to first token for whoever times them (policyd's latency
+    models, its objectives met).
+    """
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    if reply.call.chat:
-        await response.write(_event(reply.role_chunk()))
+    opening = [_event(reply.role_chunk())] if reply.call.chat else []
     sent = 0
     while not state.finished:
         await progress.wait()
         events = []
+        if state.generated > sent:
+            events, opening = opening, []
         for position in range(sent, state.generated):
             last = state.finished and position == state.generated - 1
             chunk = reply.token_chunk(
@@ -387,7 +394,7 @@ async def _stream(
             events.append(_event(chunk))
         sent = state.generated
         await response.write(b"".join(events))
-    tail = (
+    tail = opening + (
         [_event(reply.usage_chunk(state.generated, state.cached_tokens))]
         if reply.call.include_usage
         else []

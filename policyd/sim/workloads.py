@@ -254,3 +254,93 @@ def Tenants() -> Classes:  # noqa: N802
 def Priorities() -> Classes:  # noqa: N802
     """A mix of criticalities: 20% critical, 50% standard, 30% sheddable."""
     return Classes((("critical", 0.2), ("standard", 0.5), ("sheddable", 0.3)))
+
+
+# llm-d's objective headers (policyd reads them into request.slo_*, docs/policy-language.md)
+# and the Gateway API Inference Extension's criticality header, as a client sends them.
+SLO_TTFT_HEADER: Final = "x-llm-d-slo-ttft-ms"
+SLO_TPOT_HEADER: Final = "x-llm-d-slo-tpot-ms"
+CRITICALITY_HEADER: Final = "x-gateway-inference-criticality"
+
+
+@dataclass(frozen=True, slots=True)
+class SloClass:
+    """One class of an SLO workload: its share of the rate, its shape, what its client states.
+
+    ``slo_ttft_ms`` / ``slo_tpot_ms`` are 0 for a class that states no
+    objective; a streamed class reads its answer token by token (TPOT is
+    only observable, and stated, for those).
+    """
+
+    name: str
+    share: float
+    prompt_tokens: tuple[int, int]
+    max_tokens: int
+    criticality: str
+    streamed: bool
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        """The headers its client sends: criticality, and the objectives it states."""
+        found = {CRITICALITY_HEADER: self.criticality}
+        if self.slo_ttft_ms > 0:
+            found[SLO_TTFT_HEADER] = f"{self.slo_ttft_ms:g}"
+        if self.slo_tpot_ms > 0:
+            found[SLO_TPOT_HEADER] = f"{self.slo_tpot_ms:g}"
+        return found
+
+
+# The V1 profile (``l4-llama3.1-8b``) serves a 512-token prompt's first token in
+# about 0.2 s idle, and a pod busy prefilling a long batch prompt takes ~0.5 s a
+# step (its 2,048-token budget): 1 s of TTFT objective is tight only where a
+# request lands behind such prefills or a queue, which is what routing decides.
+INTERACTIVE: Final = SloClass(
+    "interactive", 0.5, (64, 512), 256, "critical", True, slo_ttft_ms=1000.0, slo_tpot_ms=250.0
+)
+BATCH: Final = SloClass("batch", 0.3, (1024, 3072), 512, "standard", False)
+SHEDDABLE: Final = SloClass("sheddable", 0.2, (64, 512), 256, "sheddable", True, slo_ttft_ms=1000.0)
+
+
+@dataclass(frozen=True, slots=True)
+class SloMix:
+    """Interactive chat with latency objectives, batch without, and a sheddable class.
+
+    - ``interactive``: critical chat, streamed, stating a TTFT objective and a
+      TPOT objective (llm-d's ``x-llm-d-slo-ttft-ms`` / ``x-llm-d-slo-tpot-ms``);
+    - ``batch``: long documents (1,024 to 3,072 tokens) answered whole, no
+      objective: throughput;
+    - ``sheddable``: short streamed requests marked sheddable, stating a TTFT
+      objective: a policy may refuse one no pod can serve in time.
+
+    Prompts are each their own (no shared prefix: the load, not locality,
+    decides); arrivals are Poisson at ``rate``, each request's class drawn by
+    the shares. A request's ``group`` is its class's name (``of``).
+    """
+
+    classes: tuple[SloClass, ...] = (INTERACTIVE, BATCH, SHEDDABLE)
+
+    def __post_init__(self) -> None:
+        if not self.classes or any(c.share <= 0 for c in self.classes):
+            raise ValueError("an SLO workload needs classes with positive shares")
+        if len({c.name for c in self.classes}) != len(self.classes):
+            raise ValueError("the classes of an SLO workload need distinct names")
+
+    def of(self, group: str) -> SloClass:
+        """The class of a request (its ``group``)."""
+        for found in self.classes:
+            if found.name == group:
+                return found
+        raise KeyError(f"no class {group!r} in this SLO workload")
+
+    def requests(self, *, rate: float, duration_s: float, seed: int) -> tuple[OpenRequest, ...]:
+        rng = random.Random(f"slo-mix-{seed}")
+        weights = [c.share for c in self.classes]
+        requests = []
+        for at in _arrivals(rng, rate, duration_s):
+            chosen = rng.choices(self.classes, weights)[0]
+            question = prose(rng, rng.randint(*chosen.prompt_tokens))
+            requests.append(
+                _request(at, None, [("user", question)], chosen.max_tokens, group=chosen.name)
+            )
+        return tuple(requests)

@@ -1,6 +1,6 @@
 """rules/slo.yaml is rules/lora-prefix.yaml with latency objectives: a policy file cannot
-include another, so slo.yaml carries a copy of lora-prefix's scorers, and this test
-fails when the two drift apart."""
+include another, so slo.yaml carries a copy of lora-prefix's scorers and params, and
+this test fails when the two drift apart."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from policyd.policy import PolicyStore
 from .helpers import RULES
 
 OWN = ("name", "description", "filters")  # what slo.yaml says on its own, besides a scorer
-SLO_SCORER = "quick first token"
+SLO_SCORERS = ("quick first token", "leaves the quick pods")
+SLO_PARAMS = ("slow_first_token_ms",)
 
 
 def _policy(name: str) -> dict[str, Any]:
@@ -21,11 +22,18 @@ def _policy(name: str) -> dict[str, Any]:
     return policy
 
 
-def test_slo_yaml_is_lora_prefix_yaml_with_its_filters_and_one_scorer() -> None:
+def test_slo_yaml_is_lora_prefix_yaml_with_its_filters_scorers_and_params() -> None:
     slo, combined = _policy("slo.yaml"), _policy("lora-prefix.yaml")
     score = dict(slo["score"])
-    assert "pod.predicted_ttft_ms" in score.pop(SLO_SCORER)["expr"]
+    for name in SLO_SCORERS:
+        assert "pod.predicted_ttft_ms" in score.pop(name)["expr"]
     assert score == combined["score"]
+    params = dict(slo["params"])
+    for name in SLO_PARAMS:
+        params.pop(name)
+    assert params == combined["params"]
+    slo.pop("params")
+    combined.pop("params")
     rest = {k: v for k, v in slo.items() if k not in (*OWN, "score")}
     assert rest == {k: v for k, v in combined.items() if k not in (*OWN, "score")}
 

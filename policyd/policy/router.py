@@ -132,10 +132,22 @@ class Admission:
     weight: float
     request: Request
     pool_labels: tuple[tuple[str, str], ...]
+    roles: frozenset[str] | None = None  # a two-stage policy's decode-capable roles
 
     def room(self, candidates: Sequence[PolicyPod]) -> list[PolicyPod]:
-        """The candidates in the policy's pool that are not saturated for this request."""
-        return self.flow.room(in_pool(self.pool_labels, candidates), self.request)
+        """The candidates in the policy's pool that are not saturated for this request.
+
+        For a two-stage policy, a request waits for a decode pod with room; the
+        prefill-only pods go with those, for its prefill stage to judge (a split
+        request is served on the decode pod whether or not it finds one).
+        """
+        if self.roles is None:
+            return self.flow.room(in_pool(self.pool_labels, candidates), self.request)
+        decoders = self.flow.room(in_pool(self.pool_labels, candidates, self.roles), self.request)
+        if not decoders:
+            return decoders
+        pods = in_pool(self.pool_labels, candidates)
+        return [*decoders, *(pod for pod in pods if pod.role not in self.roles)]
 
 
 class _Stage(Protocol):
@@ -222,6 +234,7 @@ class Router:
             flow.weight_of(key),
             resolved,
             policy.pool_labels,
+            policy.roles,
         )
 
     def decide_shadows(self, decision: Decision) -> ShadowReport | None:

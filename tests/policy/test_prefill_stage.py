@@ -234,3 +234,20 @@ def test_policy_tests_assert_the_split(tmp_path: Path) -> None:
     assert results["wrong reason"].failures == (
         "expected split_reason no-prefill-pod, got when-false",
     )
+
+
+def test_flow_control_holds_a_request_until_a_decode_pod_has_room(tmp_path: Path) -> None:
+    """A prefill pod with room is no room for a two-stage policy's request: it would
+    find no decode pod (a 503). Prefill pods go along with the decode pods that have
+    room, for the prefill stage to judge."""
+    flowing = router(tmp_path, PD + "flow:\n  saturated: pod.waiting_queue >= 5\n")
+    admission = flowing.admission(LONG)
+    assert admission is not None
+    busy = [pod("decode-a", role="decode", waiting_queue=9), pod("prefill-a", role="prefill")]
+    assert admission.room(busy) == []
+    free = [
+        pod("decode-a", role="decode", waiting_queue=1),
+        pod("decode-b", role="decode", waiting_queue=7),
+        pod("prefill-a", role="prefill", waiting_queue=9),
+    ]
+    assert [p.name for p in admission.room(free)] == ["decode-a", "prefill-a"]

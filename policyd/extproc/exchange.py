@@ -430,8 +430,12 @@ class Exchange:
             prompt = locator.probe(body.turns) if locator is not None and body.turns else None
             decision = self._checked(router.decide(request, pods, prompt))
             if prompt is not None and decision.best_prefix_match is not None:
-                # The policy matched the prompt: approximate mode remembers its blocks.
+                # The policy matched the prompt: approximate mode remembers its blocks,
+                # on the prefill pod too when it computes them (it keeps them cached).
                 prompt.routed(decision.target_model, decision.endpoint)
+                split = decision.split
+                if split is not None and split.split:
+                    prompt.routed(decision.target_model, split.endpoint)
         except RequestError:
             raise  # the proxy's subset has none of the pool's pods: a 503 of its own
         except Exception as error:

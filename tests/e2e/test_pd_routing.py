@@ -35,6 +35,9 @@ from policyd.extproc.replies import PREFILL_HEADER
 from policyd.policy import PolicyStore, Router
 from policyd.pool.inflight import InFlight
 from policyd.pool.pod import Pod
+from policyd.prefix.index import ApproximateIndex
+from policyd.prefix.probe import PrefixLocator
+from policyd.prefix.tokenizers import tokenizer_from_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -65,7 +68,9 @@ class PdGateway:
     client: aiohttp.ClientSession
 
 
-async def start_pd_gateway(tmp: Path, envoy: EnvoyConfigOptions) -> PdGateway:
+async def start_pd_gateway(
+    tmp: Path, envoy: EnvoyConfigOptions, prefix: PrefixLocator | None = None
+) -> PdGateway:
     upstreams = {name: TestUpstream(name) for name in ROLES}
     for upstream in upstreams.values():
         await upstream.start()
@@ -80,6 +85,7 @@ async def start_pd_gateway(tmp: Path, envoy: EnvoyConfigOptions) -> PdGateway:
         SwappablePool(list(pods.values())).current,
         telemetry=RecordingTelemetry(),
         options=ServerOptions(port=0, grace_seconds=1.0),
+        prefix=prefix,
     )
     await server.start()
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
@@ -186,3 +192,22 @@ async def test_policyd_removes_a_client_prefill_pod_where_the_gateway_keeps_it(
         assert received[PREFILL_HEADER] == started.upstreams["prefill-a"].address
     finally:
         await stop_pd_gateway(started)
+
+
+async def test_the_approximate_prefix_index_remembers_the_prompt_on_both_pods(
+    tmp_path: Path,
+) -> None:
+    """The prefill pod computed the prompt and keeps it cached, as the decode pod
+    does once the KV cache arrived: the next request sharing it finds it on both."""
+    index = ApproximateIndex(1000)
+    locator = PrefixLocator(tokenizer_from_spec("estimate"), index, 16)
+    started = await start_pd_gateway(tmp_path, EnvoyConfigOptions(), locator)
+    try:
+        await complete(started, LONG)
+        # Not split (some 100 tokens): only its decode pod learns it.
+        await complete(started, "another, unrelated question " * 15)
+    finally:
+        await stop_pd_gateway(started)
+    decode, prefill = (started.pods[name].address for name in ("decode-a", "prefill-a"))
+    assert index.blocks(prefill) > 0
+    assert index.blocks(decode) > index.blocks(prefill)  # the short prompt's blocks too

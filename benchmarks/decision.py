@@ -21,11 +21,23 @@ service sees: the pool arrives as a tuple that is replaced every
 a second), so a walk is reused by the requests with the same criticality and
 target model until the next snapshot, and scoring and picking still run each
 time.
+
+``--pd`` instead times a two-stage decision (``rules/pd.yaml``: the decode
+pod, ``when``, the prefill pod) against the single-stage one it extends
+(``rules/lora-prefix.yaml``, the same scorers over every pod) on the same
+pool, half of it ``decode`` pods and half ``prefill`` pods, and the same
+requests: all long (every one split: both stages run) and all short (none
+split: the decode stage and ``when``). The goal is a ratio of at most 2. The
+last column compares with the single stage over the decode pods alone: what
+``when`` and the prefill stage add to the decode stage.
+
+    python benchmarks/decision.py --pd --sizes 10,100
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -216,6 +228,40 @@ def evaluations_per_decision(router: Router, requests: Sequence[Request], pods: 
     return total / len(requests)
 
 
+def pd_comparison(sizes: Sequence[int], budget: float) -> None:
+    """Two-stage decisions (rules/pd.yaml) against single-stage ones (lora-prefix.yaml)."""
+    single = Router(load_policy_set(RULES / "lora-prefix.yaml"), rng=random.Random(1))
+    split = Router(load_policy_set(RULES / "pd.yaml"), rng=random.Random(1))
+    print(
+        f"{'prompts':<8}{'pods':>6}  {'one stage p50':>14}{'p99':>10}  {'P/D p50':>10}{'p99':>10}"
+        f"  {'ratio p50':>9}  {'split':>6}  {'vs decode pods only':>19}"
+    )
+    for size in sizes:
+        rng = random.Random(size)
+        pods = [
+            dataclasses.replace(pod, role="decode" if index % 2 else "prefill")
+            for index, pod in enumerate(make_pool(size, rng))
+        ]
+        for label, tokens in (("long", 6000), ("short", 100)):
+            requests = [
+                dataclasses.replace(r, prompt_tokens=tokens) for r in make_requests(200, rng)
+            ]
+            ones = measure(lambda r, p=pods: single.decide(r, p), requests, budget / 3)
+            twos = measure(lambda r, p=pods: split.decide(r, p), requests, budget / 3)
+            # The single stage over the decode pods alone: what the second stage adds.
+            decoders = [pod for pod in pods if pod.role == "decode"]
+            halves = measure(lambda r, p=decoders: single.decide(r, p), requests, budget / 3)
+            splits = [split.decide(r, pods).split for r in requests[:50]]
+            share = sum(1 for s in splits if s is not None and s.split) / len(splits)
+            one_p50, one_p99 = p50_p99(ones)
+            two_p50, two_p99 = p50_p99(twos)
+            print(
+                f"{label:<8}{size:>6}  {one_p50:>11.1f} us{one_p99:>7.0f} us  "
+                f"{two_p50:>7.1f} us{two_p99:>7.0f} us  {two_p50 / one_p50:>8.2f}x  {share:>6.0%}"
+                f"  {two_p50 / p50_p99(halves)[0]:>18.2f}x"
+            )
+
+
 def cel_backend() -> str:
     program = Environment({"pod": pod_type()}).compile("pod.waiting_queue < 50")
     if program.lowered:
@@ -235,9 +281,17 @@ def main() -> None:
         default=50,
         help="decisions per pool snapshot in the 'served' column (default 50)",
     )
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="time a two-stage (prefill/decode) decision against a single-stage one instead",
+    )
     arguments = parser.parse_args()
     sizes = [int(s) for s in arguments.sizes.split(",")]
     print(f"CEL: {cel_backend()}")
+    if arguments.pd:
+        pd_comparison(sizes, arguments.budget)
+        return
     print(
         f"{'policy':<9}{'pods':>6}  {'policyd p50':>12}{'p99':>10}  {'served p50':>11}"
         f"{'p99':>10}  {'python p50':>11}{'p99':>10}  {'ratio p50':>9}  {'evals/decision':>14}"

@@ -54,6 +54,10 @@ What it sets up, and why:
   (for a request flow control holds, when policyd lets it go) or when the
   response starts, so it must exceed ``max_message_timeout`` (a hold) plus the
   time to upload the largest body; it never cuts a generation.
+- a client's ``x-prefiller-host-port`` (``prefill_header``), which would make
+  the decode pod's P/D sidecar send a prefill request to any host it names,
+  is always removed as the request arrives, as the destination header is;
+  only policyd's routing reply sets it, for a split request.
 - the client headers that buy priority or pick a flow (``stripped_headers``:
   by default the criticality, objective, fairness id, deadline and
   ``x-tenant`` headers) are removed
@@ -99,7 +103,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +113,7 @@ import yaml
 from policyd.extproc.envoy_clusters import grpc_cluster, model_cluster, policyd_cluster
 from policyd.extproc.envoy_edge import listener
 from policyd.extproc.envoy_proto import TYPE_URL, is_ip, socket_address
-from policyd.extproc.replies import DESTINATION_HEADER
+from policyd.extproc.replies import DESTINATION_HEADER, PREFILL_HEADER, is_header_name
 from policyd.policy.client_headers import FAIRNESS_HEADERS, OBJECTIVE_HEADERS
 from policyd.policy.document import DEFAULT_CRITICALITY_HEADER
 from policyd.policy.flow import DEFAULT_DEADLINE_HEADER
@@ -141,7 +144,6 @@ PRIORITY_HEADERS: Final = (
     DEFAULT_DEADLINE_HEADER,
     TENANT_HEADER,
 )
-_HEADER_NAME: Final = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +198,9 @@ class EnvoyConfigOptions:
     otlp_endpoint: str = ""
     # One of EXT_PROC_MODES.
     ext_proc_mode: str = "buffered"
+    # Where policyd names a split request's prefill pod (policyd serve
+    # --prefill-header): always removed as the request arrives, as the destination is.
+    prefill_header: str = PREFILL_HEADER
 
     def __post_init__(self) -> None:
         if self.ext_proc_mode not in EXT_PROC_MODES:
@@ -203,10 +208,12 @@ class EnvoyConfigOptions:
         if self.request_timeout_s <= 0 or self.request_headers_timeout_s <= 0:
             raise ValueError("the request and request headers timeouts must be positive")
         for name in self.stripped_headers:
-            if not _HEADER_NAME.fullmatch(name):
+            if not is_header_name(name):
                 raise ValueError(f"{name!r} is not a lower-case HTTP header name")
         if DESTINATION_HEADER in self.stripped_headers:
             raise ValueError(f"{DESTINATION_HEADER} is always removed")
+        if not is_header_name(self.prefill_header) or self.prefill_header == DESTINATION_HEADER:
+            raise ValueError(f"{self.prefill_header!r} cannot name the prefill pod")
 
     @property
     def message_timeout(self) -> str:
@@ -338,6 +345,13 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         + ", ".join(PRIORITY_HEADERS),
     )
     parser.add_argument(
+        "--prefill-header",
+        default=PREFILL_HEADER,
+        metavar="NAME",
+        help="the header policyd names a split request's prefill pod in (policyd serve "
+        "--prefill-header); always removed from clients' requests (default %(default)s)",
+    )
+    parser.add_argument(
         "--trust-header",
         action="append",
         default=[],
@@ -434,6 +448,7 @@ def options_from(arguments: argparse.Namespace) -> EnvoyConfigOptions:
         request_timeout_s=arguments.request_timeout_s,
         request_headers_timeout_s=arguments.request_headers_timeout_s,
         stripped_headers=tuple(dict.fromkeys(stripped)),
+        prefill_header=arguments.prefill_header.strip().lower(),
         policyd_streams_per_connection=arguments.policyd_streams_per_connection,
         policyd_max_streams=arguments.policyd_max_streams,
         policyd_tls=tls,

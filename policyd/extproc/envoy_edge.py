@@ -147,8 +147,8 @@ def retry_policy(retries: int) -> dict[str, Any]:
 
 
 def _strip_client_headers(options: EnvoyConfigOptions) -> dict[str, Any]:
-    """Remove a client's destination header, and the headers that buy priority or
-    pick a flow, as the request arrives, before any filter or route sees them
+    """Remove a client's destination header and prefill pod, and the headers that buy
+    priority or pick a flow, as the request arrives, before any filter or route sees them
     (an early header mutation of the connection manager).
 
     policyd removes the destination too, but ext_proc fails open (a policyd
@@ -157,7 +157,7 @@ def _strip_client_headers(options: EnvoyConfigOptions) -> dict[str, Any]:
     set. A filter that runs later (authentication setting a header from a
     verified claim) still sets the others.
     """
-    removed = (DESTINATION_HEADER, *options.stripped_headers)
+    removed = (DESTINATION_HEADER, options.prefill_header, *options.stripped_headers)
     return {
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {

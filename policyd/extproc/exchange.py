@@ -23,7 +23,7 @@ Isolation is the rule: whatever one request does (bad JSON, a router that
 raises, a telemetry bug) ends as an answer for that request alone, and
 ``handle`` never raises. The in-flight count of the chosen pod goes up when a
 request is routed and down exactly once when its exchange ends, however it
-ends.
+ends; so does the prefill pod's, for a request a two-stage policy split.
 
 The exchange owns its end. Where it is in a request's life is one value,
 ``State`` (reading, decided, routed, responding, answered, ended,
@@ -112,6 +112,7 @@ class Exchange:
         "_metadata",
         "_method",
         "_path",
+        "_prefill_load",  # a split request's prefill pod's in-flight count
         "_response_mode",
         "_router",
         "_server",
@@ -145,6 +146,7 @@ class Exchange:
         self._router: RouterLike | None = None
         self._span: RequestSpan | None = None
         self._load: InFlight | None = None
+        self._prefill_load: InFlight | None = None
         # What the response's record reports (times from perf_counter).
         self._decided_at = 0.0
         self._status: int | None = None  # the response's, once its headers came
@@ -281,7 +283,7 @@ class Exchange:
             self._hold(int(length) if len(length) < 19 else 1 << 63, reserve=True)
         if self._body_mode == _DUPLEX:
             return NO_REPLY  # the routing is this message's reply, once the body is in
-        return replies.REQUEST_HEADERS_CONTINUE
+        return self._server.route_replies.request_headers_continue
 
     def _hold(self, size: int, *, reserve: bool = False) -> None:
         """Hold ``size`` bytes of body in all (``reserve``: still to come); raises 413 or 429."""
@@ -428,8 +430,12 @@ class Exchange:
             prompt = locator.probe(body.turns) if locator is not None and body.turns else None
             decision = self._checked(router.decide(request, pods, prompt))
             if prompt is not None and decision.best_prefix_match is not None:
-                # The policy matched the prompt: approximate mode remembers its blocks.
+                # The policy matched the prompt: approximate mode remembers its blocks,
+                # on the prefill pod too when it computes them (it keeps them cached).
                 prompt.routed(decision.target_model, decision.endpoint)
+                split = decision.split
+                if split is not None and split.split:
+                    prompt.routed(decision.target_model, split.endpoint)
         except RequestError:
             raise  # the proxy's subset has none of the pool's pods: a 503 of its own
         except Exception as error:
@@ -452,6 +458,11 @@ class Exchange:
         # The body's own model: an InferenceModelRewrite may have renamed the request.
         new_body = rewrite_model(body, target) if target != body.document["model"] else None
         upstream_headers = self._upstream_headers(span)
+        split = decision.split
+        if split is not None and split.split:
+            # The decode pod's sidecar asks this pod to prefill (docs/disaggregation.md).
+            prefill_header = self._server.route_replies.prefill_header
+            upstream_headers = {**upstream_headers, prefill_header: split.endpoint}
         if self._body_mode != _DUPLEX:
             return self._server.route_replies.route(destination, upstream_headers, new_body)
         routing = self._server.route_replies.route_before_body(
@@ -510,13 +521,22 @@ class Exchange:
         decision = bodyless.least_busy_pod(candidates, self._server.rng)
         span = self._decided(request, decision, started)
         self._claim(decision, candidates)
-        return replies.route_headers(decision.endpoint, self._upstream_headers(span))
+        return replies.route_headers(
+            decision.endpoint,
+            self._upstream_headers(span),
+            self._server.route_replies.prefill_header,
+        )
 
     def _claim(self, decision: Decision, candidates: Sequence[Pod]) -> None:
         load = self._load = _claim(decision, candidates)
         if load is not None:
             self._candidates = candidates
             self._server.response_watch.watch(self)
+            split = decision.split
+            if split is not None and isinstance(split.chosen, Pod):
+                # The prefill pod works for this request too until its answer ends.
+                split.chosen.load.count += 1
+                self._prefill_load = split.chosen.load
 
     def _served_by(self, endpoint: str) -> None:
         """The proxy says ``endpoint`` served the request (``epp``): when that is not
@@ -547,6 +567,7 @@ class Exchange:
             return False
         self._load.count -= 1
         self._load = None
+        self._release_prefill()
         if self._decision is not None:
             self._server.holding.finished(self._decision.pod, self)  # counted free: a slot
         self._report("expired", "no_response_headers")
@@ -668,6 +689,7 @@ class Exchange:
             self._server.response_watch.forget(self)
             load.count -= 1
             self._load = None
+            self._release_prefill()
             if self._decision is not None:
                 usage = self._usage if end is State.ENDED else None
                 self._server.holding.finished(self._decision.pod, self, usage)  # a slot is free
@@ -676,6 +698,13 @@ class Exchange:
         self.state = end
         if end is not State.ANSWERED:  # an answer is recorded once it is out (reply_sent)
             self._record_later(decision=before is State.DECIDED, end=True)
+
+    def _release_prefill(self) -> None:
+        """Stop counting a split request on its prefill pod, with its decode pod."""
+        prefill = self._prefill_load
+        if prefill is not None:
+            prefill.count -= 1
+            self._prefill_load = None
 
     def _record_later(self, *, decision: bool, end: bool) -> None:
         """Queue the bookkeeping now due, in order: the one place it is deferred.

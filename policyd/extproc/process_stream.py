@@ -78,7 +78,7 @@ class ExternalProcessor:
         self.snapshots = snapshots
         self.telemetry = telemetry
         self.settings = settings
-        self.route_replies = replies.RouteReplies()
+        self.route_replies = replies.RouteReplies(prefill_header=settings.prefill_header)
         self.settlement = Settlement()
         self.rng = random.Random()  # ties among pods for body-less requests
         self.body_budget = BodyBudget(settings.max_buffered_body_bytes, settings.body_wait_seconds)

@@ -21,6 +21,13 @@
   echoed or rewritten); each response chunk is handed back the same way
   (:func:`streamed_response_body`).
 - Errors are ImmediateResponses with an OpenAI-style JSON body.
+- The prefill pod of a split request (disaggregated prefill/decode) is named
+  in ``x-prefiller-host-port`` (``ServingSettings.prefill_header``), the
+  header llm-d's P/D sidecar on the decode pod reads: one ``ip:port``. Only
+  policyd may name it (a client's value would send the sidecar's prefill
+  request anywhere), so every routing reply removes it and a split sets it
+  again; Envoy applies a mutation's removals before its sets. The
+  request-headers reply removes it too, as it does the destination.
 
 Replies are protobuf wire bytes, which the gRPC server sends as they are:
 those that never change are encoded once, routing replies once per
@@ -33,6 +40,7 @@ the cached reply's ``envoy.lb`` metadata into a new message per request.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -44,18 +52,35 @@ from google.protobuf import struct_pb2
 from policyd.extproc.errors import RequestError
 
 DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
+# llm-d's name for the prefill pod's host:port (pkg/common/routing in llm-d-router).
+PREFILL_HEADER: Final = "x-prefiller-host-port"
 LB_METADATA_NAMESPACE: Final = "envoy.lb"
 
 _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_HEADER_NAME: Final = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 
-# Request headers: continue, but drop any destination the client tried to pick.
-REQUEST_HEADERS_CONTINUE: Final[bytes] = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+
+def is_header_name(name: str) -> bool:
+    """Whether ``name`` is a lower-case HTTP header name (a token, RFC 9110)."""
+    return _HEADER_NAME.fullmatch(name) is not None
+
+
+def request_headers_continue(prefill_header: str = PREFILL_HEADER) -> bytes:
+    """Request headers: continue, but drop any destination or prefill pod the client
+    tried to pick."""
+    reply: bytes = pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(
+                    remove_headers=[DESTINATION_HEADER, prefill_header]
+                )
+            )
         )
-    )
-).SerializeToString()
+    ).SerializeToString()
+    return reply
+
+
+REQUEST_HEADERS_CONTINUE: Final = request_headers_continue()
 # A request body chunk that is not the last one (STREAMED mode): nothing to do yet.
 REQUEST_BODY_CONTINUE: Final[bytes] = pb.ProcessingResponse(
     request_body=pb.BodyResponse()
@@ -109,8 +134,14 @@ class RouteReplies:
     ``limit`` destinations, which bounds it when pods come and go.
     """
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = 4096, *, prefill_header: str = PREFILL_HEADER) -> None:
         self._limit = limit
+        self.prefill_header = prefill_header
+        self.request_headers_continue = (
+            REQUEST_HEADERS_CONTINUE
+            if prefill_header == PREFILL_HEADER
+            else request_headers_continue(prefill_header)
+        )
         # Per phase of the reply: the request body's (BUFFERED) or the request
         # headers' (FULL_DUPLEX_STREAMED, sent once the body is in).
         self._by_destination: dict[str, dict[str, bytes]] = {field: {} for field in _PHASE_TAGS}
@@ -159,7 +190,7 @@ class RouteReplies:
         if base is None:
             if len(cache) >= self._limit:
                 cache.clear()
-            base = cache[destination] = _route(destination, phase)
+            base = cache[destination] = _route(destination, phase, self.prefill_header)
         if new_body is not None:
             body_length = len(new_body)
         if not extra_headers and body_length is None:
@@ -197,12 +228,16 @@ def _kept(cache: dict[Any, bytes], key: Any, value: bytes) -> bytes:
     return value
 
 
-def route_headers(destination: str, extra_headers: Mapping[str, str] = _NO_HEADERS) -> bytes:
+def route_headers(
+    destination: str,
+    extra_headers: Mapping[str, str] = _NO_HEADERS,
+    prefill_header: str = PREFILL_HEADER,
+) -> bytes:
     """The request-headers reply that sends a body-less request to ``destination``.
 
     Built whole each time: body-less requests (``GET /v1/models``) are few.
     """
-    common = _routing(destination, extra_headers)
+    common = _routing(destination, prefill_header, extra_headers)
     reply: bytes = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=common),
         dynamic_metadata=_lb_metadata(destination),
@@ -210,18 +245,21 @@ def route_headers(destination: str, extra_headers: Mapping[str, str] = _NO_HEADE
     return reply
 
 
-def _route(destination: str, phase: str) -> bytes:
+def _route(destination: str, phase: str, prefill_header: str) -> bytes:
     """The routing reply of ``phase`` (``request_body`` or ``request_headers``)."""
     answer = pb.BodyResponse if phase == "request_body" else pb.HeadersResponse
     reply: bytes = pb.ProcessingResponse(
-        **{phase: answer(response=_routing(destination))},
+        **{phase: answer(response=_routing(destination, prefill_header))},
         dynamic_metadata=_lb_metadata(destination),
     ).SerializeToString()
     return reply
 
 
-def _routing(destination: str, extra_headers: Mapping[str, str] = _NO_HEADERS) -> pb.CommonResponse:
+def _routing(
+    destination: str, prefill_header: str, extra_headers: Mapping[str, str] = _NO_HEADERS
+) -> pb.CommonResponse:
     common = pb.CommonResponse(clear_route_cache=True)
+    common.header_mutation.remove_headers.append(prefill_header)
     set_headers = common.header_mutation.set_headers
     set_headers.append(_header(DESTINATION_HEADER, destination))
     set_headers.extend(_header(name, value) for name, value in extra_headers.items())

@@ -27,6 +27,7 @@ from pathlib import Path
 from policyd.extproc.assembly import Policyd
 from policyd.extproc.grpc_server import ServerOptions, TlsFiles
 from policyd.extproc.logs import FORMATS, LEVELS, configure_logging
+from policyd.extproc.replies import DESTINATION_HEADER, PREFILL_HEADER, is_header_name
 from policyd.extproc.serving import ServingSettings
 from policyd.extproc.workers import run_in_workers
 from policyd.policy import PolicyError, PolicyStore
@@ -148,6 +149,13 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         help="a routed request without response headers after this long stops counting in "
         "its pod's in-flight; 0: never (default 330, above Envoy's 300 s stream idle timeout)",
     )
+    parser.add_argument(
+        "--prefill-header",
+        default=PREFILL_HEADER,
+        metavar="NAME",
+        help="the request header naming a split request's prefill pod (host:port) to the"
+        " decode pod's P/D sidecar (default %(default)s, llm-d's)",
+    )
     add_pool_arguments(parser)
     add_prefix_arguments(parser)
     telemetry = parser.add_argument_group("telemetry")
@@ -266,6 +274,11 @@ def check_arguments(arguments: argparse.Namespace) -> None:
         raise UsageError("--max-buffered-body-mib must be at least --max-body-mib")
     if not arguments.in_flight_expiry_seconds >= 0:
         raise UsageError("--in-flight-expiry-seconds must not be negative")
+    if (
+        not is_header_name(arguments.prefill_header)
+        or arguments.prefill_header == DESTINATION_HEADER
+    ):
+        raise UsageError(f"--prefill-header {arguments.prefill_header!r}: not a header to use")
     if not 0 <= arguments.decision_log_sample_rate <= 1:
         raise UsageError("--decision-log-sample-rate must be from 0 to 1")
     if not arguments.policy.exists():
@@ -296,6 +309,7 @@ def server_options(arguments: argparse.Namespace) -> ServerOptions:
             max_body_bytes=int(arguments.max_body_mib * MIB),
             max_buffered_body_bytes=int(arguments.max_buffered_body_mib * MIB),
             in_flight_expiry_seconds=arguments.in_flight_expiry_seconds,
+            prefill_header=arguments.prefill_header,
         ),
     )
 

@@ -67,6 +67,8 @@ class ServingSettings:
     # in its pod's in-flight (0: never). Above Envoy's stream idle timeout
     # (300 s in the generated config), after which no response can come.
     in_flight_expiry_seconds: float = 330.0
+    # Where a split request names its prefill pod for the decode pod's sidecar.
+    prefill_header: str = replies.PREFILL_HEADER
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_buffered_body_bytes < self.max_body_bytes:
@@ -75,6 +77,10 @@ class ServingSettings:
             )
         if self.in_flight_expiry_seconds < 0 or self.body_wait_seconds < 0:
             raise ValueError("in_flight_expiry_seconds and body_wait_seconds must not be negative")
+        if not replies.is_header_name(self.prefill_header):
+            raise ValueError(f"{self.prefill_header!r} is not a lower-case HTTP header name")
+        if self.prefill_header == replies.DESTINATION_HEADER:
+            raise ValueError(f"the prefill header cannot be {replies.DESTINATION_HEADER}")
 
 
 class Watched(Protocol):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
 
+from policyd.fields.roles import BOTH
+
 # CEL kinds: "string" | "int" | "double" | "bool" | "duration" (default in
 # seconds) | "list<string>" | "map<string,string>".
 Kind = str
@@ -197,6 +199,15 @@ POD_FIELDS: Final[tuple[Field, ...]] = (
     Field("name", "string", "identity", "pod name"),
     Field("address", "string", "identity", "`ip:port` Envoy sends the request to"),
     Field("labels", "map<string,string>", "identity", "pod labels", _EMPTY_MAP, logged=False),
+    Field(
+        "role",
+        "string",
+        "identity",
+        '`"prefill"`, `"decode"` or `"both"`: the pod\'s part in disaggregated serving, from'
+        ' its `llm-d.ai/role` label (`policyd serve --role-label`); `"both"` without one'
+        " (see docs/disaggregation.md)",
+        BOTH,
+    ),
     Field(
         "waiting_queue",
         "int",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
@@ -44,16 +44,17 @@ from policyd.cel import (
     request_type,
 )
 from policyd.fields import PREDICTION_POD_FIELDS, PREFIX_POD_FIELDS
+from policyd.fields.roles import DECODE_CAPABLE, PREFILL_CAPABLE
 from policyd.policy.diagnostics import Diagnostic, did_you_mean
-from policyd.policy.document import PolicySpec
-from policyd.policy.evaluation import Evaluator, Needs, PodExpression
+from policyd.policy.document import PolicySpec, PrefillSpec
+from policyd.policy.evaluation import BOOL, Evaluator, Needs, PodExpression
 from policyd.policy.flow import CompiledFlow, compile_flow
 from policyd.policy.kinds import PICKERS
 from policyd.policy.nodes import Node, NodeSpec
 from policyd.policy.pickers import Picker
 from policyd.policy.reader import Expression
 from policyd.policy.request import Request
-from policyd.policy.scoring import Scorer
+from policyd.policy.scoring import Scorer, ScorerSpec
 from policyd.policy.source import YNode
 
 _UNDECLARED: Final = re.compile(r"undeclared reference to '([^']*)'")
@@ -103,6 +104,27 @@ class ModelRule:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class CompiledPrefill:
+    """A policy's second stage: whether to split a request, and its prefill pod.
+
+    ``when`` runs once per routed request, on the decode pod; the tree,
+    scorers and picker choose among the prefill-capable pods of the policy's
+    pool (``roles``) as the policy's own choose the decode pod, with a reusable
+    walk keyed by ``walk_key``.
+    """
+
+    when: PodExpression
+    description: str
+    start: Node | None
+    nodes: Mapping[str, Node]
+    scorers: tuple[Scorer, ...]
+    picker: Picker
+    pool_labels: tuple[tuple[str, str], ...]
+    walk_key: WalkKey | None
+    roles: frozenset[str] | None = PREFILL_CAPABLE
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class CompiledPolicy:
     """One loaded policy, ready to decide; immutable except the round-robin turn."""
 
@@ -141,6 +163,10 @@ class CompiledPolicy:
     reads_prediction: bool = False
     # Flow control (None: a saturated pool is routed to, or shed, as the tree says).
     flow: CompiledFlow | None = None
+    # Two stages (None: one): the tree above picks the decode pod among the
+    # decode-capable pods (``roles``), this the prefill pod when it splits.
+    prefill: CompiledPrefill | None = None
+    roles: frozenset[str] | None = None  # the pod roles the tree chooses among (None: any)
 
     @property
     def summary(self) -> str:
@@ -156,6 +182,12 @@ class CompiledPolicy:
         ]
         if self.flow is not None:
             parts.append(f"flow control over {_count(len(self.flow.bands), 'band')}")
+        if self.prefill is not None:
+            prefill = self.prefill
+            parts.append(
+                f"prefill stage of {_count(len(prefill.nodes), 'filter node')},"
+                f" {_count(len(prefill.scorers), 'scorer')}, pick {prefill.picker.name}"
+            )
         if self.shadows:
             listed = ", ".join(f"'{s.name}' (version {s.version})" for s in self.shadows)
             parts.append(f"shadows {listed}")
@@ -223,14 +255,15 @@ class _Compiler:
             }
         )
         self.request_env = Environment({"request": request_type(), **self.param_types})
-        scorers = self._compile_scorers()
+        scorers = self._compile_scorers(spec.scorers)
         self.reads.clear()
-        nodes = self._compile_tree()
+        nodes = self._compile_tree(spec.nodes, spec.broken)
         walk_key = _walk_key(self.reads)  # the tree's reads, before the flow's
         flow = compile_flow(spec.flow, self, self.error) if spec.flow is not None else None
+        prefill = self._compile_prefill(spec.prefill) if spec.prefill is not None else None
         self._check_models()
         picker = PICKERS[spec.pick_strategy]()
-        self._check_pick(picker)
+        self._check_pick(picker, spec.pick_node, spec.scorers, spec.nodes)
         if self.shape_errors or any(d.severity == "error" for d in self.diagnostics):
             return None, self.diagnostics  # what is "unused" is not known when some failed
         self._warn_unused()
@@ -261,8 +294,34 @@ class _Compiler:
             reads_prefix=bool(self.every_read & _PREFIX_READS),
             reads_prediction=bool(self.every_read & _PREDICTION_READS),
             flow=flow,
+            prefill=prefill,
+            roles=DECODE_CAPABLE if spec.prefill is not None else None,
         )
         return policy, self.diagnostics
+
+    def _compile_prefill(self, spec: PrefillSpec) -> CompiledPrefill | None:
+        """The second stage; None when some part of it did not compile (reported)."""
+        when = None
+        if spec.when is not None:
+            when = self.pod_expression(spec.when, what="'when' of 'prefill'", want=BOOL)
+        scorers = self._compile_scorers(spec.scorers)
+        self.reads.clear()
+        nodes = self._compile_tree(spec.nodes, spec.broken)
+        walk_key = _walk_key(self.reads)
+        picker = PICKERS[spec.pick_strategy]()
+        self._check_pick(picker, spec.pick_node or spec.key, spec.scorers, spec.nodes)
+        if when is None:
+            return None
+        return CompiledPrefill(
+            when=when,
+            description=spec.description,
+            start=nodes[spec.nodes[0].name] if spec.nodes and spec.nodes[0].name in nodes else None,
+            nodes=MappingProxyType(nodes),
+            scorers=scorers,
+            picker=picker,
+            pool_labels=self.spec.pool_labels,
+            walk_key=walk_key,
+        )
 
     # --- CEL -------------------------------------------------------------------------
 
@@ -381,9 +440,9 @@ class _Compiler:
         compiled = self._compile(self.request_env, expression, what=what, want=want, sees=sees)
         return compiled[0].evaluate if compiled is not None else None
 
-    def _compile_scorers(self) -> tuple[Scorer, ...]:
+    def _compile_scorers(self, specs: Sequence[ScorerSpec]) -> tuple[Scorer, ...]:
         scorers: list[Scorer] = []
-        for spec in self.spec.scorers:
+        for spec in specs:
             values = spec.kind.build(spec, self)
             if values is not None:
                 scorers.append(Scorer(spec.name, spec.weight, values))
@@ -391,18 +450,21 @@ class _Compiler:
 
     # --- the filter tree ---------------------------------------------------------------
 
-    def _compile_tree(self) -> dict[str, Node]:
-        specs = {node.name: node for node in self.spec.nodes}
-        for spec in self.spec.nodes:
+    def _compile_tree(
+        self, node_specs: Sequence[NodeSpec], broken: frozenset[str]
+    ) -> dict[str, Node]:
+        """One filter tree (the policy's, or its prefill stage's), its first node first."""
+        specs = {node.name: node for node in node_specs}
+        for spec in node_specs:
             for link in spec.links:
-                if link.name not in specs and link.name not in self.spec.broken:
+                if link.name not in specs and link.name not in broken:
                     hint = did_you_mean(link.name, specs)
                     self.error(link.node, f"unknown node '{link.name}' in '{link.field}'{hint}")
         order = self._check_cycles(specs)
-        if self.spec.nodes:
-            reached = _reachable(self.spec.nodes[0].name, specs)
-            start = self.spec.nodes[0].name
-            for spec in self.spec.nodes:
+        if node_specs:
+            reached = _reachable(node_specs[0].name, specs)
+            start = node_specs[0].name
+            for spec in node_specs:
                 if spec.name not in reached:
                     self.warning(spec.key, f"node '{spec.name}' is never reached from '{start}'")
         built: dict[str, Node] = {}
@@ -413,7 +475,7 @@ class _Compiler:
             node = spec.kind.build(spec, self, success, failure)
             if node is not None:
                 built[name] = node
-        return {spec.name: built[spec.name] for spec in self.spec.nodes if spec.name in built}
+        return {spec.name: built[spec.name] for spec in node_specs if spec.name in built}
 
     def _check_cycles(self, specs: Mapping[str, NodeSpec]) -> list[str]:
         """Report each cycle once; return the node names leaves first."""
@@ -452,12 +514,17 @@ class _Compiler:
                     f"model '{model.name}' has settings but 'match.models' does not list it",
                 )
 
-    def _check_pick(self, picker: Picker) -> None:
-        node = self.spec.pick_node
-        at = node if node is not None else self.spec.nodes[0].key if self.spec.nodes else None
-        if picker.uses_scores and not self.spec.scorers and at is not None:
+    def _check_pick(
+        self,
+        picker: Picker,
+        node: YNode | None,
+        scorers: Sequence[ScorerSpec],
+        nodes: Sequence[NodeSpec],
+    ) -> None:
+        at = node if node is not None else nodes[0].key if nodes else None
+        if picker.uses_scores and not scorers and at is not None:
             self.warning(at, f"pick '{picker.name}' without scorers picks at random")
-        if not picker.uses_scores and self.spec.scorers and at is not None:
+        if not picker.uses_scores and scorers and at is not None:
             self.warning(at, f"pick '{picker.name}' ignores the scores; they are not computed")
 
     def _warn_unused(self) -> None:

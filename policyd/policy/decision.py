@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from policyd.policy.pods import PolicyPod
 from policyd.policy.request import Request
@@ -82,6 +82,38 @@ class NodeTrace:
     narrows: bool = False
 
 
+# Why a two-stage policy did or did not split a request (``Split.reason``).
+WHEN_TRUE: Final = "when-true"  # `prefill.when` held on the decode pod: split
+WHEN_FALSE: Final = "when-false"  # it did not: the decode pod prefills too
+WHEN_ERROR: Final = "when-error"  # it failed on the decode pod (the error is the note)
+NO_PREFILL_POD: Final = "no-prefill-pod"  # the prefill stage found no pod other than it
+SPLIT_REASONS: Final = (WHEN_TRUE, WHEN_FALSE, WHEN_ERROR, NO_PREFILL_POD)
+
+
+@dataclass(slots=True)
+class Split:
+    """The second stage of a policy with a ``prefill`` section: a prefill pod, or why not.
+
+    ``split`` says the request goes to the decision's (decode) pod with the
+    prefill pod named beside it; ``reason`` is one of ``SPLIT_REASONS``.
+    ``endpoint``, ``pod`` and ``chosen`` are the prefill pod's (empty unless
+    split); ``trace``, ``survivors`` and ``scores`` are the prefill stage's, as
+    a ``Decision``'s are the decode stage's (empty when ``when`` did not hold:
+    the prefill stage does not run then). ``note`` says more: the CEL error of
+    ``when``, or why the prefill stage found no pod.
+    """
+
+    split: bool
+    reason: str
+    endpoint: str = ""
+    pod: str = ""
+    chosen: PolicyPod | None = None
+    trace: tuple[NodeTrace, ...] = ()
+    survivors: tuple[str, ...] = ()
+    scores: tuple[tuple[str, float], ...] = ()
+    note: str = ""
+
+
 @dataclass(slots=True)
 class Decision:
     """The router's answer for one request.
@@ -128,6 +160,9 @@ class Decision:
     # for how long, and how many requests were held ahead of it when it came.
     held_seconds: float | None = None
     queue_position: int | None = None
+    # A policy with a ``prefill`` section, once it routed: the prefill stage's answer
+    # (None: a single-stage policy, or the request was not routed).
+    split: Split | None = None
 
     @property
     def candidate_count(self) -> int:

@@ -69,7 +69,9 @@ _TOP_LEVEL: Final = (
     "pick",
     "shadows",
     "flow",
+    "prefill",
 )
+_PREFILL_FIELDS: Final = ("description", "when", "filters", "score", "pick")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -107,6 +109,25 @@ class ShadowRef:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class PrefillSpec:
+    """A policy's ``prefill`` section: when to split, and how to pick the prefill pod.
+
+    ``when`` is the CEL predicate over the request and the decode pod (None
+    when it could not be read); the rest is a stage like the policy's own:
+    its filter tree, scorers and picker, over the prefill-capable pods.
+    """
+
+    key: YScalar
+    description: str
+    when: Expression | None
+    nodes: tuple[NodeSpec, ...]
+    broken: frozenset[str]
+    scorers: tuple[ScorerSpec, ...]
+    pick_strategy: str
+    pick_node: YNode | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class PolicySpec:
     source: Source
     name: str
@@ -131,6 +152,7 @@ class PolicySpec:
     shadows: tuple[ShadowRef, ...] = ()
     shadows_node: YScalar | None = None  # the `shadows` key, where nesting is reported
     flow: FlowSpec | None = None  # flow control: hold requests while the pool is saturated
+    prefill: PrefillSpec | None = None  # two stages: the decode pod, then a prefill pod
 
 
 def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
@@ -155,12 +177,7 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         labels = Fields(pool, ("labels",), diagnostics, what="'pool'").mapping("labels")
         pool_labels = string_map(labels, diagnostics, what="label") if labels else ()
     header, default = _read_criticality(fields)
-    pick = fields.mapping("pick")
-    strategy, fallbacks = "", 0
-    if pick is not None:
-        pick_fields = Fields(pick, ("strategy", "fallbacks"), diagnostics, what="'pick'")
-        strategy = pick_fields.choice("strategy", tuple(PICKERS), "")
-        fallbacks = pick_fields.integer("fallbacks", minimum=0, default=0) or 0
+    strategy, fallbacks = _read_pick(fields, ("strategy", "fallbacks"))
     scorers = _read_scorers(fields)
     broken: set[str] = set()
     spec = PolicySpec(
@@ -186,8 +203,52 @@ def read_policy(source: Source) -> tuple[PolicySpec | None, list[Diagnostic]]:
         shadows=_read_shadows(fields),
         shadows_node=fields.key("shadows"),
         flow=read_flow(fields),
+        prefill=_read_prefill(fields),
     )
     return spec, diagnostics
+
+
+def _read_pick(fields: Fields, known: tuple[str, ...]) -> tuple[str, int]:
+    """``pick``'s strategy ("" when not given) and fallbacks."""
+    pick = fields.mapping("pick")
+    if pick is None:
+        return "", 0
+    pick_fields = Fields(pick, known, fields.diagnostics, what="'pick'")
+    strategy = pick_fields.choice("strategy", tuple(PICKERS), "")
+    return strategy, pick_fields.integer("fallbacks", minimum=0, default=0) or 0
+
+
+def _read_prefill(fields: Fields) -> PrefillSpec | None:
+    """``prefill``: ``when`` to split, and the prefill stage's filters, score and pick.
+
+    Its ``pick`` takes no ``fallbacks``: the decode pod's sidecar is named one
+    prefill pod.
+    """
+    node = fields.mapping("prefill")
+    key = fields.key("prefill")
+    if node is None or key is None:
+        return None
+    reader = Fields(node, _PREFILL_FIELDS, fields.diagnostics, what="'prefill'")
+    when_node = reader.raw("when")
+    when = None
+    if when_node is None:
+        reader.error(key, "'prefill' needs 'when': the predicate that splits a request")
+    else:
+        when = expression(reader, when_node, "'when' of 'prefill'")
+    broken: set[str] = set()
+    nodes = _read_nodes(reader, broken)
+    scorers = _read_scorers(reader)
+    strategy, _ = _read_pick(reader, ("strategy",))
+    return PrefillSpec(
+        key=key,
+        description=text(reader, "description"),
+        when=when,
+        nodes=nodes,
+        broken=frozenset(broken),
+        scorers=scorers,
+        pick_strategy=strategy or ("max-score" if scorers else "random"),
+        pick_node=reader.raw("pick"),
+    )
 
 
 def _reads_format(root: YMapping, diagnostics: list[Diagnostic]) -> bool:

@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policyd.policy.compiler import CompiledPolicy
-from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult
+from policyd.policy.compiler import CompiledPolicy, CompiledPrefill
+from policyd.policy.decision import Decision, NodeTrace, Outcome, ShadowResult, Split
 from policyd.policy.evaluation import FAILED, Evaluation
 from policyd.policy.pods import PolicyPod
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
 from policyd.policy.router import Router, in_pool
-from policyd.policy.scoring import clamp
+from policyd.policy.scoring import Scorer, clamp
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,17 @@ class ScoreDetail:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillDetail:
+    """A two-stage policy's second stage: its ``when`` on the decode pod, then its walk."""
+
+    when: str  # the predicate's source
+    value: str  # its value on the decode pod, or "error: ..."
+    nodes: tuple[NodeDetail, ...]
+    scores: tuple[ScoreDetail, ...]
+    candidates: int  # the prefill-capable pods of the policy's pool
+
+
+@dataclass(frozen=True, slots=True)
 class Explanation:
     decision: Decision
     policy: CompiledPolicy | None
@@ -55,6 +66,7 @@ class Explanation:
     # For a policy that reads the predicted latencies: each pod's (name, TTFT ms,
     # TPOT ms), -1.0 where it has none yet.
     predictions: tuple[tuple[str, float, float], ...] = ()
+    prefill: PrefillDetail | None = None  # a two-stage policy's second stage, once routed
 
 
 def explain(
@@ -82,38 +94,74 @@ def explain(
             (pod.name, pod.predicted_ttft_ms, pod.predicted_tpot_ms)
             for pod in in_pool(policy.pool_labels, pods)
         )
-    entering = in_pool(policy.pool_labels, pods)
-    details: list[NodeDetail] = []
-    scores: tuple[ScoreDetail, ...] = ()
-    for trace in decision.trace:
-        if trace.kind == "score":
-            survivors = [by_name[name] for name in decision.survivors]
-            scores = _scores(policy, survivors, ev)
-            continue
-        node = policy.nodes[trace.node]
-        source, values = node.explain(entering, ev)
-        shown: tuple[tuple[str, str], ...] = ()
-        if values:  # the kind has a value per pod
-            errors = _errors(trace, entering)
-            shown = tuple(
-                (pod.name, _show(value, error))
-                for pod, value, error in zip(entering, values, errors, strict=True)
-            )
-        details.append(NodeDetail(trace, source, node.description, shown))
-        if trace.branch == "on_success":
-            entering = [by_name[name] for name in trace.kept]
+    entering = in_pool(policy.pool_labels, pods, policy.roles)
+    details, scores = _stage(
+        policy, decision.trace, entering, [by_name[name] for name in decision.survivors], ev
+    )
+    prefill = None
+    split = decision.split
+    if policy.prefill is not None and split is not None:
+        prefill = _prefill(policy.prefill, split, by_name[decision.pod], pods, ev)
     return Explanation(
         decision,
         policy,
         resolved,
         len(pods),
-        tuple(details),
+        details,
         scores,
         fallback_pods,
         shadows,
         held,
         predictions,
+        prefill,
     )
+
+
+def _stage(
+    stage: CompiledPolicy | CompiledPrefill,
+    trace: Sequence[NodeTrace],
+    entering: Sequence[PolicyPod],
+    survivors: Sequence[PolicyPod],
+    ev: Evaluation,
+) -> tuple[tuple[NodeDetail, ...], tuple[ScoreDetail, ...]]:
+    """Each visited node of one stage's walk with every entering pod's value, and the
+    survivors' scores."""
+    by_name = {pod.name: pod for pod in entering}
+    details: list[NodeDetail] = []
+    scores: tuple[ScoreDetail, ...] = ()
+    for step in trace:
+        if step.kind == "score":
+            scores = _scores(stage.scorers, survivors, ev)
+            continue
+        node = stage.nodes[step.node]
+        source, values = node.explain(entering, ev)
+        shown: tuple[tuple[str, str], ...] = ()
+        if values:  # the kind has a value per pod
+            errors = _errors(step, entering)
+            shown = tuple(
+                (pod.name, _show(value, error))
+                for pod, value, error in zip(entering, values, errors, strict=True)
+            )
+        details.append(NodeDetail(step, source, node.description, shown))
+        if step.branch == "on_success":
+            entering = [by_name[name] for name in step.kept]
+    return tuple(details), scores
+
+
+def _prefill(
+    prefill: CompiledPrefill,
+    split: Split,
+    decode: PolicyPod,
+    pods: Sequence[PolicyPod],
+    ev: Evaluation,
+) -> PrefillDetail:
+    values, errors = prefill.when.values((decode,), ev)
+    value = _show(values[0], errors[0][1] if errors else "")
+    entering = in_pool(prefill.pool_labels, pods, prefill.roles)
+    by_name = {pod.name: pod for pod in pods}
+    survivors = [by_name[name] for name in split.survivors]
+    details, scores = _stage(prefill, split.trace, entering, survivors, ev)
+    return PrefillDetail(prefill.when.source, value, details, scores, len(entering))
 
 
 def would_hold(router: Router, request: Request, pods: Sequence[PolicyPod]) -> str:
@@ -146,14 +194,14 @@ def _show(value: Any, error: str) -> str:
 
 
 def _scores(
-    policy: CompiledPolicy, pods: Sequence[PolicyPod], ev: Evaluation
+    scorers: Sequence[Scorer], pods: Sequence[PolicyPod], ev: Evaluation
 ) -> tuple[ScoreDetail, ...]:
-    columns = [scorer.expression.values(pods, ev) for scorer in policy.scorers]
+    columns = [scorer.expression.values(pods, ev) for scorer in scorers]
     details: list[ScoreDetail] = []
     for index, pod in enumerate(pods):
         total = 0.0
         parts: list[tuple[str, str]] = []
-        for scorer, (values, errors) in zip(policy.scorers, columns, strict=True):
+        for scorer, (values, errors) in zip(scorers, columns, strict=True):
             value = values[index]
             if value is FAILED:
                 parts.append((scorer.name, "error: " + dict(errors).get(pod.name, "")))
@@ -190,7 +238,60 @@ def render_text(explanation: Explanation) -> str:
         width = max(len(name) for name, _, _ in explanation.predictions)
         for name, ttft, tpot in explanation.predictions:
             lines.append(f"   {name:<{width}}  ttft {_ms(ttft):<8} tpot {_ms(tpot)}")
-    for number, node in enumerate(explanation.nodes, start=1):
+    if policy is not None and policy.prefill is not None:
+        lines.append("")
+        lines.append(f"decode stage: the pods of role {_roles(policy.roles)}")
+    lines += _walk_lines(explanation.nodes)
+    if explanation.scores:
+        assert policy is not None
+        lines += _score_lines(policy.picker.name, policy.scorers, explanation.scores)
+    lines.append("")
+    if explanation.held:
+        lines.append(f"flow      {explanation.held}; once dispatched:")
+    lines.append(_outcome_line(explanation))
+    if explanation.prefill is not None and policy is not None and policy.prefill is not None:
+        lines += _prefill_lines(explanation, policy.prefill, explanation.prefill)
+    for shadow in explanation.shadows:
+        lines.append(_shadow_line(shadow))
+    return "\n".join(lines) + "\n"
+
+
+def _roles(roles: frozenset[str] | None) -> str:
+    return " or ".join(sorted(roles or ()))
+
+
+def _prefill_lines(
+    explanation: Explanation, prefill: CompiledPrefill, detail: PrefillDetail
+) -> list[str]:
+    """The split decision and, when ``when`` held, the prefill stage's walk and pick."""
+    split = explanation.decision.split
+    assert split is not None
+    lines = ["", f"split     when: {detail.when}", f"   {explanation.decision.pod}  {detail.value}"]
+    if detail.nodes or detail.scores:
+        lines.append("")
+        lines.append(
+            f"prefill stage: the pods of role {_roles(prefill.roles)}"
+            f" ({detail.candidates}), without the decode pod"
+        )
+    lines += _walk_lines(detail.nodes)
+    if detail.scores:
+        lines += _score_lines(prefill.picker.name, prefill.scorers, detail.scores)
+    lines.append("")
+    if split.split:
+        lines.append(
+            f"prefill   {split.pod} ({split.endpoint}) by {prefill.picker.name} among"
+            f" {len(split.survivors)}: split ({split.reason})"
+        )
+    else:
+        note = f": {split.note}" if split.note else ""
+        lines.append(f"prefill   none: not split ({split.reason}){note}")
+    return lines
+
+
+def _walk_lines(nodes: Sequence[NodeDetail]) -> list[str]:
+    """One block per visited node: each entering pod's value, and where the walk went."""
+    lines: list[str] = []
+    for number, node in enumerate(nodes, start=1):
         t = node.trace
         lines.append("")
         lines.append(f"{number}. {t.node}  [{t.kind}]  {node.expression or t.note}")
@@ -214,28 +315,24 @@ def render_text(explanation: Explanation) -> str:
                 summary += f", band [{t.band[0]:g}, {t.band[1]:g}]"
         where = f"{t.branch}: {t.next}" if t.next else f"{t.branch}: end of the walk"
         lines.append(f"{summary} -> {where}")
-    if explanation.scores:
-        assert policy is not None
-        lines.append("")
-        lines.append(f"scores ({policy.picker.name}, each clamped to [0, 1], times its weight)")
-        header = ["pod", "total", *(f"{s.name} x{s.weight:g}" for s in policy.scorers)]
-        rows = [
-            [detail.pod, f"{detail.total:.4g}", *(value for _, value in detail.parts)]
-            for detail in explanation.scores
-        ]
-        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-        for row in (header, *rows):
-            lines.append(
-                "   "
-                + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            )
-    lines.append("")
-    if explanation.held:
-        lines.append(f"flow      {explanation.held}; once dispatched:")
-    lines.append(_outcome_line(explanation))
-    for shadow in explanation.shadows:
-        lines.append(_shadow_line(shadow))
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _score_lines(
+    picker: str, scorers: Sequence[Scorer], scores: Sequence[ScoreDetail]
+) -> list[str]:
+    lines = ["", f"scores ({picker}, each clamped to [0, 1], times its weight)"]
+    header = ["pod", "total", *(f"{s.name} x{s.weight:g}" for s in scorers)]
+    rows = [
+        [detail.pod, f"{detail.total:.4g}", *(value for _, value in detail.parts)]
+        for detail in scores
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        lines.append(
+            "   " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        )
+    return lines
 
 
 def _ms(value: float) -> str:
@@ -292,25 +389,9 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
             }
             for name, ttft, tpot in explanation.predictions
         },
-        "nodes": [
-            {
-                "node": n.trace.node,
-                "kind": n.trace.kind,
-                "expression": n.expression,
-                "in": n.trace.candidates_in,
-                "kept": list(n.trace.kept),
-                "branch": n.trace.branch,
-                "next": n.trace.next,
-                "note": n.trace.note,
-                "band": list(n.trace.band) if n.trace.band is not None else None,
-                "errors": [{"pod": pod, "error": error} for pod, error in n.trace.errors],
-                "values": dict(n.values),
-            }
-            for n in explanation.nodes
-        ],
-        "scores": [
-            {"pod": s.pod, "total": s.total, "scorers": dict(s.parts)} for s in explanation.scores
-        ],
+        "nodes": [_node_json(n) for n in explanation.nodes],
+        "scores": [_score_json(s) for s in explanation.scores],
+        "split": _split_json(explanation),
         "shadows": [
             {
                 "policy": s.decision.policy,
@@ -324,3 +405,43 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
             for s in explanation.shadows
         ],
     }
+
+
+def _split_json(explanation: Explanation) -> dict[str, Any] | None:
+    """A two-stage policy's split decision and prefill stage (None: none was made)."""
+    split = explanation.decision.split
+    detail = explanation.prefill
+    if split is None or detail is None:
+        return None
+    return {
+        "split": split.split,
+        "reason": split.reason,
+        "note": split.note,
+        "when": detail.when,
+        "when_value": detail.value,
+        "pod": split.pod,
+        "endpoint": split.endpoint,
+        "survivors": list(split.survivors),
+        "nodes": [_node_json(n) for n in detail.nodes],
+        "scores": [_score_json(s) for s in detail.scores],
+    }
+
+
+def _node_json(n: NodeDetail) -> dict[str, Any]:
+    return {
+        "node": n.trace.node,
+        "kind": n.trace.kind,
+        "expression": n.expression,
+        "in": n.trace.candidates_in,
+        "kept": list(n.trace.kept),
+        "branch": n.trace.branch,
+        "next": n.trace.next,
+        "note": n.trace.note,
+        "band": list(n.trace.band) if n.trace.band is not None else None,
+        "errors": [{"pod": pod, "error": error} for pod, error in n.trace.errors],
+        "values": dict(n.values),
+    }
+
+
+def _score_json(s: ScoreDetail) -> dict[str, Any]:
+    return {"pod": s.pod, "total": s.total, "scorers": dict(s.parts)}

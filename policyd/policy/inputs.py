@@ -12,6 +12,7 @@ from typing import Any
 
 from policyd.cel import Duration
 from policyd.fields import POD_FIELDS, REQUEST_FIELDS
+from policyd.fields.roles import role_named, role_of
 from policyd.policy.diagnostics import Diagnostic
 from policyd.policy.pods import StaticPod
 from policyd.policy.reader import Fields, is_number, scalar_value
@@ -32,7 +33,8 @@ _DECIDED_BY_POLICY = tuple(f.name for f in REQUEST_FIELDS if f.origin == "policy
 def read_pods(node: YNode, diagnostics: list[Diagnostic]) -> tuple[StaticPod, ...]:
     """Pods from ``{name: {fields}}``, ``[{name: ..., ...}]`` or ``{pods: [...]}``.
 
-    ``address`` defaults to ``<name>:8000``; other fields default to an idle pod.
+    ``address`` defaults to ``<name>:8000``; ``role`` to what the pod's
+    ``llm-d.ai/role`` label says; other fields default to an idle pod.
     """
     if isinstance(node, YMapping) and set(node.entries) == {"pods"}:
         node = node.entries["pods"][1]
@@ -89,6 +91,10 @@ def _read_pod(name: str | None, node: YNode, diagnostics: list[Diagnostic]) -> S
         fields.error(node, "a pod needs a 'name'")
         return None
     values.setdefault("address", f"{values['name']}:{DEFAULT_PORT}")
+    # As the pool gives it: a `role` written out, else the llm-d role label's.
+    values["role"] = (
+        role_named(values["role"]) if "role" in values else role_of(values.get("labels", {}))
+    )
     return StaticPod(**values)
 
 

@@ -36,6 +36,9 @@ class PolicyPod(Protocol):
     def labels(self) -> Mapping[str, str]: ...
 
     @property
+    def role(self) -> str: ...
+
+    @property
     def waiting_queue(self) -> int: ...
 
     @property
@@ -114,6 +117,10 @@ class Prefixed:
         return self.pod.labels
 
     @property
+    def role(self) -> str:
+        return self.pod.role
+
+    @property
     def waiting_queue(self) -> int:
         return self.pod.waiting_queue
 
@@ -188,6 +195,10 @@ class AsSeen:
         return self.pod.labels
 
     @property
+    def role(self) -> str:
+        return self.pod.role
+
+    @property
     def waiting_queue(self) -> int:
         return self.pod.waiting_queue
 
@@ -259,6 +270,7 @@ class StaticPod:
     name: str
     address: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    role: str = "both"
     waiting_queue: int = 0
     running: int = 0
     kv_cache: float = 0.0

@@ -55,20 +55,25 @@ from typing import Final, Protocol
 
 from policyd.fields.prediction import Prediction
 from policyd.fields.prefix_match import PrefixMatch
-from policyd.policy.compiler import CompiledPolicy
+from policyd.policy.compiler import CompiledPolicy, CompiledPrefill, WalkKey
 from policyd.policy.decision import (
+    NO_PREFILL_POD,
+    WHEN_ERROR,
+    WHEN_FALSE,
+    WHEN_TRUE,
     Decision,
     NodeTrace,
     Outcome,
     ShadowInputs,
     ShadowReport,
     ShadowResult,
+    Split,
     agreement,
 )
 from policyd.policy.document import CRITICALITIES
 from policyd.policy.evaluation import Evaluation
 from policyd.policy.flow import Band, CompiledFlow
-from policyd.policy.nodes import pod_names
+from policyd.policy.nodes import Node, pod_names
 from policyd.policy.pods import AsSeen, PolicyPod, Prefixed
 from policyd.policy.policyset import PolicySet
 from policyd.policy.request import Request
@@ -127,14 +132,39 @@ class Admission:
     weight: float
     request: Request
     pool_labels: tuple[tuple[str, str], ...]
+    roles: frozenset[str] | None = None  # a two-stage policy's decode-capable roles
 
     def room(self, candidates: Sequence[PolicyPod]) -> list[PolicyPod]:
-        """The candidates in the policy's pool that are not saturated for this request."""
-        return self.flow.room(in_pool(self.pool_labels, candidates), self.request)
+        """The candidates in the policy's pool that are not saturated for this request.
+
+        For a two-stage policy, a request waits for a decode pod with room; the
+        prefill-only pods go with those, for its prefill stage to judge (a split
+        request is served on the decode pod whether or not it finds one).
+        """
+        if self.roles is None:
+            return self.flow.room(in_pool(self.pool_labels, candidates), self.request)
+        decoders = self.flow.room(in_pool(self.pool_labels, candidates, self.roles), self.request)
+        if not decoders:
+            return decoders
+        pods = in_pool(self.pool_labels, candidates)
+        return [*decoders, *(pod for pod in pods if pod.role not in self.roles)]
 
 
-# The candidate tuple the walks were made over, and the walks by (policy, key).
-_Walks = tuple[Sequence[PolicyPod] | None, dict[tuple[CompiledPolicy, Hashable], _Walk]]
+class _Stage(Protocol):
+    """What a walk reads of a stage: a policy's own tree, or its prefill stage's."""
+
+    @property
+    def walk_key(self) -> WalkKey | None: ...
+    @property
+    def start(self) -> Node | None: ...
+    @property
+    def pool_labels(self) -> tuple[tuple[str, str], ...]: ...
+    @property
+    def roles(self) -> frozenset[str] | None: ...
+
+
+# The candidate tuple the walks were made over, and the walks by (stage, key).
+_Walks = tuple[Sequence[PolicyPod] | None, dict[tuple[_Stage, Hashable], _Walk]]
 
 
 class Router:
@@ -204,6 +234,7 @@ class Router:
             flow.weight_of(key),
             resolved,
             policy.pool_labels,
+            policy.roles,
         )
 
     def decide_shadows(self, decision: Decision) -> ShadowReport | None:
@@ -300,6 +331,9 @@ class Router:
                 totals = [0.0] * count
         chosen = policy.picker.pick(totals, count, policy.fallbacks, rng)
         pod = survivors[chosen[0]]
+        split = None
+        if policy.prefill is not None:
+            split = self._split(policy.prefill, resolved, candidates, pod, ev, rng=rng)
         prefix_match: float | None = None
         predicted: tuple[float, float] | None = None
         if isinstance(pod, Prefixed):
@@ -331,8 +365,69 @@ class Router:
             best_prefix_match=best_prefix,
             chosen_in_flight=pod.in_flight,
             predicted=predicted,
+            split=split,
         )
         return decision, pod
+
+    def _split(
+        self,
+        prefill: CompiledPrefill,
+        request: Request,
+        candidates: Sequence[PolicyPod],
+        decode: PolicyPod,
+        ev: Evaluation | None,
+        *,
+        rng: random.Random,
+    ) -> Split:
+        """Whether to split the request routed to ``decode``, and to which prefill pod.
+
+        ``when`` sees the decode pod as the decode stage did (with this request's
+        prefix match laid over it). The prefill stage runs only when it holds; the
+        decode pod is never its own prefill pod, so it leaves the survivors.
+        """
+        values, errors = prefill.when.values((decode,), ev or Evaluation(request))
+        if errors:
+            return Split(False, WHEN_ERROR, note=errors[0][1])
+        if values[0] is not True:
+            return Split(False, WHEN_FALSE)
+        walk, walked = self._walk(prefill, request, candidates)
+        if walk.outcome is not None:
+            return Split(False, NO_PREFILL_POD, trace=walk.trace, note=walk.reason)
+        survivors = walk.survivors
+        names = walk.survivor_names
+        if decode.name in names:
+            survivors = [pod for pod in survivors if pod.name != decode.name]
+            names = pod_names(survivors)
+        trace = walk.trace
+        if not survivors:
+            note = "the decode pod is the only prefill pod the filters left"
+            left = walk.survivor_names
+            return Split(False, NO_PREFILL_POD, trace=trace, survivors=left, note=note)
+        count = len(survivors)
+        totals: list[float] | None = None
+        if prefill.picker.uses_scores:
+            totals = [0.0] * count
+            if prefill.scorers:
+                totals, failures = score(prefill.scorers, survivors, walked or Evaluation(request))
+                trace += (NodeTrace("score", "score", count, (), tuple(failures)),)
+        index = prefill.picker.pick(totals, count, 0, rng)[0]
+        pod = survivors[index]
+        if isinstance(pod, Prefixed):
+            pod = pod.pod
+        top: tuple[tuple[str, float], ...] = ()
+        if totals is not None and prefill.scorers:
+            best = heapq.nlargest(TOP_SCORES, range(count), key=totals.__getitem__)
+            top = tuple((survivors[i].name, totals[i]) for i in best)
+        return Split(
+            True,
+            WHEN_TRUE,
+            endpoint=pod.address,
+            pod=pod.name,
+            chosen=pod,
+            trace=trace,
+            survivors=names,
+            scores=top,
+        )
 
     def _predicted(
         self, request: Request, pods: Sequence[PolicyPod], matches: Sequence[PrefixMatch]
@@ -349,7 +444,7 @@ class Router:
         ]
 
     def _walk(
-        self, policy: CompiledPolicy, request: Request, candidates: Sequence[PolicyPod]
+        self, policy: _Stage, request: Request, candidates: Sequence[PolicyPod]
     ) -> tuple[_Walk, Evaluation | None]:
         """The walk for this request: reused from an earlier request when it may be.
 
@@ -428,9 +523,14 @@ def _criticality(policy: CompiledPolicy, request: Request) -> str:
 
 
 def in_pool(
-    labels: tuple[tuple[str, str], ...], candidates: Sequence[PolicyPod]
+    labels: tuple[tuple[str, str], ...],
+    candidates: Sequence[PolicyPod],
+    roles: frozenset[str] | None = None,
 ) -> Sequence[PolicyPod]:
-    """The candidates carrying every label of the policy's ``pool``."""
+    """The candidates carrying every label of the policy's ``pool`` (and, for a stage
+    of a two-stage policy, one of its ``roles``)."""
+    if roles is not None:
+        candidates = [pod for pod in candidates if pod.role in roles]
     if not labels:
         return candidates
     return [pod for pod in candidates if _has_labels(pod.labels, labels)]
@@ -440,11 +540,14 @@ def _has_labels(pod_labels: Mapping[str, str], wanted: tuple[tuple[str, str], ..
     return all(pod_labels.get(name) == value for name, value in wanted)
 
 
-def _walk_tree(policy: CompiledPolicy, candidates: Sequence[PolicyPod], ev: Evaluation) -> _Walk:
+def _walk_tree(policy: _Stage, candidates: Sequence[PolicyPod], ev: Evaluation) -> _Walk:
     """Keep the policy's pool, then walk the filter tree from its first node."""
-    pods = in_pool(policy.pool_labels, candidates)
+    pods = in_pool(policy.pool_labels, candidates, policy.roles)
     if not pods:
         reason = "no ready pods" if not candidates else "no ready pods in the policy's pool"
+        if candidates and policy.roles is not None:
+            roles = " or ".join(sorted(policy.roles))
+            reason = f"no ready pods of role {roles} in the policy's pool"
         return _Walk(pods, (), (), (), Outcome.NO_CAPACITY, reason)
     trace: list[NodeTrace] = []
     node = policy.start

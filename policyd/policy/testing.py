@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from policyd.policy.decision import Decision, Outcome
+from policyd.policy.decision import SPLIT_REASONS, Decision, Outcome
 from policyd.policy.diagnostics import Diagnostic, PolicyError
 from policyd.policy.explain import would_hold
 from policyd.policy.inputs import StaticPod, read_pods, read_request
@@ -36,6 +36,9 @@ _EXPECT_FIELDS: Final = (
     "criticality",
     "reason",
     "path",
+    "split",
+    "split_reason",
+    "prefill",
 )
 
 
@@ -50,6 +53,11 @@ class Expectation:
     criticality: str | None = None
     reason: str | None = None  # a substring of the decision's reason
     path: tuple[str, ...] | None = None  # the nodes visited, in order
+    # A policy with a ``prefill`` section: whether the request is split, why, and
+    # the prefill pod (any one of these; implies split).
+    split: bool | None = None
+    split_reason: str | None = None
+    prefill: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +186,13 @@ def _read_expectation(node: YMapping, diagnostics: list[Diagnostic]) -> Expectat
         return str(value.value) if value else None
 
     outcome = fields.choice("outcome", _OUTCOMES, "") or None
+    split = None
+    split_node = fields.raw("split")
+    if split_node is not None:
+        if isinstance(split_node, YScalar) and isinstance(split_node.value, bool):
+            split = split_node.value
+        else:
+            fields.error(split_node, "'split' must be true or false")
     return Expectation(
         outcome=outcome,
         pick=names("pick"),
@@ -188,6 +203,9 @@ def _read_expectation(node: YMapping, diagnostics: list[Diagnostic]) -> Expectat
         criticality=text("criticality"),
         reason=text("reason"),
         path=names("path"),
+        split=split,
+        split_reason=fields.choice("split_reason", SPLIT_REASONS, "") or None,
+        prefill=names("prefill"),
     )
 
 
@@ -225,11 +243,30 @@ def run_case(policies: PolicySet, case: Case) -> CaseResult:
     _compare(failures, "criticality", expect.criticality, decision.criticality)
     if expect.reason is not None and expect.reason not in decision.reason:
         failures.append(f"expected a reason containing '{expect.reason}', got '{decision.reason}'")
+    _compare_split(failures, expect, decision)
     if expect.path is not None:
         got = [t.node for t in decision.trace if t.kind != "score"]
         if got != list(expect.path):
             failures.append(f"expected path {list(expect.path)}, got {got}")
     return CaseResult(case, tuple(failures))
+
+
+def _compare_split(failures: list[str], expect: Expectation, decision: Decision) -> None:
+    """The split decision against ``split``, ``split_reason`` and ``prefill``."""
+    if expect.split is None and expect.split_reason is None and expect.prefill is None:
+        return
+    split = decision.split
+    if split is None:
+        failures.append(f"expected a split decision, got none ({_describe(decision)})")
+        return
+    wanted = True if expect.prefill is not None else expect.split
+    if wanted is not None and split.split != wanted:
+        got = f"split to {split.pod}" if split.split else f"not split ({split.reason})"
+        failures.append(f"expected {'a split' if wanted else 'no split'}, got {got}")
+    _compare(failures, "split_reason", expect.split_reason, split.reason)
+    if expect.prefill is not None and split.split and split.pod not in expect.prefill:
+        pods = expect.prefill[0] if len(expect.prefill) == 1 else f"one of {list(expect.prefill)}"
+        failures.append(f"expected prefill pod {pods}, got {split.pod}")
 
 
 def _compare(failures: list[str], what: str, wanted: str | None, got: str) -> None:

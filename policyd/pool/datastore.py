@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Final
 
 from policyd.cel.values import NANOS_PER_SECOND, ZERO_DURATION, Duration
+from policyd.fields.roles import ROLE_LABEL, role_of
 from policyd.pool.discovery import PodIdentity
 from policyd.pool.exposition import NO_METRICS, PodMetrics
 from policyd.pool.pod import EMPTY_SNAPSHOT, InFlight, Pod, PoolSnapshot
@@ -94,8 +95,10 @@ class Datastore:
         clock: Callable[[], float] = time.monotonic,
         on_publish: Callable[[PoolSnapshot], None] | None = None,
         failure_log_interval: float = FAILURE_LOG_INTERVAL,
+        role_label: str = ROLE_LABEL,
     ) -> None:
         self._stale_after = stale_after
+        self._role_label = role_label
         self._failure_log_interval = failure_log_interval
         self._include_stale = include_stale
         self._panic_allowed = panic
@@ -238,6 +241,7 @@ class Datastore:
                     identity.name,
                     address,
                     identity.labels,
+                    identity.role or role_of(identity.labels, self._role_label),
                     *metrics,
                     # Just scraped, the commonest case: no Duration to make.
                     metrics_age=ZERO_DURATION if age == 0.0 else Duration.from_seconds(age),

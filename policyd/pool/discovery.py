@@ -21,17 +21,22 @@ class PodIdentity:
     """Who a pod is: its name, the ``ip:port`` Envoy sends requests to, its labels.
 
     ``labels`` is read-only so that one identity can be shared by every
-    snapshot that carries the pod without copying it.
+    snapshot that carries the pod without copying it. ``role`` is the pod's
+    role as its source states it outright (a pod file's ``role:``); "" leaves
+    it to the role label (``policyd.fields.roles``), as Kubernetes pods do.
     """
 
     name: str
     address: str
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    role: str = ""
 
     @classmethod
-    def of(cls, name: str, address: str, labels: Mapping[str, str] | None = None) -> PodIdentity:
+    def of(
+        cls, name: str, address: str, labels: Mapping[str, str] | None = None, role: str = ""
+    ) -> PodIdentity:
         """An identity with its labels frozen (a copy the caller cannot change)."""
-        return cls(name, address, MappingProxyType(dict(labels or {})))
+        return cls(name, address, MappingProxyType(dict(labels or {})), role)
 
 
 class Discovery(Protocol):

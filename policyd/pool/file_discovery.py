@@ -5,6 +5,7 @@ pods:
   - name: vllm-0
     address: 10.0.0.11:8000          # ip:port Envoy sends requests to
     labels: {model: llama-3-8b}       # optional, string values
+    role: decode                      # optional: else from the role label (pod.role)
   - name: vllm-1
     address: "[fd00::12]:8000"
 ```
@@ -35,12 +36,13 @@ from pathlib import Path
 import yaml
 
 from policyd.fields.declared import POD_FIELDS
+from policyd.fields.roles import role_named
 from policyd.pool.discovery import DiscoveryError, PodIdentity, split_address
 
 log = logging.getLogger(__name__)
 
 _NULL_TAG = "tag:yaml.org,2002:null"
-_IDENTITY_KEYS = ("name", "address", "labels")
+_IDENTITY_KEYS = ("name", "address", "labels", "role")
 # What an ``explain`` snapshot may say about a pod beyond its identity: the
 # pool measures these itself.
 _MEASURED_KEYS = tuple(f.name for f in POD_FIELDS if f.name not in _IDENTITY_KEYS)
@@ -192,7 +194,8 @@ def _pod(name: str | None, node: yaml.Node, source: str, ignored: set[str]) -> P
         label_nodes = _mapping(fields["labels"], "labels", None, source)
         for key, value in label_nodes.items():
             labels[key] = _text(value, f"label {key!r}", source, allow_empty=True)
-    return PodIdentity.of(name, address, labels)
+    role = _text(fields["role"], "role", source) if "role" in fields else ""
+    return PodIdentity.of(name, address, labels, role_named(role) if role else "")
 
 
 def _mapping(

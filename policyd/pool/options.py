@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from policyd.fields import METRICS
+from policyd.fields.roles import ROLE_LABEL
 from policyd.pool.discovery import Discovery
 from policyd.pool.file_discovery import StaticFileDiscovery
 from policyd.pool.metric_names import PRESETS, MetricSpec, specs
@@ -52,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kubeconfig", metavar="FILE", help="default: in-cluster, then ~/.kube/config"
     )
     pods.add_argument("--k8s-context", metavar="NAME", help="kubeconfig context to use")
+    pods.add_argument(
+        "--role-label",
+        default=ROLE_LABEL,
+        metavar="LABEL",
+        help=f"the pod label that gives pod.role: prefill, decode or both (default {ROLE_LABEL})",
+    )
 
     scrape = parser.add_argument_group("metrics scraping")
     scrape.add_argument(
@@ -108,7 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pool_from_arguments(args: argparse.Namespace) -> Pool:
-    return Pool(discovery_from_arguments(args), scrape_config_from_arguments(args))
+    return Pool(
+        discovery_from_arguments(args),
+        scrape_config_from_arguments(args),
+        role_label=args.role_label,
+    )
 
 
 def discovery_from_arguments(args: argparse.Namespace) -> Discovery:

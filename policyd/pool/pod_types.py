@@ -49,6 +49,7 @@ class Pod:
     name: Final[str]
     address: Final[str]
     labels: Final[Mapping[str, str]] = field(default_factory=dict)
+    role: Final[str] = "both"
     waiting_queue: Final[int] = 0
     running: Final[int] = 0
     kv_cache: Final[float] = 0.0

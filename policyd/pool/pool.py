@@ -27,6 +27,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 
+from policyd.fields.roles import ROLE_LABEL
 from policyd.pool.datastore import Datastore, PoolSnapshot, ScrapeStats
 from policyd.pool.discovery import Discovery, DiscoveryError, PodIdentity
 from policyd.pool.inference_objects import NO_OBJECTS, InferenceObjects
@@ -41,7 +42,14 @@ ScrapeListener = Callable[[PodIdentity, ScrapeResult], None]
 class Pool:
     """Keeps a live, scraped view of the pods a discovery source names."""
 
-    def __init__(self, discovery: Discovery, config: ScrapeConfig | None = None) -> None:
+    def __init__(
+        self,
+        discovery: Discovery,
+        config: ScrapeConfig | None = None,
+        *,
+        role_label: str = ROLE_LABEL,
+    ) -> None:
+        """``role_label``: the pod label that gives ``pod.role`` (``policyd.fields.roles``)."""
         self.config = config or ScrapeConfig()
         self._discovery = discovery
         # The InferencePool's objectives and rewrites, from a source that follows
@@ -55,6 +63,7 @@ class Pool:
             include_stale=self.config.include_stale,
             panic=self.config.panic,
             on_publish=self._published,
+            role_label=role_label,
         )
         self._scraper: ScrapeRounds | None = None
         self._updates: AsyncIterator[tuple[PodIdentity, ...]] | None = None

@@ -74,6 +74,16 @@ SLO_TPOT: Final = "policyd.slo.tpot_ms"
 PREDICTED_TTFT: Final = "policyd.predicted.ttft_ms"
 PREDICTED_TPOT: Final = "policyd.predicted.tpot_ms"
 FLOW_QUEUE_POSITION: Final = "policyd.flow.queue_position"
+# A two-stage policy (a `prefill` section), once routed: whether it split the request,
+# why (a reason of policyd.policy.decision.SPLIT_REASONS), the prefill pod (the decode
+# pod is policyd.pod), the prefill stage's walk, and what `note` says (an error of
+# `when`, why no prefill pod was found).
+PD_SPLIT: Final = "policyd.pd.split"
+PD_REASON: Final = "policyd.pd.reason"
+PD_NOTE: Final = "policyd.pd.note"
+PD_PREFILL_POD: Final = "policyd.pd.prefill.pod"
+PD_PREFILL_ENDPOINT: Final = "policyd.pd.prefill.endpoint"
+PD_PREFILL_WALK: Final = "policyd.pd.prefill.walk"
 SHADOWS: Final = "policyd.shadows"  # how many shadow policies were evaluated
 SHADOWS_AGREED: Final = "policyd.shadows.agreed"  # how many agreed with the live pick
 

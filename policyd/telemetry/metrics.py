@@ -290,6 +290,12 @@ class DecisionMetrics:
             " the answer met it (true, false).",
             ["policy", MODEL, "objective", "met"],
         )
+        self._splits = CounterTally(
+            "policyd_pd_decisions",
+            "Routed requests of two-stage (prefill/decode) policies by whether they were split"
+            " (true, false) and why (when-true, when-false, when-error, no-prefill-pod).",
+            ["policy", "split", "reason"],
+        )
         self._reloads = CounterTally(
             "policyd_policy_reloads",
             "Policy reload attempts by result (ok, rejected).",
@@ -311,6 +317,7 @@ class DecisionMetrics:
                     self._stream_errors,
                     self._prediction_error,
                     self._objectives,
+                    self._splits,
                     self._reloads,
                 ]
             )
@@ -354,6 +361,9 @@ class DecisionMetrics:
         self._decision_seconds.observe((policy,), seconds)
         model = self.models(decision.target_model)
         self._decisions.inc((policy, decision.outcome.value, decision.pod, model))
+        split = decision.split
+        if split is not None:
+            self._splits.inc((policy, "true" if split.split else "false", split.reason))
         trace = decision.trace
         counts = self._walk_counts.get(trace)
         if counts is None:

@@ -127,6 +127,7 @@ class PoolCollector(Collector):
         yield from pod_gauges.values()
         yield scrapes
         yield from _per_model(snapshot.pods, candidates)
+        yield from _per_role(snapshot.pods, candidates)
         yield _gauge("policyd_pool_pods", "Pods discovered.", len(snapshot.pods))
         yield _gauge(
             "policyd_pool_candidate_pods",
@@ -203,6 +204,34 @@ def _per_model(pods: tuple[Pod, ...], candidates: set[str]) -> Iterator[Metric]:
         family = GaugeMetricFamily(name, text, labels=[MODEL])
         for model, value in values.items():
             family.add_metric([model], value)
+        yield family
+
+
+def _per_role(pods: tuple[Pod, ...], candidates: set[str]) -> Iterator[Metric]:
+    """The load of each pod role (``pod.role``: prefill, decode, both), summed: how busy
+    each group of a disaggregated pool is, to size one against the other. A split
+    request counts in flight on its decode pod and its prefill pod alike."""
+    totals: dict[str, list[float]] = {}
+    for pod in pods:
+        row = totals.setdefault(pod.role, [0.0, 0.0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += pod.address in candidates
+        row[2] += pod.in_flight
+        row[3] += pod.running
+        row[4] += pod.waiting_queue
+    families = (
+        ("policyd_role_pods", "Pods discovered, by role."),
+        ("policyd_role_candidate_pods", "Pods policies may choose from now, by role."),
+        ("policyd_role_in_flight_requests", "Requests policyd routed to the role's pods that"
+         " have not finished (a split request counts on both its pods)."),
+        ("policyd_role_running_requests", "Requests running on the role's pods, as scraped."),
+        ("policyd_role_waiting_requests", "Requests waiting in the role's pods' queues, as"
+         " scraped."),
+    )  # fmt: skip
+    for index, (name, text) in enumerate(families):
+        family = GaugeMetricFamily(name, text, labels=["role"])
+        for role, row in totals.items():
+            family.add_metric([role], row[index])
         yield family
 
 

@@ -227,6 +227,17 @@ class RequestRecord:
                     attributes[a.PREDICTED_TPOT] = tpot
         else:
             attributes[a.ERROR_TYPE] = decision.outcome.value
+        split = decision.split
+        if split is not None:
+            attributes[a.PD_SPLIT] = split.split
+            attributes[a.PD_REASON] = split.reason
+            if split.split:
+                attributes[a.PD_PREFILL_POD] = split.pod
+                attributes[a.PD_PREFILL_ENDPOINT] = split.endpoint
+            if split.trace:
+                attributes[a.PD_PREFILL_WALK] = a.walk_summary(split.trace)
+            if split.note:
+                attributes[a.PD_NOTE] = a.clip(split.note)
         if decision.best_prefix_match is not None:
             attributes[a.BEST_PREFIX_MATCH] = decision.best_prefix_match
         if request.slo_ttft_ms:
@@ -319,6 +330,7 @@ class RequestRecord:
             "prefix_match": decision.prefix_match,
             "best_prefix_match": decision.best_prefix_match,
             "decision_seconds": self._seconds,
+            "split": _split_entry(decision),
             "shadows": [
                 {
                     "policy": s.decision.policy,
@@ -499,3 +511,19 @@ def _pod_inputs(pod: Any) -> dict[str, Any]:
         else:
             inputs[name] = value
     return inputs
+
+
+def _split_entry(decision: Decision) -> dict[str, Any] | None:
+    """A two-stage policy's split decision for the decision log (None: none was made)."""
+    split = decision.split
+    if split is None:
+        return None
+    return {
+        "split": split.split,
+        "reason": split.reason,
+        "note": a.clip(split.note),
+        "pod": split.pod,
+        "endpoint": split.endpoint,
+        "survivors": list(split.survivors),
+        "walk": a.walk_summary(split.trace),
+    }

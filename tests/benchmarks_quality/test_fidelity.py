@@ -37,6 +37,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from policyd.extproc.openai import InferenceBody, parse_body
+from policyd.fields.roles import BOTH
 from policyd.policy import PolicyStore, Router
 from policyd.pool.exposition import MetricsParser
 from policyd.pool.metric_names import VLLM
@@ -229,7 +230,7 @@ def _scraped(pod: VirtualPod, address: str) -> Pod:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(lambda: pod.engine, L4_LLAMA2_7B.base_model, float))
     metrics = MetricsParser(VLLM).parse(generate_latest(registry))
-    return Pod(pod.name, address, {}, *metrics)
+    return Pod(pod.name, address, {}, BOTH, *metrics)
 
 
 def _view(pod: VirtualPod, now: float, in_flight: int = 0) -> PodView:

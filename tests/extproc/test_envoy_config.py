@@ -127,6 +127,8 @@ def test_a_policyd_failure_does_not_cut_a_response_but_nothing_unrouted_reaches_
                 ".header_mutation.v3.HeaderMutation",
                 "mutations": [
                     {"remove": "x-gateway-destination-endpoint"},
+                    # the prefill pod a P/D sidecar would send a prefill request to
+                    {"remove": "x-prefiller-host-port"},
                     # and the client headers that buy priority or pick a flow
                     {"remove": "x-gateway-inference-criticality"},
                     {"remove": "x-llm-d-inference-objective"},
@@ -206,6 +208,7 @@ def test_the_header_flags_add_to_and_keep_from_what_is_removed(
     config = yaml.safe_load(capsys.readouterr().out)
     assert removed_headers(config) == [
         "x-gateway-destination-endpoint",
+        "x-prefiller-host-port",
         "x-gateway-inference-criticality",
         "x-llm-d-inference-objective",
         "x-gateway-inference-objective",
@@ -217,11 +220,12 @@ def test_the_header_flags_add_to_and_keep_from_what_is_removed(
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     assert manager["typed_config"]["request_timeout"] == "200s"
     assert manager["typed_config"]["request_headers_timeout"] == "10s"
-    # Trusting every default keeps only the destination header's removal.
-    trust_all = [f"--trust-header={name}" for name in removed_headers(config)[1:7]]
+    # Trusting every default keeps only the destination's and the prefill pod's removal.
+    trust_all = [f"--trust-header={name}" for name in removed_headers(config)[2:8]]
     assert main(["envoy-config", *trust_all, "--trust-header", "x-tenant"]) == 0
     assert removed_headers(yaml.safe_load(capsys.readouterr().out)) == [
-        "x-gateway-destination-endpoint"
+        "x-gateway-destination-endpoint",
+        "x-prefiller-host-port",
     ]
 
 
@@ -230,6 +234,7 @@ def test_the_header_flags_add_to_and_keep_from_what_is_removed(
     [
         ["--trust-header", "x-not-removed"],
         ["--trust-header", "x-gateway-destination-endpoint"],
+        ["--trust-header", "x-prefiller-host-port"],
         ["--strip-header", "x-gateway-destination-endpoint"],
         ["--strip-header", "bad header"],
         ["--request-timeout-s", "0"],

@@ -25,6 +25,13 @@ def test_the_defaults_fit_the_deployment() -> None:
     assert settings.max_body_bytes == 16 * 1024 * 1024
     assert settings.max_buffered_body_bytes == 64 * 1024 * 1024
     assert settings.in_flight_expiry_seconds == 330.0
+    assert settings.prefill_header == "x-prefiller-host-port"  # llm-d's sidecar reads it
+
+
+def test_the_prefill_header_and_the_role_label_are_configurable() -> None:
+    arguments = parse("--prefill-header", "x-my-prefiller", "--role-label", "example.com/role")
+    assert serve.server_options(arguments).settings.prefill_header == "x-my-prefiller"
+    assert arguments.role_label == "example.com/role"
 
 
 def test_the_flags_reach_the_settings() -> None:
@@ -43,6 +50,8 @@ def test_the_flags_reach_the_settings() -> None:
         (["--max-body-mib", "0"], "--max-body-mib must be positive"),
         (["--max-buffered-body-mib", "8"], "--max-buffered-body-mib must be at least"),
         (["--in-flight-expiry-seconds", "-1"], "must not be negative"),
+        (["--prefill-header", "X Bad"], "--prefill-header 'X Bad': not a header to use"),
+        (["--prefill-header", "x-gateway-destination-endpoint"], "not a header to use"),
     ],
 )
 def test_bad_limits_are_a_usage_error(

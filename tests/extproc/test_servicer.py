@@ -31,7 +31,7 @@ from policyd.extproc.exchange import Exchange
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions
 from policyd.extproc.interfaces import NULL_SPAN
 from policyd.extproc.process_stream import ExternalProcessor
-from policyd.extproc.replies import DESTINATION_HEADER
+from policyd.extproc.replies import DESTINATION_HEADER, PREFILL_HEADER
 from policyd.extproc.serving import ServingSettings
 from policyd.policy.decision import Decision, Outcome
 from policyd.pool.pod import Pod
@@ -78,7 +78,7 @@ async def test_request_headers_continue_and_strip_a_client_destination(rig: Rig)
     await call.write(request_headers({DESTINATION_HEADER: "6.6.6.6:80"}))
     reply = await call.read()
     mutation = reply.request_headers.response.header_mutation
-    assert list(mutation.remove_headers) == [DESTINATION_HEADER]
+    assert list(mutation.remove_headers) == [DESTINATION_HEADER, PREFILL_HEADER]
     assert not mutation.set_headers
     call.cancel()
 

@@ -49,7 +49,7 @@ def test_a_pool_pod_answers_every_pod_field_and_reads_its_load() -> None:
     load.count = 5
     assert pod.in_flight == 5
     # The scraped fields follow the identity in Pod's constructor, in PodMetrics' order.
-    scraped = Pod("a", "a:8000", {}, *NO_METRICS._replace(waiting_queue=7, running=2))
+    scraped = Pod("a", "a:8000", {}, "decode", *NO_METRICS._replace(waiting_queue=7, running=2))
     assert (scraped.waiting_queue, scraped.running) == (7, 2)
 
 
@@ -59,7 +59,7 @@ def test_a_scrape_without_the_lora_series_knows_no_lora_state() -> None:
 
 
 def test_the_overlays_replace_their_fields_and_read_the_rest_from_the_pod() -> None:
-    pod = Pod("a", "a:8000", {"zone": "b"}, 4, load=InFlight(2))
+    pod = Pod("a", "a:8000", {"zone": "b"}, waiting_queue=4, load=InFlight(2))
     prefixed = Prefixed(pod, PrefixMatch(prefix_match=0.5, prefix_tokens=32))
     assert (prefixed.prefix_match, prefixed.prefix_tokens) == (0.5, 32)
     assert (prefixed.name, prefixed.labels, prefixed.waiting_queue) == ("a", {"zone": "b"}, 4)

@@ -50,7 +50,7 @@ from policyd.extproc.envoy_config import (
 from policyd.extproc.envoy_ext_proc import CREDENTIAL_HEADERS
 from policyd.extproc.envoy_process import EnvoyProcess, free_port
 from policyd.extproc.grpc_server import ExtProcServer, ServerOptions, TlsFiles
-from policyd.extproc.replies import DESTINATION_HEADER
+from policyd.extproc.replies import DESTINATION_HEADER, PREFILL_HEADER
 from policyd.extproc.serve_command import check_arguments
 from policyd.extproc.serving import ServingSettings
 from policyd.policy import PolicyStore
@@ -375,6 +375,7 @@ def test_client_destination_and_priority_headers_are_removed_as_envoy_config_doe
     (mutation,) = expected
     assert [m["remove"] for m in mutation["typed_config"]["mutations"]] == [
         DESTINATION_HEADER,
+        PREFILL_HEADER,
         *PRIORITY_HEADERS,
     ]
 
@@ -399,7 +400,7 @@ def test_the_charts_edge_values_default_to_the_manifests() -> None:
     )
     (mutation,) = manager["early_header_mutation_extensions"]
     removed = [m["remove"] for m in mutation["typed_config"]["mutations"]]
-    assert removed == [DESTINATION_HEADER, *edge["stripClientHeaders"]]
+    assert removed == [DESTINATION_HEADER, PREFILL_HEADER, *edge["stripClientHeaders"]]
     assert edge["trustedClientHeaders"] == []
 
 

@@ -110,6 +110,19 @@ flow:
   max_body_bytes: 100000000
   when_full: refuse
   answer: {status: 429, retry_after: 2s}
+prefill:
+  description: a prefill pod for a long uncached prompt
+  when: request.prompt_tokens - pod.prefix_tokens >= params.limit * 100 && variables.zoned
+  filters:
+    room:
+      keep: pod.waiting_queue < params.limit
+      next: least kv
+    least kv:
+      band: pod.kv_cache
+  score:
+    short queue: {weight: 2, expr: 1.0 - double(pod.waiting_queue) / double(params.limit)}
+  pick:
+    strategy: max-score
 """
 
 
@@ -157,6 +170,12 @@ def test_a_policy_using_every_field_is_valid_for_both(
         "flow: {saturated: 'true', bands: {gold: {max_wait: soon}}}\n",
         "flow: {saturated: 'true', flows: {weights: {a: 0}}}\n",
         "flow: {saturated: 'true', max_requests: 0}\n",
+        "prefill: {filters: {}}\n",
+        "prefill: {when: 'true', pick: {fallbacks: 1}}\n",
+        "prefill: {when: 'true', pick: {strategy: best}}\n",
+        "prefill: {when: 'true', filters: {a: {keep: 'true', bogus: 1}}}\n",
+        "prefill: {when: 'true', score: {s: {weight: 1}}}\n",
+        "prefill: {when: 'true', flow: {saturated: 'true'}}\n",
     ],
 )
 def test_a_bad_shape_is_rejected_by_both_the_schema_and_the_loader(

@@ -308,6 +308,7 @@ def test_the_edge_values_change_the_header_removal_and_the_timeout(
     (mutation,) = typed["early_header_mutation_extensions"]
     assert [m["remove"] for m in mutation["typed_config"]["mutations"]] == [
         "x-gateway-destination-endpoint",
+        "x-prefiller-host-port",
         "x-gateway-inference-criticality",
         "x-llm-d-inference-objective",
         "x-gateway-inference-objective",

@@ -26,7 +26,7 @@ from telemetry_support import write_policies
 from test_metrics import FakePool, Snapshot, Stats, served
 
 from policyd.policy import PolicyStore
-from policyd.policy.decision import Decision, NodeTrace, Outcome
+from policyd.policy.decision import WHEN_TRUE, Decision, NodeTrace, Outcome, Split
 from policyd.pool.pod import Pod
 from policyd.prefix.index import PreciseIndex
 from policyd.telemetry import (
@@ -187,6 +187,8 @@ def exported(tmp_path: Path) -> Exposition:
     failing = NodeTrace("zone", "keep", 1, (), errors=(("a", "no such key: 'zone'"),))
     metrics.decision(Decision(Outcome.SHED, "live", "1", "m", trace=(failing,)), 0.001)
     metrics.response("live", "m", 503, completed=True, first_body_seconds=None, duration_seconds=1)
+    split = Split(True, WHEN_TRUE, "10.0.0.2:8000", "b")
+    metrics.decision(Decision(Outcome.ROUTED, "pd", "1", "m", "10.0.0.1:8000", "a", split=split), 0)
     store = PolicyStore.open(write_policies(tmp_path))
     metrics.policies_loaded(store.current)
     metrics.on_reload(store.reload())

@@ -50,6 +50,7 @@ def test_a_line_holds_the_inputs_the_walk_the_pick_and_the_response(
     assert entry["pods"][0] == {
         "name": "a",
         "address": "10.0.0.1:8000",
+        "role": "both",
         "waiting_queue": 5,
         "running": 0,
         "kv_cache": 0.1,

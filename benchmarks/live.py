@@ -358,7 +358,8 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         slo = {}
         if cell.workload == SLO:
             slo = slo_quality.live_figures(outcomes, cell.time_scale, SloMix())
-            slo.update(await slo_quality.live_policyd_figures(stack.monitoring_port))
+            (replica,) = stack.replicas  # an SLO cell runs one policyd: its models learn alone
+            slo.update(await slo_quality.live_policyd_figures(replica.monitoring_port))
     run = live_report.cell_run(
         key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.name, cell.repeat),
         outcomes=outcomes,

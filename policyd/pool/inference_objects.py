@@ -381,21 +381,9 @@ class ObjectsWatch(Reflector):
     def _watch(self, api: Any, namespace: str) -> None:
         if self._absent or self._group is None:
             return
-        options = self._options
-        response = api.list_namespaced_custom_object(
-            self._group,
-            VERSION,
-            namespace,
-            self.plural,
-            watch=True,
-            allow_watch_bookmarks=True,
-            resource_version=self._version,
-            timeout_seconds=options.watch_timeout,
-            _preload_content=False,
-            _request_timeout=(options.request_timeout, options.watch_timeout + 30),
+        self._watch_from_version(
+            api.list_namespaced_custom_object, self._group, VERSION, namespace, self.plural
         )
-        with self._tracking(response):
-            self._follow(response)
 
     def _handle(self, kind: str, obj: dict[str, Any]) -> None:
         if kind == "BOOKMARK":

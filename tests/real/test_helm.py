@@ -319,6 +319,41 @@ def test_the_edge_values_change_the_header_removal_and_the_timeout(
     assert typed["request_timeout"] == "200s"
 
 
+@pytest.mark.parametrize("mode", ["envoyfilter", "inferencepool"])
+def test_a_renamed_prefill_header_is_the_one_policyd_sets_and_the_edge_removes(
+    tool: Callable[[str], str], mode: str
+) -> None:
+    """The P/D header's name is one value: policyd names the prefill pod in it, and
+    the gateway removes a client's copy of it, not of the default name."""
+    values = [
+        "--set",
+        f"mode={mode}",
+        "--set",
+        "serve.prefillHeader=x-prefill-from",
+        "--set",
+        "serve.roleLabel=example.com/pd-role",
+    ]
+    objects = by_kind(render(tool, values))
+    args = objects["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--prefill-header=x-prefill-from" in args
+    assert "--role-label=example.com/pd-role" in args
+    removed = [
+        m["remove"]
+        for filter_ in (o for k, o in objects.items() if k[0] == "EnvoyFilter")
+        for patch in filter_["spec"]["configPatches"]
+        if patch["applyTo"] == "NETWORK_FILTER"
+        for extension in patch["patch"]["value"]["typed_config"]["early_header_mutation_extensions"]
+        for m in extension["typed_config"]["mutations"]
+    ]
+    assert "x-prefill-from" in removed and "x-prefiller-host-port" not in removed
+
+    refused = helm(
+        tool, "template", "policyd", str(CHART), "--set",
+        "serve.prefillHeader=x-gateway-destination-endpoint",
+    )  # fmt: skip
+    assert refused.returncode != 0 and "prefillHeader" in refused.stderr
+
+
 def test_the_inferencepool_mode_changes_what_it_says(tool: Callable[[str], str]) -> None:
     pool = by_kind(render(tool, VALUE_SETS["inferencepool"]))
     args = pool["Deployment", "policyd"]["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -79,7 +79,7 @@ removed as the request arrives (docs/serving.md, "Trust model").
               "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
               mutations:
                 - remove: x-gateway-destination-endpoint
-                - remove: x-prefiller-host-port
+                - remove: {{ .Values.serve.prefillHeader | default "x-prefiller-host-port" }}
                 {{- range .Values.envoyFilter.stripClientHeaders }}
                 {{- if not (has . $.Values.envoyFilter.trustedClientHeaders) }}
                 - remove: {{ . }}

@@ -23,7 +23,8 @@ Isolation is the rule: whatever one request does (bad JSON, a router that
 raises, a telemetry bug) ends as an answer for that request alone, and
 ``handle`` never raises. The in-flight count of the chosen pod goes up when a
 request is routed and down exactly once when its exchange ends, however it
-ends; so does the prefill pod's, for a request a two-stage policy split.
+ends. The prefill pod of a request a two-stage policy split counts it too,
+down exactly once, when the decode pod answers or the exchange ends.
 
 The exchange owns its end. Where it is in a request's life is one value,
 ``State`` (reading, decided, routed, responding, answered, ended,
@@ -638,6 +639,9 @@ class Exchange:
             self.state = State.RESPONDING
             if self._load is not None:
                 self._server.response_watch.forget(self)
+        # The decode pod's sidecar answers only once its prefill pod has answered:
+        # from here the prefill pod's share of this request is done.
+        self._release_prefill()
         if self._span is not None:
             self._status, self._to_headers = status, self._elapsed()
         if message.end_of_stream:

@@ -152,6 +152,10 @@ class TestUpstream:
         # A streaming answer sends its first event, then waits for this before the rest,
         # so a test can prove the first event reached the client while the stream was open.
         self.release_stream = asyncio.Event()
+        # An answer's headers wait for this (set unless a test clears it), so a test can
+        # look at the pool while a request is at the pod and not yet answered.
+        self.release_headers = asyncio.Event()
+        self.release_headers.set()
         self._runner: web.AppRunner | None = None
 
     @property
@@ -175,6 +179,7 @@ class TestUpstream:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.received.append(Received(request.path, dict(request.headers), body))
+        await asyncio.wait_for(self.release_headers.wait(), timeout=10)
         document = json.loads(body) if body else {}
         served = {"x-test-upstream": self.name}
         other_api = api_answer(

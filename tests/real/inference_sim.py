@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Protocol
 
 import aiohttp
 import grpc
@@ -94,6 +94,7 @@ class SimPod:
     log: Path
     relay: KvRelay | None = None
     replay_port: int | None = None
+    role: str | None = None  # the llm-d.ai/role label policyd reads (None: none)
 
     @property
     def address(self) -> str:
@@ -105,6 +106,8 @@ class SimPod:
 
     def pods_file_entry(self) -> str:
         labels = "role: serving"
+        if self.role is not None:
+            labels += f", 'llm-d.ai/role': {self.role}"
         if self.relay is not None:
             labels += f", '{KV_EVENTS_PORT_LABEL}': '{self.relay.outbound_port}'"
         if self.replay_port is not None:
@@ -198,11 +201,29 @@ class Gateway:
         return [json.loads(line) for line in self.decision_log.read_text().splitlines()]
 
 
+class PodEntry(Protocol):
+    """A pod as the pods file lists it (a ``SimPod``, or a sidecar in front of one)."""
+
+    def pods_file_entry(self) -> str: ...
+
+
+# Envoy batches spans for 5 s by default; a test that reads a trace wants them at once.
+SPANS_AT_ONCE: Final = {
+    "tracing.opentelemetry.flush_interval_ms": 100,
+    "tracing.opentelemetry.min_flush_spans": 1,
+}
+
+
 @asynccontextmanager
 async def gateway(
-    tmp: Path, policy: Path, pods: Sequence[SimPod], *flags: str
+    tmp: Path,
+    policy: Path,
+    pods: Sequence[PodEntry],
+    *flags: str,
+    otlp_endpoint: str | None = None,
 ) -> AsyncIterator[Gateway]:
-    """``policyd serve`` over ``policy`` and the pods (``flags`` added), Envoy in front."""
+    """``policyd serve`` over ``policy`` and the pods (``flags`` added), Envoy in front;
+    with ``otlp_endpoint``, both export their spans there."""
     pods_file = tmp / "pods.yaml"
     pods_file.write_text("pods:\n" + "".join(pod.pods_file_entry() for pod in pods))
     port, monitoring = free_port(), free_port()
@@ -215,14 +236,23 @@ async def gateway(
         # are about what the pods say, not about staleness.
         "--scrape-interval", "0.1", "--stale-after", "30", "--log-level", "warning", *flags,
     ]  # fmt: skip
+    if otlp_endpoint is not None:
+        command += ["--otlp-endpoint", otlp_endpoint]
     with (tmp / "policyd.log").open("w") as errors:
         process = subprocess.Popen(command, stderr=errors, text=True)
     envoy: EnvoyProcess | None = None
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await until_serving(channel, process, READY_S)
-        options = EnvoyConfigOptions(port=0, admin_port=0, policyd_port=port, stripped_headers=())
-        envoy = await start_envoy(tmp, options)
+        options = EnvoyConfigOptions(
+            port=0,
+            admin_port=0,
+            policyd_port=port,
+            stripped_headers=(),
+            otlp_endpoint=otlp_endpoint,
+        )
+        runtime = SPANS_AT_ONCE if otlp_endpoint is not None else None
+        envoy = await start_envoy(tmp, options, runtime=runtime)
         yield Gateway(envoy, process, monitoring, decision_log)
     finally:
         if envoy is not None:

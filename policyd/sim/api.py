@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
+from policyd.sim.engine import RemotePrefill
 from policyd.sim.tokenizer import render_chat, tokenize
 
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
@@ -59,6 +60,17 @@ class CompletionCall:
     stream: bool
     include_usage: bool
     output_tokens: int | None = None  # OUTPUT_TOKENS_FIELD, when the client set it
+    # vLLM's kv_transfer_params (NixlConnector): None when the body has none.
+    kv_transfer: KvTransfer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """What a request's ``kv_transfer_params`` ask: prefill only, for a decode pod
+    (``do_remote_decode``), or decode what a prefill pod computed (``remote_prefill``)."""
+
+    remote_decode: bool = False
+    remote_prefill: RemotePrefill | None = None
 
 
 def parse_call(body: bytes, *, chat: bool, generation_prompt: bool = False) -> CompletionCall:
@@ -100,7 +112,56 @@ def parse_call(body: bytes, *, chat: bool, generation_prompt: bool = False) -> C
         raise ApiError(
             400, f"`{OUTPUT_TOKENS_FIELD}` must be a positive integer", OUTPUT_TOKENS_FIELD
         )
-    return CompletionCall(chat, model, prompt, max_tokens, stream, include_usage, output_tokens)
+    return CompletionCall(
+        chat,
+        model,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+        output_tokens,
+        parse_kv_transfer(payload.get(KV_TRANSFER_FIELD)),
+    )
+
+
+KV_TRANSFER_FIELD: Final = "kv_transfer_params"
+
+
+def parse_kv_transfer(params: object) -> KvTransfer | None:
+    """``kv_transfer_params`` as vLLM's NixlConnector reads them; ``ApiError(400)`` if malformed.
+
+    A prefill request (``do_remote_decode: true``) carries nulls for the remote
+    fields; a decode request (``do_remote_prefill: true``) carries what the
+    prefill pod answered: ``remote_engine_id``, ``remote_block_ids``,
+    ``remote_host``, ``remote_port`` (other keys, such as ``tp_size``, are ignored).
+    """
+    if params is None:
+        return None
+    field = KV_TRANSFER_FIELD
+    if not isinstance(params, dict):
+        raise ApiError(400, f"`{field}` must be an object or null", field)
+    decode, prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
+    if not isinstance(decode or False, bool) or not isinstance(prefill or False, bool):
+        raise ApiError(400, f"`{field}.do_remote_decode/do_remote_prefill` must be booleans", field)
+    if decode and prefill:
+        raise ApiError(400, f"`{field}` cannot ask for a remote prefill and decode at once", field)
+    if decode:
+        return KvTransfer(remote_decode=True)
+    if not prefill:
+        return KvTransfer()
+    engine, blocks = params.get("remote_engine_id"), params.get("remote_block_ids")
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if not isinstance(engine, str) or not engine:
+        raise ApiError(400, f"`{field}.remote_engine_id` must name the prefill engine", field)
+    if not isinstance(blocks, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks
+    ):
+        raise ApiError(400, f"`{field}.remote_block_ids` must be a list of block ids", field)
+    if host is not None and not isinstance(host, str):
+        raise ApiError(400, f"`{field}.remote_host` must be a string or null", field)
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool)):
+        raise ApiError(400, f"`{field}.remote_port` must be an integer or null", field)
+    return KvTransfer(remote_prefill=RemotePrefill(engine, tuple(blocks), host, port))
 
 
 def _completion_prompt(payload: dict[str, Any]) -> tuple[int, ...]:
@@ -180,20 +241,30 @@ class Reply:
     created: int
 
     def full(
-        self, text: str, finish_reason: str, completion_tokens: int, cached_tokens: int
+        self,
+        text: str,
+        finish_reason: str,
+        completion_tokens: int,
+        cached_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response object."""
+        """The non-streaming response object (with ``kv_transfer_params`` when the
+        request carried some, as vLLM answers them: null unless it prefilled for a
+        remote decode)."""
         choice: dict[str, Any]
         if self.call.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=None)
-        return {
+        reply = {
             **self._head(chunk=False),
             "choices": [choice],
             "usage": usage(len(self.call.prompt), completion_tokens, cached_tokens),
         }
+        if self.call.kv_transfer is not None:
+            reply[KV_TRANSFER_FIELD] = kv_transfer_params
+        return reply
 
     def role_chunk(self) -> dict[str, Any]:
         """The first chunk of a chat stream: the assistant role, no content yet."""

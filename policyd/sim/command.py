@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from pathlib import Path
 
 from policyd.sim.pool import SimPool
 from policyd.sim.profile import PROFILES, get_profile
@@ -45,6 +46,36 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         help="publish vLLM KV-cache events over ZMQ: pod i on PORT+2i, its replay socket on "
         "PORT+2i+1; 0 picks free ports (default: no events)",
     )
+    pd = parser.add_argument_group("disaggregated prefill/decode (V1 profiles)")
+    pd.add_argument(
+        "--roles",
+        metavar="LIST",
+        help="comma-separated role of each pod: prefill, decode or both (default: all both)",
+    )
+    pd.add_argument(
+        "--pd-in-process",
+        action="store_true",
+        help="a pod given x-prefiller-host-port asks that pod to prefill, as llm-d's P/D "
+        "sidecar would (default: the header is ignored, as vLLM ignores it)",
+    )
+    pd.add_argument(
+        "--kv-transfer-gb-per-s",
+        type=float,
+        metavar="GB/s",
+        help="KV transfer bandwidth in 10^9 bytes per second (default: the profile's)",
+    )
+    pd.add_argument(
+        "--kv-transfer-setup-ms",
+        type=float,
+        metavar="MS",
+        help="fixed time of one KV transfer before its bytes flow (default: the profile's)",
+    )
+    parser.add_argument(
+        "--pods-file",
+        type=Path,
+        metavar="FILE",
+        help="write the pods (name, address, llm-d.ai/role label) for policyd serve --pods",
+    )
     parser.set_defaults(run=run)
 
 
@@ -58,11 +89,21 @@ def run(arguments: argparse.Namespace) -> int:
         )
         return 2
     try:
+        profile = get_profile(arguments.profile)
+        if arguments.kv_transfer_gb_per_s is not None:
+            profile = profile.with_changes(
+                kv_transfer_bytes_per_s=arguments.kv_transfer_gb_per_s * 1e9
+            )
+        if arguments.kv_transfer_setup_ms is not None:
+            profile = profile.with_changes(kv_transfer_setup_s=arguments.kv_transfer_setup_ms / 1e3)
+        roles = None if arguments.roles is None else arguments.roles.split(",")
         pool = SimPool(
             arguments.pods,
             base_port=arguments.base_port,
             host=arguments.host,
-            profile=get_profile(arguments.profile),
+            profile=profile,
+            roles=roles,
+            pd_in_process=arguments.pd_in_process,
             adapters=arguments.adapters,
             time_scale=arguments.time_scale,
             seed=arguments.seed,
@@ -93,7 +134,10 @@ async def _serve(pool: SimPool, arguments: argparse.Namespace) -> int:
         events = server.kv_events_endpoint
         replay = f" replay {server.kv_replay_endpoint}" if server.kv_replay_endpoint else ""
         kv = f" kv-events {events}{replay}" if events else ""
-        print(f"{server.name} {server.url}{kv}", flush=True)
+        role = "" if server.role == "both" else f" role {server.role}"
+        print(f"{server.name} {server.url}{role}{kv}", flush=True)
+    if arguments.pods_file is not None:
+        arguments.pods_file.write_text(pool.pods_yaml())
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signal_number in (signal.SIGINT, signal.SIGTERM):

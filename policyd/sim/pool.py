@@ -3,13 +3,21 @@
 With ``kv_events_port_base`` set, pod ``i`` publishes its KV events on
 ``kv_events_port_base + 2 * i`` and answers replay requests on the port after
 (free ports for both if the base is 0).
+
+``roles`` gives pod ``i`` its P/D role (prefill, decode or both; all both by
+default), which ``pods_yaml`` writes as the ``llm-d.ai/role`` label policyd's
+file discovery reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from types import TracebackType
 
+import yaml
+
+from policyd.fields.roles import ROLE_LABEL
 from policyd.sim.names import adapter_names, pod_name
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.server import SimServer
@@ -29,9 +37,13 @@ class SimPool:
         time_scale: float = 1.0,
         seed: int = 0,
         kv_events_port_base: int | None = None,
+        roles: Sequence[str] | None = None,
+        pd_in_process: bool = False,
     ) -> None:
         if pods < 1:
             raise ValueError("a pool needs at least one pod")
+        if roles is not None and len(roles) != pods:
+            raise ValueError(f"{len(roles)} roles for {pods} pods: give one role per pod")
         if base_port and not 0 < base_port + pods - 1 < 65536:
             raise ValueError(f"ports {base_port}..{base_port + pods - 1} are not all valid")
         kv_base = kv_events_port_base
@@ -50,9 +62,19 @@ class SimPool:
                 seed=seed * 1000 + i,
                 kv_events_port=None if kv_base is None else kv_base and kv_base + 2 * i,
                 kv_replay_port=None if kv_base is None else kv_base and kv_base + 2 * i + 1,
+                role="both" if roles is None else roles[i],
+                pd_in_process=pd_in_process,
             )
             for i in range(pods)
         ]
+
+    def pods_yaml(self) -> str:
+        """The pod file ``policyd serve --pods`` reads: names, addresses and role labels."""
+        pods = [
+            {"name": s.name, "address": s.address, "labels": {ROLE_LABEL: s.role}}
+            for s in self.servers
+        ]
+        return yaml.safe_dump({"pods": pods}, sort_keys=False)
 
     async def start(self) -> None:
         """Start every server; if one cannot listen, stop the others and raise."""

@@ -11,6 +11,17 @@ With ``kv_events_port`` set (0 picks a free port) the pod publishes vLLM's KV
 events over ZMQ (``policyd.sim.kv_events``), with a replay socket on
 ``kv_replay_port`` if that is set too; without, it records none.
 
+Disaggregated prefill/decode (V1 profiles): the completion routes take vLLM's
+``kv_transfer_params`` as its NixlConnector does, so llm-d's P/D sidecar works
+in front of a pod unchanged. A request with ``do_remote_decode`` is prefilled
+and answered with the ``kv_transfer_params`` its decode pod needs; one with
+``do_remote_prefill`` waits for its KV and decodes. With ``pd_in_process`` the
+pod does the sidecar's part itself: a request naming a prefill pod in
+``x-prefiller-host-port`` is first sent there as the sidecar sends it
+(``max_tokens`` 1, not streamed, ``do_remote_decode``), then decoded with the
+parameters it answers. ``role`` (prefill, decode, both) is what the pod file
+tells the router; it does not change what the pod serves.
+
     server = SimServer(port=0, time_scale=10)
     await server.start()
     ...  # http://127.0.0.1:{server.port}/v1/completions
@@ -20,16 +31,29 @@ events over ZMQ (``policyd.sim.kv_events``), with a replay socket on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+import aiohttp
 from aiohttp import web
 
-from policyd.sim.api import ApiError, CompletionCall, Reply, encode, error_body, parse_call
+from policyd.fields.roles import ROLES, role_named
+from policyd.sim.api import (
+    KV_TRANSFER_FIELD,
+    ApiError,
+    CompletionCall,
+    KvTransfer,
+    Reply,
+    encode,
+    error_body,
+    parse_call,
+    parse_kv_transfer,
+)
 from policyd.sim.engine import RequestState, SimRequest
 from policyd.sim.engine_v1 import new_engine
 from policyd.sim.exposition import CONTENT_TYPE, EngineCollector, metrics_registry, render
@@ -43,6 +67,19 @@ if TYPE_CHECKING:
 
 _SHUTDOWN_TIMEOUT_S = 0.25
 _CREATED = int(time.time())
+PREFILLER_HEADER: Final = "x-prefiller-host-port"  # llm-d's: where the sidecar sends the prefill
+_PREFILL_ANSWER_LIMIT: Final = 1 << 20  # a one-token answer is a few kB
+# The fields the sidecar caps at one token for the prefill (chat and completions alike).
+_TOKEN_LIMIT_FIELDS: Final = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+
+class _PrefillError(Exception):
+    """The prefill pod answered an error: the client gets it as is, as from the sidecar."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +124,17 @@ class SimServer:
         seed: int = 0,
         kv_events_port: int | None = None,
         kv_replay_port: int | None = None,
+        role: str = "both",
+        pd_in_process: bool = False,
     ) -> None:
         if kv_replay_port is not None and kv_events_port is None:
             raise ValueError("a KV-event replay port needs a KV-event port")
+        if role_named(role) not in ROLES:
+            raise ValueError(f"unknown pod role {role!r} (one of {', '.join(ROLES)})")
+        self.role = role_named(role)
+        self.pd_in_process = pd_in_process
+        self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"  # NixlConnector's engine id
+        self._client: aiohttp.ClientSession | None = None
         self.profile = profile
         self.kv_events_port = kv_events_port
         self.kv_replay_port = kv_replay_port
@@ -187,6 +232,10 @@ class SimServer:
             raise
         driver.start()
         self._driver, self._runner = driver, runner
+        if self.pd_in_process and self._client is None:
+            self._client = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+            )
 
     async def stop(self) -> None:
         """Stop for good: go away and cancel pending fault timers."""
@@ -200,6 +249,9 @@ class SimServer:
             runner, self._runner = self._runner, None
             if runner is not None:
                 await runner.cleanup()
+            client, self._client = self._client, None
+            if client is not None:
+                await client.close()
             driver, self._driver = self._driver, None
             if driver is not None:
                 await driver.stop()
@@ -262,13 +314,20 @@ class SimServer:
         try:
             if self.faults.fail_status is not None:
                 raise ApiError(self.faults.fail_status, "simulated failure injected on this pod")
+            body = await request.read()
             call = parse_call(
-                await request.read(),
-                chat=chat,
-                generation_prompt=self.profile.chat_generation_prompt,
+                body, chat=chat, generation_prompt=self.profile.chat_generation_prompt
             )
+            prefiller = request.headers.get(PREFILLER_HEADER)
+            if self.pd_in_process and prefiller and call.kv_transfer is None:
+                transfer = await self._prefill_remotely(prefiller, request.path, body)
+                call = dataclasses.replace(call, kv_transfer=transfer)
             text_seed = self._next_text_seed
             state = driver.submit(self._engine_request(call, progress, text_seed))
+        except _PrefillError as failed:
+            return web.Response(
+                body=failed.body, status=failed.status, content_type="application/json"
+            )
         except ApiError as error:
             return _json(error.body(), error.status)
         except ValueError as error:
@@ -281,12 +340,79 @@ class SimServer:
             while not state.finished:
                 await progress.wait()
             text = generated_text(text_seed, 0, state.generated)
-            return _json(
-                reply.full(text, state.finish_reason, state.generated, state.cached_tokens), 200
+            full = reply.full(
+                text,
+                state.finish_reason,
+                state.generated,
+                state.cached_tokens,
+                self._handed_over(state),
             )
+            return _json(full, 200)
         finally:
             if not state.finished:
                 driver.abort(state)
+
+    def _handed_over(self, state: RequestState) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` a prefill for a remote decode answers (NixlConnector's
+        shape); ``None`` for any other request. The sim has no NIXL side channel: host and
+        port are the pod's HTTP address."""
+        if not state.request.remote_decode:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(state.sent_blocks),
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+        }
+
+    async def _prefill_remotely(self, prefiller: str, path: str, body: bytes) -> KvTransfer | None:
+        """Have ``prefiller`` (``host:port``) prefill the request, as llm-d's sidecar asks
+        it; the parameters to decode with, or ``None`` (decode with a local prefill) when
+        it answers none. An error answer is the client's (``_PrefillError``), as the
+        sidecar forwards it; an unreachable pod is a 502."""
+        host, _, port = prefiller.rpartition(":")
+        if not host or not port.isdigit():
+            raise ApiError(400, f"`{PREFILLER_HEADER}` must be host:port, got {prefiller!r}")
+        payload = json.loads(body)  # parse_call has read it already
+        payload[KV_TRANSFER_FIELD] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        payload["stream"] = False
+        payload.pop("stream_options", None)
+        for field in _TOKEN_LIMIT_FIELDS:
+            payload[field] = 1
+        assert self._client is not None  # made at start when pd_in_process
+        try:
+            async with self._client.post(
+                f"http://{prefiller}{path}",
+                data=encode(payload),
+                headers={"Content-Type": "application/json", "x-request-id": uuid.uuid4().hex},
+            ) as response:
+                answer = await response.content.read(_PREFILL_ANSWER_LIMIT + 1)
+                status = response.status
+        except (aiohttp.ClientError, OSError) as error:
+            raise ApiError(
+                502, f"cannot reach the prefill pod {prefiller} ({PREFILLER_HEADER}): {error}"
+            ) from None
+        if len(answer) > _PREFILL_ANSWER_LIMIT:
+            raise ApiError(502, f"the prefill pod {prefiller} answered more than 1 MiB")
+        if status >= 400:
+            raise _PrefillError(status, answer)
+        try:
+            params = json.loads(answer).get(KV_TRANSFER_FIELD)
+            return None if params is None else parse_kv_transfer(params)
+        except (ValueError, AttributeError, ApiError) as error:
+            raise ApiError(
+                502, f"the prefill pod {prefiller} answered no usable {KV_TRANSFER_FIELD}: {error}"
+            ) from None
 
     def _engine_request(
         self, call: CompletionCall, progress: _Progress, text_seed: int
@@ -302,6 +428,8 @@ class SimServer:
             output_length=call.output_tokens,
             listener=progress,
             text_seed=text_seed,
+            remote_decode=call.kv_transfer is not None and call.kv_transfer.remote_decode,
+            remote_prefill=None if call.kv_transfer is None else call.kv_transfer.remote_prefill,
         )
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -136,8 +136,10 @@ async def _serve(pool: SimPool, arguments: argparse.Namespace) -> int:
         kv = f" kv-events {events}{replay}" if events else ""
         role = "" if server.role == "both" else f" role {server.role}"
         print(f"{server.name} {server.url}{role}{kv}", flush=True)
-    if arguments.pods_file is not None:
-        arguments.pods_file.write_text(pool.pods_yaml())
+    if arguments.pods_file is not None:  # whole or not at all, for a reader polling it
+        partial = arguments.pods_file.with_name(arguments.pods_file.name + ".partial")
+        partial.write_text(pool.pods_yaml())
+        partial.replace(arguments.pods_file)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signal_number in (signal.SIGINT, signal.SIGTERM):

@@ -190,7 +190,7 @@ class EngineV1(Engine):
             self.stats.prefix_cache_hits += computed
             self._membership += 1
             if remote:  # its KV comes over the wire, alongside the steps
-                state.transfer_done_at = now + self.profile.kv_transfer_s(tokens)
+                self._start_transfer(state, tokens, now)
                 self.transferring.append(state)
                 continue
             state.phase = Phase.RUNNING
@@ -201,6 +201,15 @@ class EngineV1(Engine):
                 adapters.add(adapter)
         self.waiting.extendleft(reversed(skipped))
         return admitted
+
+    def _start_transfer(self, state: RequestState, tokens: int, now: float) -> None:
+        """Read ``tokens`` tokens' KV from the prefill pod; counted as vLLM's NIXL metrics."""
+        profile = self.profile
+        size = tokens * profile.kv_bytes_per_token
+        state.transfer_done_at = now + profile.kv_transfer_s(tokens)
+        self.stats.nixl_post_time.observe(profile.kv_transfer_setup_s)
+        self.stats.nixl_xfer_time.observe(size / profile.kv_transfer_bytes_per_s)
+        self.stats.nixl_bytes_transferred.observe(size)
 
     def _settle_transfers(self, now: float) -> None:
         """Held blocks read by now go; decode requests whose KV arrived by now run."""

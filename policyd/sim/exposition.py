@@ -184,6 +184,25 @@ class EngineCollector:
             model,
             stats.e2e_request_latency,
         )
+        if stats.nixl_bytes_transferred.count:  # vLLM shows them once its connector has read
+            yield _histogram(
+                "vllm:nixl_xfer_time_seconds",
+                "Histogram of transfer duration for NIXL KV Cache transfers.",
+                model,
+                stats.nixl_xfer_time,
+            )
+            yield _histogram(
+                "vllm:nixl_post_time_seconds",
+                "Histogram of transfer post time for NIXL KV Cache transfers.",
+                model,
+                stats.nixl_post_time,
+            )
+            yield _histogram(
+                "vllm:nixl_bytes_transferred",
+                "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                model,
+                stats.nixl_bytes_transferred,
+            )
 
 
 def metrics_registry(collector: EngineCollector) -> CollectorRegistry:

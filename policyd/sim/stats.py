@@ -21,6 +21,23 @@ E2E_BUCKETS: Final = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0),
     *(20.0, 30.0, 40.0, 50.0, 60.0),
 )
+# vLLM's NixlConnector histograms (its KV-transfer Prometheus metrics).
+NIXL_XFER_TIME_BUCKETS: Final = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    5.0,
+)
+NIXL_POST_TIME_BUCKETS: Final = (0.001, *NIXL_XFER_TIME_BUCKETS)
+NIXL_BYTES_BUCKETS: Final = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))  # 2 KiB..8 GiB
 
 # vLLM keeps every lora_requests_info series it ever set; a long run would grow
 # /metrics without bound, so the simulator keeps the most recent ones only.
@@ -68,6 +85,10 @@ class EngineStats:
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
     e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    # KV transfers this pod read from prefill pods (decode side, as vLLM counts them).
+    nixl_xfer_time: Histogram = field(default_factory=lambda: Histogram(NIXL_XFER_TIME_BUCKETS))
+    nixl_post_time: Histogram = field(default_factory=lambda: Histogram(NIXL_POST_TIME_BUCKETS))
+    nixl_bytes_transferred: Histogram = field(default_factory=lambda: Histogram(NIXL_BYTES_BUCKETS))
     # (running adapters, waiting adapters) -> sim time that combination was last
     # current, least recently current first.
     lora_series: dict[tuple[str, str], float] = field(default_factory=dict)

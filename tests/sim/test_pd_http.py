@@ -112,6 +112,13 @@ async def test_the_sidecar_exchange_prefills_on_one_pod_and_decodes_on_the_other
     assert on_prefill["vllm:generation_tokens_total"] == 1
     assert on_decode["vllm:generation_tokens_total"] == 9
     assert on_prefill["vllm:prompt_tokens_total"] == on_decode["vllm:prompt_tokens_total"] == 601
+    # The decode pod read the whole prompt's KV: vLLM's NIXL histograms count it there.
+    assert on_decode["vllm:nixl_bytes_transferred_count"] == 1
+    assert on_decode["vllm:nixl_bytes_transferred_sum"] == PROMPT_TOKENS * 131072
+    assert on_decode["vllm:nixl_xfer_time_seconds_sum"] == pytest.approx(
+        PROMPT_TOKENS * 131072 / H100_LLAMA31_8B.kv_transfer_bytes_per_s
+    )
+    assert "vllm:nixl_bytes_transferred_count" not in on_prefill
 
 
 async def test_a_plain_request_answers_without_kv_transfer_params(

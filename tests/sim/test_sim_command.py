@@ -6,9 +6,12 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
 
 from policyd.cli import main
 from policyd.sim.tokenizer import tokenize
@@ -120,3 +123,49 @@ def test_policyd_sim_publishes_kv_events_when_asked() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_policyd_sim_gives_pods_roles_and_writes_their_pod_file(tmp_path: Path) -> None:
+    pods_file = tmp_path / "pods.yaml"
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "policyd", "sim", "--pods", "2", "--base-port", "0"),
+            *("--profile", "h100-llama3.1-8b", "--roles", "prefill,decode", "--pd-in-process"),
+            *("--kv-transfer-gb-per-s", "10", "--pods-file", str(pods_file)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        process.stdout.readline()
+        lines = [process.stdout.readline().split() for _ in range(2)]
+        assert [line[2:] for line in lines] == [["role", "prefill"], ["role", "decode"]]
+        while not pods_file.exists() and process.poll() is None:  # written after the addresses
+            time.sleep(0.05)
+        pods = yaml.safe_load(pods_file.read_text())["pods"]
+        assert [(p["name"], p["address"], p["labels"]["llm-d.ai/role"]) for p in pods] == [
+            (name, url.removeprefix("http://"), role) for (name, url, _, role) in lines
+        ]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--pods", "2", "--roles", "prefill"], "one role per pod"),
+        (["--pods", "1", "--roles", "encoder"], "unknown pod role"),
+        (["--pods", "1", "--kv-transfer-gb-per-s", "0"], "positive bandwidth"),
+    ],
+)
+def test_policyd_sim_rejects_bad_p_d_arguments(
+    capsys: pytest.CaptureFixture[str], arguments: list[str], message: str
+) -> None:
+    assert main(["sim", "--base-port", "0", *arguments]) == 2
+    assert message in capsys.readouterr().err

@@ -58,9 +58,7 @@ class SimRequest:
     (``Profile.natural_output_tokens``). ``max_tokens`` caps it either way;
     ``None`` (a chat request without one) caps it at the context left after
     the prompt. ``text_seed`` picks the words generated (``policyd.sim.text``),
-    whose token ids a V1 pod caches with the prompt's. ``prefilled_remotely``
-    is the decode half of a disaggregated request: a prefill pod computed the
-    prompt and its KV has arrived (V1 only).
+    whose token ids a V1 pod caches with the prompt's.
     """
 
     request_id: str
@@ -70,7 +68,6 @@ class SimRequest:
     output_length: int | None = None
     listener: RequestListener | None = None
     text_seed: int = 0
-    prefilled_remotely: bool = False
 
 
 class Phase(enum.Enum):
@@ -97,7 +94,6 @@ class RequestState:
         "output_ids",
         "phase",
         "registered",
-        "remote_tokens",
         "request",
         "target",
     )
@@ -123,10 +119,6 @@ class RequestState:
         self.computed = 0
         self.output_ids: list[int] = []
         self.registered = 0
-        # The prompt tokens whose KV a prefill pod sent (all but the last, which the
-        # decode pod computes to yield the first token); spent at the first admission:
-        # a preempted request recomputes its prompt here.
-        self.remote_tokens = len(request.prompt) - 1 if request.prefilled_remotely else 0
 
     @property
     def num_tokens(self) -> int:
@@ -201,8 +193,6 @@ class Engine:
     def add(self, request: SimRequest, now: float) -> RequestState:
         """Queue a request arriving at ``now``; ``ValueError`` if it can never run here."""
         max_tokens = self.check(request)
-        if request.prefilled_remotely and self.profile.scheduler != "v1":
-            raise ValueError("a remotely prefilled request needs the V1 scheduler")
         natural = request.output_length
         if natural is None:
             natural = self.profile.natural_output_tokens(self._rng, request.max_tokens)

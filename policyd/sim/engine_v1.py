@@ -25,10 +25,6 @@ and replaces how a step is planned and applied, as vLLM V1's scheduler does:
   token short of the request's length.
 - A request yields a token at the end of the step that computed its last
   token; a prefill chunk that leaves tokens uncomputed yields none.
-- The decode half of a disaggregated request (``SimRequest.prefilled_remotely``)
-  is admitted with its prompt's KV already present, as vLLM's NIXL connector
-  leaves it once the pull ends: it computes only the prompt's last token, and its
-  full blocks enter the prefix cache after that step, as a computed prompt's do.
 
 The step costs ``Profile.step_s(prefill tokens, decode sequences, context
 tokens)`` plus adapter loads: decodes are sequences computing their one newest
@@ -169,20 +165,18 @@ class EngineV1(Engine):
                 continue
             keys = self._block_keys(state, (state.num_tokens - 1) // block_size)
             hit_keys = keys[: self._blocks.cached_run(keys)]
-            hit = len(hit_keys) * block_size
-            computed = max(hit, state.remote_tokens)  # a transferred prompt needs no compute
+            computed = len(hit_keys) * block_size
             tokens = min(state.num_tokens - computed, budget)
             total = math.ceil((computed + tokens) / block_size)
             if self._blocks.allocation_cost(hit_keys, total) > self._blocks.num_free:
                 break
             self.waiting.popleft()
             state.blocks, _ = self._blocks.allocate(hit_keys, total)
-            state.computed, state.cached_tokens = computed, hit
-            state.remote_tokens = 0
+            state.computed = state.cached_tokens = computed
             state.registered = len(hit_keys)
             state.phase = Phase.RUNNING
             self.stats.prefix_cache_queries += state.num_tokens
-            self.stats.prefix_cache_hits += hit
+            self.stats.prefix_cache_hits += computed
             self.running.append(state)
             self._membership += 1
             admitted.append((state, tokens))

@@ -29,12 +29,6 @@ import random
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-# The links a decode pod pulls KV over (docs/simulator.md, "KV transfer"; roofline
-# estimates: 80% of the NIC's line rate). An L4 node: 100 Gb/s Ethernet, no GPUDirect
-# RDMA. An H100 node: 400 Gb/s GPUDirect RDMA per GPU.
-ETHERNET_100G_BYTES_PER_S: Final = 10e9
-RDMA_400G_BYTES_PER_S: Final = 40e9
-
 
 @dataclass(frozen=True, slots=True)
 class Profile:
@@ -89,12 +83,6 @@ class Profile:
     # busy or idle, first that long after it starts; the engine also logs after
     # every step. In simulated seconds here.
     log_stats_interval_s: float = 10.0
-    # Disaggregated prefill/decode: the KV a prompt token occupies (2 for K and V x
-    # layers x KV heads x head dimensions x bytes per value), and the link a decode pod
-    # pulls a prefill pod's blocks over (docs/simulator.md, "KV transfer").
-    kv_bytes_per_token: int = 2 * 32 * 8 * 128 * 2
-    kv_transfer_bytes_per_s: float = ETHERNET_100G_BYTES_PER_S
-    kv_transfer_setup_s: float = 0.002
 
     def __post_init__(self) -> None:
         if self.scheduler == "v0" and self.max_num_batched_tokens < self.max_model_len:
@@ -112,12 +100,6 @@ class Profile:
         share = self.output_share_of_max_tokens
         if share is not None and not share > 0:
             raise ValueError("the output share of max_tokens must be positive")
-        if not (
-            self.kv_bytes_per_token > 0
-            and self.kv_transfer_bytes_per_s > 0
-            and self.kv_transfer_setup_s >= 0
-        ):
-            raise ValueError("a KV transfer needs positive sizes and rates, a setup time >= 0")
 
     def decode_step_s(self, batch: int) -> float:
         """Duration of one decode step advancing ``batch`` sequences by a token each."""
@@ -141,11 +123,6 @@ class Profile:
             + self.step_per_decode_sequence_s * decode_sequences
             + self.step_per_context_token_s * context_tokens
         )
-
-    def kv_transfer_s(self, tokens: int) -> float:
-        """How long a decode pod waits for ``tokens`` tokens of KV from a prefill pod."""
-        seconds = tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
-        return self.kv_transfer_setup_s + seconds
 
     def natural_output_tokens(self, rng: random.Random, max_tokens: int | None) -> int:
         """How long the text a request would write is, before ``max_tokens`` caps it."""
@@ -180,7 +157,6 @@ L4_LLAMA2_7B: Final = Profile(
     lora_disk_load_s=0.5,
     output_tokens_min=50,
     output_tokens_max=750,
-    kv_bytes_per_token=2 * 32 * 32 * 128 * 2,  # Llama-2-7B: 32 KV heads (no GQA)
 )
 
 H100_LLAMA31_8B: Final = Profile(
@@ -212,7 +188,6 @@ H100_LLAMA31_8B: Final = Profile(
     output_tokens_max=1024,
     output_share_of_max_tokens=1.2,
     chat_generation_prompt=True,
-    kv_transfer_bytes_per_s=RDMA_400G_BYTES_PER_S,
 )
 
 L4_LLAMA31_8B: Final = H100_LLAMA31_8B.with_changes(
@@ -225,7 +200,6 @@ L4_LLAMA31_8B: Final = H100_LLAMA31_8B.with_changes(
     max_num_batched_tokens=2048,
     max_model_len=32768,
     num_gpu_blocks=2300,
-    kv_transfer_bytes_per_s=ETHERNET_100G_BYTES_PER_S,
 )
 
 PROFILES: Final[dict[str, Profile]] = {

@@ -25,6 +25,12 @@ The rules, as vLLM V0 applies them without chunked prefill:
   blocks freed, back to the front of the queue, recomputed on readmission).
 - Leading full prompt blocks found in the prefix cache are not recomputed (at
   least one token always is).
+
+Disaggregated prefill and decode (V1 profiles only, ``engine_v1``): a request
+marked ``remote_decode`` is prefilled for another pod, writes one token and
+keeps its blocks for the time the decode pod takes to read them; a request
+carrying ``remote_prefill`` has its prompt's KV read from a prefill pod, which
+takes ``Profile.kv_transfer_s`` and overlaps the steps of the other requests.
 """
 
 from __future__ import annotations
@@ -41,6 +47,17 @@ from policyd.sim.blocks import BlockManager, BlocksStored, KvEvent, prefix_keys
 from policyd.sim.lora import AdapterResidence
 from policyd.sim.profile import Profile
 from policyd.sim.stats import LORA_SERIES_KEPT, EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """Where a decode request's prompt KV was computed: vLLM's ``kv_transfer_params``
+    with ``do_remote_prefill`` (the prefill pod's engine, its blocks, its host and port)."""
+
+    engine_id: str
+    block_ids: tuple[int, ...]
+    host: str | None = None
+    port: int | None = None
 
 
 class RequestListener(Protocol):
@@ -68,6 +85,10 @@ class SimRequest:
     output_length: int | None = None
     listener: RequestListener | None = None
     text_seed: int = 0
+    # Disaggregation: prefill only, for a decode pod (vLLM's do_remote_decode) ...
+    remote_decode: bool = False
+    # ... or decode a prompt another pod prefilled (do_remote_prefill).
+    remote_prefill: RemotePrefill | None = None
 
 
 class Phase(enum.Enum):
@@ -95,7 +116,9 @@ class RequestState:
         "phase",
         "registered",
         "request",
+        "sent_blocks",
         "target",
+        "transfer_done_at",
     )
 
     def __init__(
@@ -119,6 +142,10 @@ class RequestState:
         self.computed = 0
         self.output_ids: list[int] = []
         self.registered = 0
+        # Disaggregation: the blocks a remote_decode request leaves for its
+        # decode pod, and when a remote_prefill request's KV has arrived.
+        self.sent_blocks: tuple[int, ...] = ()
+        self.transfer_done_at: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +214,11 @@ class Engine:
         self._membership = 0
         self._logged_membership = 0
         self._fruitless_scan = -1
+        # Disaggregation: decode requests whose prompt KV is arriving (they
+        # hold their blocks and count as waiting, as vLLM's WAITING_FOR_REMOTE_KVS
+        # do), and blocks a prefill pod keeps until its decode pod has read them.
+        self.transferring: list[RequestState] = []
+        self._held: list[tuple[float, list[int]]] = []
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -197,6 +229,10 @@ class Engine:
         if natural is None:
             natural = self.profile.natural_output_tokens(self._rng, request.max_tokens)
         state = RequestState(request, now, natural, max_tokens)
+        if request.remote_decode:
+            # The sidecar caps a prefill at one token; vLLM hands the blocks
+            # over only to a request that stopped at its length cap.
+            state.target, state.finish_reason = 1, "length"
         self.waiting.append(state)
         self._membership += 1
         return state
@@ -212,6 +248,10 @@ class Engine:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if not request.prompt:
             raise ValueError("the prompt is empty")
+        if request.remote_decode and request.remote_prefill is not None:
+            raise ValueError("kv_transfer_params ask for a remote prefill and decode at once")
+        if (request.remote_decode or request.remote_prefill) and profile.scheduler != "v1":
+            raise ValueError(f"profile {profile.name} has no KV connector (P/D needs vLLM V1)")
         total = len(request.prompt) + max_tokens
         if total > profile.max_model_len:
             raise ValueError(
@@ -232,7 +272,11 @@ class Engine:
         state.aborted = True
         state.finish_reason = "abort"
         self._membership += 1
-        if state.phase is Phase.WAITING:
+        if state in self.transferring:  # nobody waits for its KV any more
+            self.transferring.remove(state)
+            self._release(state)
+            state.phase = Phase.FINISHED
+        elif state.phase is Phase.WAITING:
             self.waiting.remove(state)
             state.phase = Phase.FINISHED
         elif self._step is None or state not in self._step.batch:
@@ -263,7 +307,24 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.transferring or self._held)
+
+    def next_due(self) -> float | None:
+        """When the next KV transfer ends or held blocks are let go (``None``: none is
+        pending): an engine with nothing to step must be woken by then."""
+        times = [s.transfer_done_at for s in self.transferring if s.transfer_done_at is not None]
+        times += [at for at, _ in self._held]
+        return min(times, default=None)
+
+    def _settle_transfers(self, now: float) -> None:
+        """Let go of blocks read by now (``EngineV1``, the P/D engine, also lands transfers)."""
+        if self._held:
+            due = [blocks for at, blocks in self._held if at <= now]
+            if due:
+                self._held = [(at, blocks) for at, blocks in self._held if at > now]
+                for blocks in due:
+                    self._blocks.free(blocks)
+                self._membership += 1
 
     def start_step(self, now: float) -> float | None:
         """Plan the step starting at ``now``; its duration, or ``None`` when idle."""
@@ -476,13 +537,30 @@ class Engine:
             stats.time_per_output_token.observe(now - state.last_token_at)
         state.last_token_at = now
         if state.generated >= state.target:
-            self._release(state)
+            if state.request.remote_decode:
+                self._hold_for_decode(state, now)
+            else:
+                self._release(state)
             state.phase = Phase.FINISHED
             state.finished_at = now
             reason = state.finish_reason
             stats.finished[reason] = stats.finished.get(reason, 0) + 1
             stats.e2e_request_latency.observe(now - state.arrival)
             self._membership += 1
+
+    def _hold_for_decode(self, state: RequestState, now: float) -> None:
+        """Keep a finished prefill's prompt blocks until its decode pod has read them.
+
+        The decode pod reads them as soon as the answer reaches it, which takes
+        the same transfer time there; vLLM frees them when the reader says so.
+        """
+        prompt = len(state.request.prompt)
+        kept = state.blocks[: math.ceil(prompt / self.profile.block_size)]
+        self._blocks.free(state.blocks[len(kept) :])
+        state.sent_blocks = tuple(kept)
+        state.blocks = []
+        if kept:
+            self._held.append((now + self.profile.kv_transfer_s(prompt), kept))
 
     def _log_state(self, now: float) -> None:
         """Refresh the snapshot the way vLLM logs its stats after every step."""
@@ -495,7 +573,7 @@ class Engine:
             running, waiting = previous.running_adapters, previous.waiting_adapters
         self._snapshot = EngineSnapshot(
             now,
-            len(self.waiting),
+            len(self.waiting) + len(self.transferring),
             len(self.running),
             self._blocks.usage,
             running,

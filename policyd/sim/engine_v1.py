@@ -25,6 +25,14 @@ and replaces how a step is planned and applied, as vLLM V1's scheduler does:
   token short of the request's length.
 - A request yields a token at the end of the step that computed its last
   token; a prefill chunk that leaves tokens uncomputed yields none.
+- A request with ``remote_prefill`` is admitted, in its turn, for its KV
+  alone: it takes the blocks of its whole prompt and no step budget, and
+  waits (counted as waiting) for ``Profile.kv_transfer_s`` of the prompt
+  tokens its own prefix cache lacks, as vLLM's NixlConnector reads only
+  those. Steps go on meanwhile. Once the KV has arrived every prompt token
+  but the last counts as computed and cached (announced as ``BlockStored``),
+  and the request joins the running ones: the next step computes the last
+  prompt token and yields the first token. A preempted one recomputes locally.
 
 The step costs ``Profile.step_s(prefill tokens, decode sequences, context
 tokens)`` plus adapter loads: decodes are sequences computing their one newest
@@ -56,6 +64,7 @@ class EngineV1(Engine):
         """Plan the step starting at ``now``; its duration, or ``None`` when idle."""
         if self._step is not None:
             raise RuntimeError("start_step called while a step is running")
+        self._settle_transfers(now)
         while True:
             planned, preempted = self._schedule_running()
             if preempted and not planned and self.waiting:
@@ -66,7 +75,7 @@ class EngineV1(Engine):
         )
         admitted: list[tuple[RequestState, int]] = []
         if not preempted:
-            admitted = self._admit(sum(n for _, n in planned), set(running_adapters))
+            admitted = self._admit(sum(n for _, n in planned), set(running_adapters), now)
         batch = planned + admitted
         if not batch:
             return None
@@ -146,7 +155,7 @@ class EngineV1(Engine):
             index += 1
         return planned, preempted
 
-    def _admit(self, used: int, adapters: set[str]) -> list[tuple[RequestState, int]]:
+    def _admit(self, used: int, adapters: set[str], now: float) -> list[tuple[RequestState, int]]:
         """Waiting requests in arrival order, the last one possibly as a first chunk."""
         profile = self.profile
         block_size = profile.block_size
@@ -166,7 +175,10 @@ class EngineV1(Engine):
             keys = self._block_keys(state, (state.num_tokens - 1) // block_size)
             hit_keys = keys[: self._blocks.cached_run(keys)]
             computed = len(hit_keys) * block_size
-            tokens = min(state.num_tokens - computed, budget)
+            remote = state.request.remote_prefill is not None and state.transfer_done_at is None
+            tokens = state.num_tokens - computed
+            if not remote:
+                tokens = min(tokens, budget)
             total = math.ceil((computed + tokens) / block_size)
             if self._blocks.allocation_cost(hit_keys, total) > self._blocks.num_free:
                 break
@@ -174,17 +186,37 @@ class EngineV1(Engine):
             state.blocks, _ = self._blocks.allocate(hit_keys, total)
             state.computed = state.cached_tokens = computed
             state.registered = len(hit_keys)
-            state.phase = Phase.RUNNING
             self.stats.prefix_cache_queries += state.num_tokens
             self.stats.prefix_cache_hits += computed
-            self.running.append(state)
             self._membership += 1
+            if remote:  # its KV comes over the wire, alongside the steps
+                state.transfer_done_at = now + self.profile.kv_transfer_s(tokens)
+                self.transferring.append(state)
+                continue
+            state.phase = Phase.RUNNING
+            self.running.append(state)
             admitted.append((state, tokens))
             budget -= tokens
             if adapter is not None:
                 adapters.add(adapter)
         self.waiting.extendleft(reversed(skipped))
         return admitted
+
+    def _settle_transfers(self, now: float) -> None:
+        """Held blocks read by now go; decode requests whose KV arrived by now run."""
+        super()._settle_transfers(now)
+        landed = [s for s in self.transferring if (s.transfer_done_at or 0.0) <= now]
+        if not landed:
+            return
+        self.transferring = [s for s in self.transferring if s not in landed]
+        for state in landed:
+            # vLLM counts the prompt computed once its KV is in, less the last
+            # token: that one is computed here to sample the first output token.
+            state.computed = len(state.request.prompt) - 1
+            self._cache_full_blocks(state)
+            state.phase = Phase.RUNNING
+            self.running.append(state)
+        self._membership += 1
 
     def _preempt_v1(self, state: RequestState) -> None:
         """Recompute preemption: blocks freed (full ones stay cached), back to the queue front."""

@@ -83,6 +83,14 @@ class Profile:
     # busy or idle, first that long after it starts; the engine also logs after
     # every step. In simulated seconds here.
     log_stats_interval_s: float = 10.0
+    # Disaggregated prefill/decode (vLLM V1 only): the KV cache one token takes
+    # (kv_bytes_per_token from the model config) and the link a decode pod
+    # reads a prefill pod's blocks over: a fixed setup time per transfer, then
+    # bytes at kv_transfer_bytes_per_s (kv_transfer_s). Sources in
+    # docs/simulator.md ("Prefill and decode roles").
+    kv_bytes_per_token: int = 0
+    kv_transfer_bytes_per_s: float = 1.0
+    kv_transfer_setup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.scheduler == "v0" and self.max_num_batched_tokens < self.max_model_len:
@@ -100,6 +108,10 @@ class Profile:
         share = self.output_share_of_max_tokens
         if share is not None and not share > 0:
             raise ValueError("the output share of max_tokens must be positive")
+        if self.kv_bytes_per_token < 0 or not self.kv_transfer_bytes_per_s > 0:
+            raise ValueError("KV transfers need kv_bytes_per_token >= 0 and a positive bandwidth")
+        if not self.kv_transfer_setup_s >= 0:
+            raise ValueError("the KV transfer setup time must be at least 0")
 
     def decode_step_s(self, batch: int) -> float:
         """Duration of one decode step advancing ``batch`` sequences by a token each."""
@@ -124,6 +136,13 @@ class Profile:
             + self.step_per_context_token_s * context_tokens
         )
 
+    def kv_transfer_s(self, tokens: int) -> float:
+        """How long a decode pod waits for ``tokens`` tokens' KV from a prefill pod."""
+        return (
+            self.kv_transfer_setup_s
+            + tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
+        )
+
     def natural_output_tokens(self, rng: random.Random, max_tokens: int | None) -> int:
         """How long the text a request would write is, before ``max_tokens`` caps it."""
         share = self.output_share_of_max_tokens
@@ -134,6 +153,11 @@ class Profile:
     def with_changes(self, **changes: Any) -> Profile:
         """A copy with some constants replaced (tests build small hand-made pods this way)."""
         return dataclasses.replace(self, **changes)
+
+
+def model_kv_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """The KV cache of one token: a key and a value vector per KV head and layer."""
+    return layers * kv_heads * head_dim * 2 * dtype_bytes
 
 
 L4_LLAMA2_7B: Final = Profile(
@@ -157,6 +181,12 @@ L4_LLAMA2_7B: Final = Profile(
     lora_disk_load_s=0.5,
     output_tokens_min=50,
     output_tokens_max=750,
+    # Llama-2-7B: 32 layers, 32 KV heads (no GQA) of 128 dimensions, fp16.
+    kv_bytes_per_token=model_kv_bytes(layers=32, kv_heads=32, head_dim=128),
+    # Measured NixlConnector transfers without a GPU-to-GPU path (vLLM issue
+    # 34054): 313 MB in 173.8 ms (1.8 GB/s) after 129 ms to post the transfer.
+    kv_transfer_bytes_per_s=1.8e9,
+    kv_transfer_setup_s=0.129,
 )
 
 H100_LLAMA31_8B: Final = Profile(
@@ -188,6 +218,12 @@ H100_LLAMA31_8B: Final = Profile(
     output_tokens_max=1024,
     output_share_of_max_tokens=1.2,
     chat_generation_prompt=True,
+    # Llama-3.1-8B: 32 layers, 8 KV heads (GQA) of 128 dimensions, bf16.
+    kv_bytes_per_token=model_kv_bytes(layers=32, kv_heads=8, head_dim=128),
+    # Measured NixlConnector transfers between GPU pods over RDMA (vLLM issue
+    # 50913, 3P1D): 167 MB in 38.7 ms (4.3 GB/s) after 6.7 ms to post it.
+    kv_transfer_bytes_per_s=4.3e9,
+    kv_transfer_setup_s=0.0067,
 )
 
 L4_LLAMA31_8B: Final = H100_LLAMA31_8B.with_changes(
@@ -200,6 +236,10 @@ L4_LLAMA31_8B: Final = H100_LLAMA31_8B.with_changes(
     max_num_batched_tokens=2048,
     max_model_len=32768,
     num_gpu_blocks=2300,
+    # L4 nodes have no GPUDirect RDMA NIC: the transfer of vLLM issue 34054
+    # without a GPU-to-GPU path (l4-llama2-7b's figures).
+    kv_transfer_bytes_per_s=1.8e9,
+    kv_transfer_setup_s=0.129,
 )
 
 PROFILES: Final[dict[str, Profile]] = {

@@ -104,8 +104,9 @@ class RealTimeDriver:
             start = max(planned_end, self._latest_arrival)
             duration = engine.start_step(start)
             if duration is None:
-                self._wake.clear()
-                await self._wake.wait()
+                reached = await self._idle(engine.next_due())
+                if reached is not None:  # a step may start at that time, not later
+                    planned_end = max(planned_end, reached)
                 continue
             planned_end = start + duration
             delay = self._origin + planned_end / self.time_scale - self._loop.time()
@@ -113,6 +114,20 @@ class RealTimeDriver:
             engine.finish_step(planned_end)
             if self._kv_events is not None:  # one batch per step, as vLLM publishes
                 self.publish_kv_events(planned_end)
+
+    async def _idle(self, due: float | None) -> float | None:
+        """Wait for an arrival, or until ``due`` (a KV transfer ending, held blocks
+        going); ``due`` if the wait reached it, ``None`` if an arrival ended it."""
+        self._wake.clear()
+        if due is None:
+            await self._wake.wait()
+            return None
+        delay = self._origin + due / self.time_scale - self._loop.time()
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(delay, 0.0))
+        except TimeoutError:
+            return due
+        return None
 
     def publish_kv_events(self, simulated: float) -> None:
         """Publish the engine's KV events so far as one batch stamped ``simulated``."""

@@ -72,6 +72,7 @@ class VirtualPod:
         self._loop = loop
         self._busy = False
         self._kick_pending = False
+        self._due: Timer | None = None  # wakes an idle pod when a KV transfer ends
 
     def submit(self, request: SimRequest) -> RequestState:
         """The request reaches the pod now; it is scheduled at the next step boundary.
@@ -101,9 +102,25 @@ class VirtualPod:
             return
         duration = self.engine.start_step(self._loop.now)
         if duration is None:
+            self._wake_when_due()
             return
         self._busy = True
         self._loop.call_later(duration, self._step_done)
+
+    def _wake_when_due(self) -> None:
+        """An idle pod with a KV transfer under way steps again when it ends."""
+        due = self.engine.next_due()
+        if self._due is not None:
+            if due is not None and self._due.when == due and not self._due.cancelled:
+                return
+            self._due.cancel()
+            self._due = None
+        if due is not None:
+            self._due = self._loop.call_at(max(due, self._loop.now), self._due_kick)
+
+    def _due_kick(self) -> None:
+        self._due = None
+        self._kick()
 
     def _step_done(self) -> None:
         self.engine.finish_step(self._loop.now)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from policyd.sim.blocks import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, prefix_keys
-from policyd.sim.engine import RequestState, SimRequest
+from policyd.sim.engine import RemotePrefill, RequestState, SimRequest
 from policyd.sim.experiment import PodView, percentile, pod_views
 from policyd.sim.names import pod_name
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
@@ -194,8 +194,7 @@ class OpenRecord:
     prompt_tokens: int
     cached_tokens: int | None
     output_tokens: int
-    prefill_pod: int | None = None
-    transfer_s: float | None = None
+    prefill_pod: int | None = None  # for a split request, the pod that prefilled it
 
     @property
     def completed(self) -> bool:
@@ -339,7 +338,6 @@ class _OpenRun:
         self.finished: list[float | None] = [None] * count
         self.prefill_of: list[int | None] = [None] * count
         self.prefill_states: list[RequestState | None] = [None] * count
-        self.transfer: list[float | None] = [None] * count
         self.last_token: list[float | None] = [None] * count
         self.token_gaps: list[float] = []
         self.prefill_leg = _PrefillLeg(self)
@@ -401,18 +399,18 @@ class _OpenRun:
         if prefill is None:
             self._decode(index)
             return
-        # The decode pod's sidecar has the prefill pod compute the prompt (one token,
-        # kept for the pull), then has its own pod decode once the KV has arrived.
+        # The decode pod's sidecar has the prefill pod compute the prompt (one token, its
+        # blocks kept for the pull), then sends its own pod the decode, which pulls them.
         self.in_flight[prefill] += 1
         self.prefill_of[index] = prefill
         self.prefill_states[index] = self.pods[prefill].submit(
             SimRequest(
                 str(index), request.prompt, 1, adapter=request.adapter, output_length=1,
-                listener=self.prefill_leg,
+                listener=self.prefill_leg, remote_decode=True,
             )
         )  # fmt: skip
 
-    def _decode(self, index: int, *, prefilled: bool = False) -> None:
+    def _decode(self, index: int, remote: RemotePrefill | None = None) -> None:
         request, pod = self.requests[index], self.pod_of[index]
         assert pod is not None
         self.states[index] = self.pods[pod].submit(
@@ -423,29 +421,22 @@ class _OpenRun:
                 adapter=request.adapter,
                 output_length=self.lengths[index],
                 listener=self,
-                prefilled_remotely=prefilled,
+                remote_prefill=remote,
             )
         )
 
-    def prefilled(self, state: RequestState, now: float) -> None:
-        """A prefill pod finished request ``index``'s prompt: the decode pod pulls the KV
-        it does not hold, then decodes."""
+    def prefilled(self, state: RequestState) -> None:
+        """A prefill pod finished request ``index``'s prompt: its decode pod gets the decode
+        half, which waits for the KV it does not hold (the engine's transfer time)."""
         index = int(state.request.request_id)
-        prefill, pod = self.prefill_of[index], self.pod_of[index]
-        assert prefill is not None and pod is not None
+        prefill = self.prefill_of[index]
+        assert prefill is not None
         self._drain(prefill)
         self.in_flight[prefill] -= 1
         self.prefill_states[index] = None
         if self.finished[index] is not None or self.timers[index] is None:
             return  # the client gave up while it was prefilled
-        self._drain(pod)
-        request = self.requests[index]
-        keys = prefix_keys(request.adapter or self.profile.base_model, request.prompt,
-                           self.profile.block_size)  # fmt: skip
-        held = self.truth.cached_tokens(pod, keys, len(request.prompt))
-        transfer = self.profile.kv_transfer_s(max(len(request.prompt) - 1 - held, 0))
-        self.transfer[index] = transfer
-        self.loop.call_later(transfer, partial(self._decode, index, prefilled=True))
+        self._decode(index, RemotePrefill(pod_name(prefill), state.sent_blocks))
 
     def _views(self, now: float) -> list[PodView]:
         return pod_views(self.pods, self.sampled, self.in_flight, now)
@@ -514,7 +505,6 @@ class _OpenRun:
                     self.cached[index],
                     state.generated if state is not None else 0,
                     self.prefill_of[index],
-                    self.transfer[index],
                 )
             )
         return tuple(records)
@@ -528,7 +518,7 @@ class _PrefillLeg:
 
     def on_progress(self, state: RequestState, now: float) -> None:
         if state.finished:
-            self.run.prefilled(state, now)
+            self.run.prefilled(state)
 
 
 def run_open_loop(

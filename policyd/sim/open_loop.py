@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from policyd.sim.blocks import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, prefix_keys
-from policyd.sim.engine import RequestState, SimRequest
+from policyd.sim.engine import RemotePrefill, RequestState, SimRequest
 from policyd.sim.experiment import PodView, percentile, pod_views
 from policyd.sim.names import pod_name
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
@@ -154,8 +154,17 @@ class Arrival:
     keys: tuple[int, ...]
 
 
-OpenRoutingFunction = Callable[[Arrival, Sequence[PodView], random.Random], int]
-"""Picks the index of the pod that serves a request; may draw from the given generator."""
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A disaggregated route: ``prefill`` computes the prompt, ``decode`` generates."""
+
+    decode: int
+    prefill: int
+
+
+OpenRoutingFunction = Callable[[Arrival, Sequence[PodView], random.Random], int | Split]
+"""Picks the index of the pod that serves a request, or a ``Split`` of two; may draw from
+the given generator."""
 
 KvEventSink = Callable[[int, Sequence[KvEvent]], None]
 """Receives one pod's KV events (pod index, events in order), as a subscriber would."""
@@ -185,6 +194,7 @@ class OpenRecord:
     prompt_tokens: int
     cached_tokens: int | None
     output_tokens: int
+    prefill_pod: int | None = None  # for a split request, the pod that prefilled it
 
     @property
     def completed(self) -> bool:
@@ -202,6 +212,7 @@ class OpenLoopResult:
     records: tuple[OpenRecord, ...]
     duration_s: float
     pods: int
+    token_gaps_s: tuple[float, ...] = ()  # every gap between two tokens of one answer
 
     @property
     def sent(self) -> int:
@@ -223,6 +234,12 @@ class OpenLoopResult:
             for r in self.records
             if r.sent is not None
         ]
+
+    @property
+    def split_share(self) -> float:
+        """The share of sent requests that a prefill pod prefilled for their decode pod."""
+        sent = [r for r in self.records if r.sent is not None]
+        return sum(1 for r in sent if r.prefill_pod is not None) / len(sent) if sent else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -319,6 +336,11 @@ class _OpenRun:
         self.cached: list[int | None] = [None] * count
         self.timers: list[Timer | None] = [None] * count
         self.finished: list[float | None] = [None] * count
+        self.prefill_of: list[int | None] = [None] * count
+        self.prefill_states: list[RequestState | None] = [None] * count
+        self.last_token: list[float | None] = [None] * count
+        self.token_gaps: list[float] = []
+        self.prefill_leg = _PrefillLeg(self)
         self.unresolved = count
         self.last_resolution = 0.0
 
@@ -330,7 +352,9 @@ class _OpenRun:
         if not self.requests:
             return OpenLoopResult((), 0.0, len(self.pods))
         self.loop.run()
-        return OpenLoopResult(self._records(), self.last_resolution, len(self.pods))
+        return OpenLoopResult(
+            self._records(), self.last_resolution, len(self.pods), tuple(self.token_gaps)
+        )
 
     def _scrape(self) -> None:
         now = self.loop.now
@@ -363,13 +387,32 @@ class _OpenRun:
             self.truth,
             prefix_keys(model, request.prompt, self.profile.block_size),
         )
-        pod = self.route(arrival, self._views(now), self.router_rng)
-        if not 0 <= pod < len(self.pods):
-            raise ValueError(f"routing function chose pod {pod} of {len(self.pods)}")
+        route = self.route(arrival, self._views(now), self.router_rng)
+        pod, prefill = (route.decode, route.prefill) if isinstance(route, Split) else (route, None)
+        for chosen in (pod, prefill):
+            if chosen is not None and not 0 <= chosen < len(self.pods):
+                raise ValueError(f"routing function chose pod {chosen} of {len(self.pods)}")
         self.in_flight[pod] += 1
         self.pod_of[index] = pod
         self.sent[index] = now
         self.timers[index] = self.loop.call_later(self.timeout_s, partial(self._time_out, index))
+        if prefill is None:
+            self._decode(index)
+            return
+        # The decode pod's sidecar has the prefill pod compute the prompt (one token, its
+        # blocks kept for the pull), then sends its own pod the decode, which pulls them.
+        self.in_flight[prefill] += 1
+        self.prefill_of[index] = prefill
+        self.prefill_states[index] = self.pods[prefill].submit(
+            SimRequest(
+                str(index), request.prompt, 1, adapter=request.adapter, output_length=1,
+                listener=self.prefill_leg, remote_decode=True,
+            )
+        )  # fmt: skip
+
+    def _decode(self, index: int, remote: RemotePrefill | None = None) -> None:
+        request, pod = self.requests[index], self.pod_of[index]
+        assert pod is not None
         self.states[index] = self.pods[pod].submit(
             SimRequest(
                 str(index),
@@ -378,8 +421,22 @@ class _OpenRun:
                 adapter=request.adapter,
                 output_length=self.lengths[index],
                 listener=self,
+                remote_prefill=remote,
             )
         )
+
+    def prefilled(self, state: RequestState) -> None:
+        """A prefill pod finished request ``index``'s prompt: its decode pod gets the decode
+        half, which waits for the KV it does not hold (the engine's transfer time)."""
+        index = int(state.request.request_id)
+        prefill = self.prefill_of[index]
+        assert prefill is not None
+        self._drain(prefill)
+        self.in_flight[prefill] -= 1
+        self.prefill_states[index] = None
+        if self.finished[index] is not None or self.timers[index] is None:
+            return  # the client gave up while it was prefilled
+        self._decode(index, RemotePrefill(pod_name(prefill), state.sent_blocks))
 
     def _views(self, now: float) -> list[PodView]:
         return pod_views(self.pods, self.sampled, self.in_flight, now)
@@ -390,6 +447,10 @@ class _OpenRun:
         assert pod is not None
         if self.cached[index] is None:  # its first token: the admission that counted the cache
             self.cached[index] = state.cached_tokens
+        last = self.last_token[index]
+        if last is not None:
+            self.token_gaps.append(now - last)
+        self.last_token[index] = now
         self._drain(pod)
         if not state.finished:
             return
@@ -404,8 +465,14 @@ class _OpenRun:
 
     def _time_out(self, index: int) -> None:
         state, pod = self.states[index], self.pod_of[index]
+        self.timers[index] = None
         if state is not None and pod is not None:
             self.pods[pod].abort(state)
+        prefilling, prefill = self.prefill_states[index], self.prefill_of[index]
+        if prefilling is not None and prefill is not None:
+            self.pods[prefill].abort(prefilling)
+            self.in_flight[prefill] -= 1
+            self.prefill_states[index] = None
         self._resolve(index)
         follower = self.followers.get(index)
         while follower is not None:  # the session ends: its later turns are never sent
@@ -437,9 +504,21 @@ class _OpenRun:
                     len(request.prompt),
                     self.cached[index],
                     state.generated if state is not None else 0,
+                    self.prefill_of[index],
                 )
             )
         return tuple(records)
+
+
+class _PrefillLeg:
+    """The listener of the prefill halves of a run's disaggregated requests."""
+
+    def __init__(self, run: _OpenRun) -> None:
+        self.run = run
+
+    def on_progress(self, state: RequestState, now: float) -> None:
+        if state.finished:
+            self.run.prefilled(state)
 
 
 def run_open_loop(

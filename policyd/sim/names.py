@@ -1,6 +1,8 @@
-"""How simulated pods and adapters are named, in one place for servers and experiments."""
+"""How simulated pods, adapters and P/D roles are named, in one place for all who name them."""
 
 from __future__ import annotations
+
+from typing import Final
 
 
 def adapter_names(count: int) -> tuple[str, ...]:
@@ -11,3 +13,8 @@ def adapter_names(count: int) -> tuple[str, ...]:
 def pod_name(index: int) -> str:
     """``vllm-{index}``, as a Deployment's pods would be told apart in logs."""
     return f"vllm-{index}"
+
+# llm-d's P/D role label and its values, as a deployment labels its model-server
+# pods: the simulator stands in for those pods and writes what they would carry.
+ROLE_LABEL: Final = "llm-d.ai/role"
+ROLES: Final = ("prefill", "decode", "both")

@@ -17,8 +17,7 @@ from types import TracebackType
 
 import yaml
 
-from policyd.fields.roles import ROLE_LABEL
-from policyd.sim.names import adapter_names, pod_name
+from policyd.sim.names import ROLE_LABEL, adapter_names, pod_name
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.server import SimServer
 

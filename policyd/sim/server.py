@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 from aiohttp import web
 
-from policyd.fields.roles import ROLES, role_named
 from policyd.sim.api import (
     KV_TRANSFER_FIELD,
     ApiError,
@@ -57,7 +56,7 @@ from policyd.sim.api import (
 from policyd.sim.engine import RequestState, SimRequest
 from policyd.sim.engine_v1 import new_engine
 from policyd.sim.exposition import CONTENT_TYPE, EngineCollector, metrics_registry, render
-from policyd.sim.names import adapter_names
+from policyd.sim.names import ROLES, adapter_names
 from policyd.sim.profile import L4_LLAMA2_7B, Profile
 from policyd.sim.realtime import RealTimeDriver
 from policyd.sim.text import generated_text, token_text
@@ -129,9 +128,9 @@ class SimServer:
     ) -> None:
         if kv_replay_port is not None and kv_events_port is None:
             raise ValueError("a KV-event replay port needs a KV-event port")
-        if role_named(role) not in ROLES:
+        if role not in ROLES:
             raise ValueError(f"unknown pod role {role!r} (one of {', '.join(ROLES)})")
-        self.role = role_named(role)
+        self.role = role
         self.pd_in_process = pd_in_process
         self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"  # NixlConnector's engine id
         self._client: aiohttp.ClientSession | None = None

@@ -14,6 +14,7 @@ def pod_name(index: int) -> str:
     """``vllm-{index}``, as a Deployment's pods would be told apart in logs."""
     return f"vllm-{index}"
 
+
 # llm-d's P/D role label and its values, as a deployment labels its model-server
 # pods: the simulator stands in for those pods and writes what they would carry.
 ROLE_LABEL: Final = "llm-d.ai/role"

@@ -190,7 +190,7 @@ class EngineV1(Engine):
             self.stats.prefix_cache_hits += computed
             self._membership += 1
             if remote:  # its KV comes over the wire, alongside the steps
-                self._start_transfer(state, tokens, now)
+                state.transfer_done_at = now + self.profile.kv_transfer_s(tokens)
                 self.transferring.append(state)
                 continue
             state.phase = Phase.RUNNING
@@ -202,15 +202,6 @@ class EngineV1(Engine):
         self.waiting.extendleft(reversed(skipped))
         return admitted
 
-    def _start_transfer(self, state: RequestState, tokens: int, now: float) -> None:
-        """Read ``tokens`` tokens' KV from the prefill pod; counted as vLLM's NIXL metrics."""
-        profile = self.profile
-        size = tokens * profile.kv_bytes_per_token
-        state.transfer_done_at = now + profile.kv_transfer_s(tokens)
-        self.stats.nixl_post_time.observe(profile.kv_transfer_setup_s)
-        self.stats.nixl_xfer_time.observe(size / profile.kv_transfer_bytes_per_s)
-        self.stats.nixl_bytes_transferred.observe(size)
-
     def _settle_transfers(self, now: float) -> None:
         """Held blocks read by now go; decode requests whose KV arrived by now run."""
         super()._settle_transfers(now)
@@ -219,6 +210,7 @@ class EngineV1(Engine):
             return
         self.transferring = [s for s in self.transferring if s not in landed]
         for state in landed:
+            self._count_transfer(len(state.request.prompt) - state.cached_tokens)
             # vLLM counts the prompt computed once its KV is in, less the last
             # token: that one is computed here to sample the first output token.
             state.computed = len(state.request.prompt) - 1
@@ -226,6 +218,14 @@ class EngineV1(Engine):
             state.phase = Phase.RUNNING
             self.running.append(state)
         self._membership += 1
+
+    def _count_transfer(self, tokens: int) -> None:
+        """A finished read of ``tokens`` tokens' KV, in vLLM's NIXL histograms."""
+        profile = self.profile
+        size = tokens * profile.kv_bytes_per_token
+        self.stats.nixl_post_time.observe(profile.kv_transfer_setup_s)
+        self.stats.nixl_xfer_time.observe(size / profile.kv_transfer_bytes_per_s)
+        self.stats.nixl_bytes_transferred.observe(size)
 
     def _preempt_v1(self, state: RequestState) -> None:
         """Recompute preemption: blocks freed (full ones stay cached), back to the queue front."""

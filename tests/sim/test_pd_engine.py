@@ -150,6 +150,8 @@ def test_blocks_the_decode_pod_holds_are_not_transferred() -> None:
     state = pod.submit(request("d", prompt(1000), remote_prefill=REMOTE))
     loop.run()
     assert state.cached_tokens == 512
+    transferred = pod.engine.stats.nixl_bytes_transferred
+    assert (transferred.count, transferred.total) == (1, (1000 - 512) * 131072)
     assert state.first_token_at == pytest.approx(
         start + PROFILE.kv_transfer_s(1000 - 512) + PROFILE.step_s(1, 0, 999)
     )

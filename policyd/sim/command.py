@@ -121,6 +121,11 @@ async def _serve(pool: SimPool, arguments: argparse.Namespace) -> int:
     except OSError as error:
         print(f"policyd sim: cannot listen: {error}", file=sys.stderr)
         return 1
+    # Before anything is printed or written: whoever waits for that may stop us at once.
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signal_number, stopping.set)
     first = pool.servers[0]
     names = first.adapters
     adapters = f"{len(names)} adapters ({names[0]}..{names[-1]})" if names else "no adapters"
@@ -140,10 +145,6 @@ async def _serve(pool: SimPool, arguments: argparse.Namespace) -> int:
         partial = arguments.pods_file.with_name(arguments.pods_file.name + ".partial")
         partial.write_text(pool.pods_yaml())
         partial.replace(arguments.pods_file)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signal_number in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signal_number, stopping.set)
     try:
         await stopping.wait()
     finally:

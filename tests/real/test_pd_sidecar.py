@@ -52,7 +52,7 @@ from inference_sim import (
     until_ready,
 )
 from jaeger_process import Jaeger, start_jaeger, stop_jaeger
-from test_inference_sim import settled, success_total, until
+from test_inference_sim import success_total, until
 from test_jaeger import Span, poll
 from traced_gateway import ENVOY_SERVICE
 
@@ -316,6 +316,24 @@ def completion(chain: Chain, prompt: str, *, stream: bool = False) -> dict[str, 
     return {"model": chain.simulator.model, "prompt": prompt, "max_tokens": 5, "stream": stream}
 
 
+def traced() -> tuple[str, dict[str, str]]:
+    """A new trace id, and the ``traceparent`` header that starts a request in it."""
+    trace_id = os.urandom(16).hex()
+    return trace_id, {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+
+
+async def decision_of(chain: Chain, trace_id: str) -> dict[str, Any]:
+    """policyd's logged decision for the request of ``trace_id`` (logged as its exchange
+    ends, which may be after the client has its answer)."""
+
+    def logged() -> list[dict[str, Any]]:
+        return [d for d in chain.gate.decisions() if d["trace_id"] == trace_id]
+
+    await until(logged, f"the decision of trace {trace_id}")
+    (decision,) = logged()
+    return decision
+
+
 async def send(
     chain: Chain, body: dict[str, Any], headers: dict[str, str] | None = None
 ) -> tuple[int, str]:
@@ -330,7 +348,8 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_decoded_behind_
     prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
     before = success_total(await pod_metrics(chain.client, chain.decode_sim.url))
     prompt = long_prompt("whole")
-    status, text = await send(chain, completion(chain, prompt))
+    trace_id, headers = traced()
+    status, text = await send(chain, completion(chain, prompt), headers)
     assert status == 200, text
     assert '"choices"' in text
 
@@ -348,7 +367,7 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_decoded_behind_
         lambda: _later(chain, before), "the decode simulator counts the request it finished"
     )
 
-    (decision,) = (await settled(chain.gate, 1))[-1:]
+    decision = await decision_of(chain, trace_id)
     assert decision["pod"] == "decode-0"
     assert decision["split"]["split"] is True and decision["split"]["reason"] == "when-true"
     assert decision["split"]["pod"] == "prefill-0"
@@ -389,6 +408,24 @@ async def test_a_streamed_long_prompt_is_split_too(chain: Chain) -> None:
     assert sent["stream"] is False  # the sidecar asks the prefill pod for one whole answer
 
 
+async def test_a_prompt_the_decode_pod_holds_is_not_split_again(chain: Chain) -> None:
+    """``when`` reads the decode pod's ``pod.prefix_tokens``: after one split the prompt
+    is on the decode pod policyd sent it to, so the same prompt is decoded whole there."""
+    prompt = long_prompt("again")
+    first_trace, first_headers = traced()
+    status, text = await send(chain, completion(chain, prompt), first_headers)
+    assert status == 200, text
+    prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
+    second_trace, second_headers = traced()
+    status, text = await send(chain, completion(chain, prompt), second_headers)
+    assert status == 200, text
+    assert len(chain.to_prefill.completions()) == prefills
+    (decode,) = chain.to_decode.completions()[decodes:]
+    assert "kv_transfer_params" not in json.loads(decode.body)
+    assert (await decision_of(chain, first_trace))["split"]["split"] is True
+    assert (await decision_of(chain, second_trace))["split"]["split"] is False
+
+
 async def test_a_short_prompt_is_decoded_whole_on_the_decode_pod(chain: Chain) -> None:
     prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
     status, text = await send(chain, completion(chain, SHORT))
@@ -413,8 +450,7 @@ async def test_a_client_cannot_send_the_prefill_to_a_pod_of_its_choosing(chain: 
 async def test_the_trace_is_one_tree_from_the_gateway_to_the_prefill_pod(chain: Chain) -> None:
     """The client's trace: Envoy's spans, policyd's decision span under them, the sidecar's
     spans under Envoy's upstream call, and the prefill pod called from a sidecar span."""
-    trace_id = os.urandom(16).hex()
-    caller = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+    trace_id, caller = traced()
     prefills = len(chain.to_prefill.completions())
     status, text = await send(chain, completion(chain, long_prompt("traced")), caller)
     assert status == 200, text

@@ -335,9 +335,12 @@ async def decision_of(chain: Chain, trace_id: str) -> dict[str, Any]:
 
 
 async def send(
-    chain: Chain, body: dict[str, Any], headers: dict[str, str] | None = None
+    chain: Chain,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/completions",
 ) -> tuple[int, str]:
-    url = chain.gate.url + "/v1/completions"
+    url = chain.gate.url + path
     async with chain.client.post(url, json=body, headers=headers or {}) as response:
         return response.status, await response.text()
 
@@ -406,6 +409,30 @@ async def test_a_streamed_long_prompt_is_split_too(chain: Chain) -> None:
     (prefill,) = chain.to_prefill.completions()[prefills:]
     sent = json.loads(prefill.body)
     assert sent["stream"] is False  # the sidecar asks the prefill pod for one whole answer
+
+
+async def test_a_streamed_chat_is_split_with_its_token_limits_restored(chain: Chain) -> None:
+    """The sidecar caps every token limit of the prefill at 1 and gives the decode the
+    client's own back."""
+    prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
+    body = {
+        "model": chain.simulator.model,
+        "messages": [{"role": "user", "content": long_prompt("chat")}],
+        "max_completion_tokens": 5,
+        "stream": True,
+    }
+    status, text = await send(chain, body, path="/v1/chat/completions")
+    assert status == 200, text
+    assert text.rstrip().endswith("data: [DONE]")
+    (prefill,) = chain.to_prefill.completions()[prefills:]
+    assert prefill.path == "/v1/chat/completions"
+    sent = json.loads(prefill.body)
+    assert (sent["max_tokens"], sent["max_completion_tokens"], sent["stream"]) == (1, 1, False)
+    (decode,) = chain.to_decode.completions()[decodes:]
+    received = json.loads(decode.body)
+    assert received["kv_transfer_params"]["do_remote_prefill"] is True
+    assert received["max_completion_tokens"] == 5 and "max_tokens" not in received
+    assert received["stream"] is True
 
 
 async def test_a_prompt_the_decode_pod_holds_is_not_split_again(chain: Chain) -> None:

@@ -59,8 +59,9 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-## Checks against the real programs (tests/real: jaeger, istioctl, etcd + kube-apiserver,
-## built by ../shared/tools/real-tools.sh); not part of `make test`. A missing binary skips its tests.
+## Checks against the real programs (tests/real: jaeger, istioctl, etcd + kube-apiserver, helm,
+## kustomize, inference-sim, pd-sidecar, built by ../shared/tools/real-tools.sh); not part of
+## `make test`. A missing binary skips its tests.
 test-real: $(STAMP)
 	eval "$$(../shared/tools/real-tools.sh env)" && $(BIN)/python -m pytest tests/real $(PYTEST_ARGS)
 

@@ -1,20 +1,25 @@
-"""Disaggregated prefill/decode through llm-d's real P/D sidecar, against inference-sim pods.
+"""Disaggregated prefill/decode through llm-d's real P/D sidecar, against simulated pods.
 
 The chain is the one docs/disaggregation.md describes, every part real except
 the two recorders: a client → Envoy → ``policyd serve`` (``rules/pd.yaml``)
 picks a decode pod and a prefill pod and names the prefill pod in
 ``x-prefiller-host-port`` → the decode pod is llm-d's ``pd-sidecar``
-(``real-tools.sh pd-sidecar``) in front of an inference-sim → the sidecar sends
-the prefill to the prefill pod (an inference-sim) with vLLM's NIXL
+(``real-tools.sh pd-sidecar``) in front of a simulator → the sidecar sends
+the prefill to the prefill pod (a simulator too) with vLLM's NIXL
 ``kv_transfer_params`` and then the decode to its own pod with the parameters
 the prefill returned.
 
 A ``Recorder`` (a pass-through HTTP proxy written here, named as such) sits in
-front of each simulator and keeps what reached it: inference-sim neither logs
-request headers nor traces, so the recorder is how the test sees the
+front of each simulator and keeps what reached it and what it answered: neither
+simulator logs request headers nor traces, so the recorder is how the test sees the
 ``traceparent`` each pod got. Envoy, policyd and the sidecar export spans to a
 real Jaeger; the test reads the trace back and checks that it is one tree
 across all of them and reaches the prefill pod.
+
+Every test runs twice, once per simulator: llm-d's inference-sim, an
+independent implementation of the protocol, and policyd's own (``policyd
+sim``), whose prefill pod answers with the ``kv_transfer_params`` the decode pod
+needs and whose decode pod then computes only what the transfer did not bring.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import contextlib
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +52,7 @@ from inference_sim import (
     until_ready,
 )
 from jaeger_process import Jaeger, start_jaeger, stop_jaeger
-from test_inference_sim import settled, success_total, until
+from test_inference_sim import success_total, until
 from test_jaeger import Span, poll
 from traced_gateway import ENVOY_SERVICE
 
@@ -72,15 +78,60 @@ SIM_FLAGS = (
 )  # fmt: skip
 TRANSFER = ("--kv-cache-transfer-latency", "20ms")  # the decode pod's wait for the blocks
 SIDECAR_SERVICE = "llm-d-disagg-sidecar"
+POLICYD_PROFILE = "l4-llama3.1-8b"  # vLLM V1: the engine that takes a remotely prefilled request
+POLICYD_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@dataclass(frozen=True)
+class Simulator:
+    """The model server both pods run: its model, how one pod of a role starts, and the
+    metric in which its decode pod counts the KV transfers it read (``None``: none)."""
+
+    name: str
+    model: str
+    start: Callable[[Callable[[str], str], str, Path, str], Awaitable[SimPod]]
+    transfers: str | None
+
+
+async def start_inference_sim(
+    tool: Callable[[str], str], name: str, tmp: Path, role: str
+) -> SimPod:
+    transfer = TRANSFER if role == "decode" else ()
+    return start_pod(tool("inference-sim"), name, tmp, *SIM_FLAGS, *transfer)
+
+
+async def start_policyd_sim(tool: Callable[[str], str], name: str, tmp: Path, role: str) -> SimPod:
+    """One ``policyd sim`` pod of ``role``, on the free port it prints."""
+    log = tmp / f"{name}.log"
+    command = [
+        sys.executable, "-m", "policyd", "sim", "--pods", "1", "--base-port", "0",
+        "--profile", POLICYD_PROFILE, "--time-scale", "10", "--roles", role,
+    ]  # fmt: skip
+    with log.open("wb") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+    assert process.stdout is not None
+    await asyncio.to_thread(process.stdout.readline)  # the pool's header
+    line = await asyncio.to_thread(process.stdout.readline)
+    assert line, f"policyd sim exited: {log.read_text()[-2000:]}"
+    url = line.split()[1]
+    return SimPod(name, int(url.rsplit(":", 1)[1]), process, log)
+
+
+SIMULATORS = (
+    Simulator("inference-sim", MODEL, start_inference_sim, None),
+    # vLLM's NixlConnector histogram: one observation per transfer read
+    Simulator("policyd-sim", POLICYD_MODEL, start_policyd_sim, "vllm:nixl_bytes_transferred_count"),
+)
 
 
 @dataclass
 class Seen:
-    """One request a recorder passed on."""
+    """One request a recorder passed on, and the answer it passed back."""
 
     path: str
     headers: dict[str, str]
     body: bytes
+    answer: bytearray = field(default_factory=bytearray)
 
 
 @dataclass
@@ -114,9 +165,8 @@ class Recorder:
     async def _pass(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
         body = await request.read()
-        self.seen.append(
-            Seen(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
-        )
+        seen = Seen(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
+        self.seen.append(seen)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host",)}
         async with self.session.request(
             request.method, f"http://{self.target}{request.path_qs}", data=body, headers=headers
@@ -126,6 +176,7 @@ class Recorder:
                 response.content_type = answer.content_type
             await response.prepare(request)
             async for chunk in answer.content.iter_any():
+                seen.answer += chunk
                 await response.write(chunk)
             await response.write_eof()
             return response
@@ -133,7 +184,7 @@ class Recorder:
 
 @dataclass
 class DecodePod:
-    """The sidecar in front of a recorder in front of an inference-sim: one decode pod."""
+    """The sidecar in front of a recorder in front of a simulator: one decode pod."""
 
     name: str
     port: int
@@ -149,6 +200,7 @@ class DecodePod:
 
 @dataclass
 class Chain:
+    simulator: Simulator
     gate: Gateway
     client: aiohttp.ClientSession
     decode_sim: SimPod
@@ -190,14 +242,24 @@ def start_sidecar(binary: str, tmp: Path, model_server_port: int, otlp: str) -> 
     return DecodePod("decode-0", port, process, log)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
+@pytest_asyncio.fixture(
+    loop_scope="module", scope="module", params=SIMULATORS, ids=lambda s: s.name
+)
 async def chain(
-    tool: Callable[[str], str], jaeger: Jaeger, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tool: Callable[[str], str],
+    jaeger: Jaeger,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Chain]:
-    sidecar_binary, sim_binary = tool("pd-sidecar"), tool("inference-sim")
+    simulator: Simulator = request.param
+    sidecar_binary = tool("pd-sidecar")
     tmp = tmp_path_factory.mktemp("pd")
-    decode_sim = start_pod(sim_binary, "decode-sim", tmp, *SIM_FLAGS, *TRANSFER)
-    prefill_sim = start_pod(sim_binary, "prefill-0", tmp, *SIM_FLAGS)
+    decode_sim = await simulator.start(tool, "decode-sim", tmp, "decode")
+    try:
+        prefill_sim = await simulator.start(tool, "prefill-0", tmp, "prefill")
+    except BaseException:
+        await stop_pods([decode_sim])
+        raise
     to_decode, to_prefill = Recorder(decode_sim.address), Recorder(prefill_sim.address)
     sidecar: DecodePod | None = None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=READY_S)) as client:
@@ -215,7 +277,15 @@ async def chain(
                 tmp, POLICY, [sidecar, prefill], otlp_endpoint=jaeger.otlp_grpc
             ) as gate:
                 yield Chain(
-                    gate, client, decode_sim, prefill_sim, to_decode, to_prefill, sidecar, jaeger
+                    simulator,
+                    gate,
+                    client,
+                    decode_sim,
+                    prefill_sim,
+                    to_decode,
+                    to_prefill,
+                    sidecar,
+                    jaeger,
                 )
         finally:
             if sidecar is not None:
@@ -242,14 +312,35 @@ async def until_listening(client: aiohttp.ClientSession, sidecar: DecodePod) -> 
     await until(answers, "the sidecar")
 
 
-def completion(prompt: str, *, stream: bool = False) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 5, "stream": stream}
+def completion(chain: Chain, prompt: str, *, stream: bool = False) -> dict[str, Any]:
+    return {"model": chain.simulator.model, "prompt": prompt, "max_tokens": 5, "stream": stream}
+
+
+def traced() -> tuple[str, dict[str, str]]:
+    """A new trace id, and the ``traceparent`` header that starts a request in it."""
+    trace_id = os.urandom(16).hex()
+    return trace_id, {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+
+
+async def decision_of(chain: Chain, trace_id: str) -> dict[str, Any]:
+    """policyd's logged decision for the request of ``trace_id`` (logged as its exchange
+    ends, which may be after the client has its answer)."""
+
+    def logged() -> list[dict[str, Any]]:
+        return [d for d in chain.gate.decisions() if d["trace_id"] == trace_id]
+
+    await until(logged, f"the decision of trace {trace_id}")
+    (decision,) = logged()
+    return decision
 
 
 async def send(
-    chain: Chain, body: dict[str, Any], headers: dict[str, str] | None = None
+    chain: Chain,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/completions",
 ) -> tuple[int, str]:
-    url = chain.gate.url + "/v1/completions"
+    url = chain.gate.url + path
     async with chain.client.post(url, json=body, headers=headers or {}) as response:
         return response.status, await response.text()
 
@@ -260,7 +351,8 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_decoded_behind_
     prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
     before = success_total(await pod_metrics(chain.client, chain.decode_sim.url))
     prompt = long_prompt("whole")
-    status, text = await send(chain, completion(prompt))
+    trace_id, headers = traced()
+    status, text = await send(chain, completion(chain, prompt), headers)
     assert status == 200, text
     assert '"choices"' in text
 
@@ -271,12 +363,14 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_decoded_behind_
     (decode,) = chain.to_decode.completions()[decodes:]
     received = json.loads(decode.body)
     assert received["kv_transfer_params"]["do_remote_prefill"] is True
+    # what the prefill pod answered, passed on whole: where the decode pod reads the blocks
+    assert received["kv_transfer_params"] == json.loads(prefill.answer)["kv_transfer_params"]
     assert received["prompt"] == prompt
     await until(
         lambda: _later(chain, before), "the decode simulator counts the request it finished"
     )
 
-    (decision,) = (await settled(chain.gate, 1))[-1:]
+    decision = await decision_of(chain, trace_id)
     assert decision["pod"] == "decode-0"
     assert decision["split"]["split"] is True and decision["split"]["reason"] == "when-true"
     assert decision["split"]["pod"] == "prefill-0"
@@ -287,9 +381,29 @@ async def _later(chain: Chain, before: float) -> bool:
     return success_total(await pod_metrics(chain.client, chain.decode_sim.url)) > before
 
 
+def _count(samples: dict[str, list[Any]], name: str) -> float:
+    return float(sum(s.value for s in samples.get(name, ())))
+
+
+async def test_the_decode_pod_reads_the_prefilled_blocks_once_per_split(chain: Chain) -> None:
+    """policyd's simulator counts each transfer its decode pod reads, as vLLM's
+    NixlConnector does: one per split request, none for a request decoded whole."""
+    metric = chain.simulator.transfers
+    if metric is None:
+        pytest.skip(f"{chain.simulator.name} exports no KV transfer metric")
+    url = chain.decode_sim.url
+    before = _count(await pod_metrics(chain.client, url), metric)
+    status, text = await send(chain, completion(chain, long_prompt("transferred")))
+    assert status == 200, text
+    assert _count(await pod_metrics(chain.client, url), metric) == before + 1
+    status, text = await send(chain, completion(chain, SHORT))
+    assert status == 200, text
+    assert _count(await pod_metrics(chain.client, url), metric) == before + 1
+
+
 async def test_a_streamed_long_prompt_is_split_too(chain: Chain) -> None:
     prefills = len(chain.to_prefill.completions())
-    status, text = await send(chain, completion(long_prompt("streamed"), stream=True))
+    status, text = await send(chain, completion(chain, long_prompt("streamed"), stream=True))
     assert status == 200, text
     assert text.rstrip().endswith("data: [DONE]")
     (prefill,) = chain.to_prefill.completions()[prefills:]
@@ -297,9 +411,51 @@ async def test_a_streamed_long_prompt_is_split_too(chain: Chain) -> None:
     assert sent["stream"] is False  # the sidecar asks the prefill pod for one whole answer
 
 
+async def test_a_streamed_chat_is_split_with_its_token_limits_restored(chain: Chain) -> None:
+    """The sidecar caps every token limit of the prefill at 1 and gives the decode the
+    client's own back."""
+    prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
+    body = {
+        "model": chain.simulator.model,
+        "messages": [{"role": "user", "content": long_prompt("chat")}],
+        "max_completion_tokens": 5,
+        "stream": True,
+    }
+    status, text = await send(chain, body, path="/v1/chat/completions")
+    assert status == 200, text
+    assert text.rstrip().endswith("data: [DONE]")
+    (prefill,) = chain.to_prefill.completions()[prefills:]
+    assert prefill.path == "/v1/chat/completions"
+    sent = json.loads(prefill.body)
+    assert (sent["max_tokens"], sent["max_completion_tokens"], sent["stream"]) == (1, 1, False)
+    (decode,) = chain.to_decode.completions()[decodes:]
+    received = json.loads(decode.body)
+    assert received["kv_transfer_params"]["do_remote_prefill"] is True
+    assert received["max_completion_tokens"] == 5 and "max_tokens" not in received
+    assert received["stream"] is True
+
+
+async def test_a_prompt_the_decode_pod_holds_is_not_split_again(chain: Chain) -> None:
+    """``when`` reads the decode pod's ``pod.prefix_tokens``: after one split the prompt
+    is on the decode pod policyd sent it to, so the same prompt is decoded whole there."""
+    prompt = long_prompt("again")
+    first_trace, first_headers = traced()
+    status, text = await send(chain, completion(chain, prompt), first_headers)
+    assert status == 200, text
+    prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
+    second_trace, second_headers = traced()
+    status, text = await send(chain, completion(chain, prompt), second_headers)
+    assert status == 200, text
+    assert len(chain.to_prefill.completions()) == prefills
+    (decode,) = chain.to_decode.completions()[decodes:]
+    assert "kv_transfer_params" not in json.loads(decode.body)
+    assert (await decision_of(chain, first_trace))["split"]["split"] is True
+    assert (await decision_of(chain, second_trace))["split"]["split"] is False
+
+
 async def test_a_short_prompt_is_decoded_whole_on_the_decode_pod(chain: Chain) -> None:
     prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
-    status, text = await send(chain, completion(SHORT))
+    status, text = await send(chain, completion(chain, SHORT))
     assert status == 200, text
     assert len(chain.to_prefill.completions()) == prefills
     (decode,) = chain.to_decode.completions()[decodes:]
@@ -311,7 +467,7 @@ async def test_a_client_cannot_send_the_prefill_to_a_pod_of_its_choosing(chain: 
     so the header must not reach it."""
     prefills, decodes = len(chain.to_prefill.completions()), len(chain.to_decode.completions())
     forged = {PREFILL_HEADER: f"127.0.0.1:{chain.to_prefill.port}"}
-    status, text = await send(chain, completion(SHORT), forged)
+    status, text = await send(chain, completion(chain, SHORT), forged)
     assert status == 200, text
     assert len(chain.to_prefill.completions()) == prefills
     (decode,) = chain.to_decode.completions()[decodes:]
@@ -321,10 +477,9 @@ async def test_a_client_cannot_send_the_prefill_to_a_pod_of_its_choosing(chain: 
 async def test_the_trace_is_one_tree_from_the_gateway_to_the_prefill_pod(chain: Chain) -> None:
     """The client's trace: Envoy's spans, policyd's decision span under them, the sidecar's
     spans under Envoy's upstream call, and the prefill pod called from a sidecar span."""
-    trace_id = os.urandom(16).hex()
-    caller = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+    trace_id, caller = traced()
     prefills = len(chain.to_prefill.completions())
-    status, text = await send(chain, completion(long_prompt("traced")), caller)
+    status, text = await send(chain, completion(chain, long_prompt("traced")), caller)
     assert status == 200, text
     (prefill,) = chain.to_prefill.completions()[prefills:]
     _, prefill_trace, prefill_parent, _ = prefill.headers["traceparent"].split("-")

@@ -68,6 +68,7 @@ _SHUTDOWN_TIMEOUT_S = 0.25
 _CREATED = int(time.time())
 PREFILLER_HEADER: Final = "x-prefiller-host-port"  # llm-d's: where the sidecar sends the prefill
 _PREFILL_ANSWER_LIMIT: Final = 1 << 20  # a one-token answer is a few kB
+TRACE_CONTEXT: Final = ("traceparent", "tracestate")  # W3C trace context, passed to the prefill
 # The fields the sidecar caps at one token for the prefill (chat and completions alike).
 _TOKEN_LIMIT_FIELDS: Final = ("max_tokens", "max_completion_tokens", "min_tokens")
 
@@ -319,7 +320,7 @@ class SimServer:
             )
             prefiller = request.headers.get(PREFILLER_HEADER)
             if self.pd_in_process and prefiller and call.kv_transfer is None:
-                transfer = await self._prefill_remotely(prefiller, request.path, body)
+                transfer = await self._prefill_remotely(prefiller, request, body)
                 call = dataclasses.replace(call, kv_transfer=transfer)
             text_seed = self._next_text_seed
             state = driver.submit(self._engine_request(call, progress, text_seed))
@@ -367,11 +368,16 @@ class SimServer:
             "tp_size": 1,
         }
 
-    async def _prefill_remotely(self, prefiller: str, path: str, body: bytes) -> KvTransfer | None:
+    async def _prefill_remotely(
+        self, prefiller: str, request: web.Request, body: bytes
+    ) -> KvTransfer | None:
         """Have ``prefiller`` (``host:port``) prefill the request, as llm-d's sidecar asks
         it; the parameters to decode with, or ``None`` (decode with a local prefill) when
         it answers none. An error answer is the client's (``_PrefillError``), as the
-        sidecar forwards it; an unreachable pod is a 502."""
+        sidecar forwards it; an unreachable pod is a 502. The request's trace context
+        goes along, as the sidecar's instrumented client sends it, so the prefill joins
+        the caller's trace."""
+        path = request.path
         host, _, port = prefiller.rpartition(":")
         if not host or not port.isdigit():
             raise ApiError(400, f"`{PREFILLER_HEADER}` must be host:port, got {prefiller!r}")
@@ -393,7 +399,11 @@ class SimServer:
             async with self._client.post(
                 f"http://{prefiller}{path}",
                 data=encode(payload),
-                headers={"Content-Type": "application/json", "x-request-id": uuid.uuid4().hex},
+                headers={
+                    "Content-Type": "application/json",
+                    "x-request-id": uuid.uuid4().hex,
+                    **{k: v for k in TRACE_CONTEXT if (v := request.headers.get(k)) is not None},
+                },
             ) as response:
                 answer = await response.content.read(_PREFILL_ANSWER_LIMIT + 1)
                 status = response.status

@@ -16,8 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from policyd.extproc.envoy_process import free_port
 from policyd.sim.pool import SimPool
 from policyd.sim.profile import H100_LLAMA31_8B
 from policyd.sim.server import PREFILLER_HEADER, SimServer
@@ -241,3 +243,34 @@ def test_the_pool_writes_each_pods_role_label() -> None:
         SimPool(2, base_port=0, roles=["prefill"])
     with pytest.raises(ValueError, match="unknown pod role"):
         SimPool(1, base_port=0, roles=["encoder"])
+
+
+async def test_in_process_the_prefill_joins_the_callers_trace(
+    pods: tuple[SimServer, SimServer], client: aiohttp.ClientSession
+) -> None:
+    """The decode pod passes the request's W3C trace context to the prefill pod, as the
+    sidecar's instrumented client does (a recording proxy, written here, sees it)."""
+    prefill, decode = pods
+    seen: list[dict[str, str]] = []
+
+    async def forward(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        async with client.post(prefill.url + request.path, data=await request.read()) as answer:
+            return web.Response(
+                status=answer.status, body=await answer.read(), content_type="application/json"
+            )
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        trace = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01", "tracestate": "vendor=1"}
+        body = {"model": BASE, "prompt": PROMPT, "max_tokens": 2, "sim_output_tokens": 2}
+        await post(client, decode.url, body, {PREFILLER_HEADER: f"127.0.0.1:{port}", **trace})
+    finally:
+        await runner.cleanup()
+    (received,) = seen
+    assert {k: received.get(k) for k in trace} == trace

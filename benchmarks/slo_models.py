@@ -123,7 +123,7 @@ def family_rls() -> tuple[Predictor, Learn]:
         return models.predict_many((s.pod,), (s.uncached,), s.context)[0]
 
     def learn(s: Sample) -> None:
-        models.learn(Outcome(s.pod, s.in_flight, s.uncached, s.context, s.ttft_ms, s.tpot_ms))
+        models.learn(Outcome(s.pod, s.in_flight, 0, s.uncached, s.context, s.ttft_ms, s.tpot_ms))
 
     return predict, learn
 
@@ -134,7 +134,7 @@ def family_rls_log() -> tuple[Predictor, Learn]:
 
     def predict(s: Sample) -> tuple[float, float]:
         a, b = ttft[s.pod.name].fit, tpot[s.pod.name].fit
-        x = ttft_features(s.uncached, s.pod, s.in_flight)
+        x = ttft_features(s.uncached, s.pod, s.in_flight, 0)
         y = tpot_features(s.context, s.pod, s.in_flight)
         return (
             math.exp(a.predict(x)) if a.samples >= WARM else -1.0,
@@ -142,7 +142,9 @@ def family_rls_log() -> tuple[Predictor, Learn]:
         )
 
     def learn(s: Sample) -> None:
-        ttft[s.pod.name].learn(ttft_features(s.uncached, s.pod, s.in_flight), math.log(s.ttft_ms))
+        ttft[s.pod.name].learn(
+            ttft_features(s.uncached, s.pod, s.in_flight, 0), math.log(s.ttft_ms)
+        )
         if s.tpot_ms is not None and s.tpot_ms > 0:
             tpot[s.pod.name].learn(
                 tpot_features(s.context, s.pod, s.in_flight), math.log(s.tpot_ms)
@@ -225,7 +227,7 @@ def prediction_cost(rounds: int = 2000) -> tuple[float, float]:
     ]
     for pod in pods:
         for _ in range(WARM + 4):
-            models.learn(Outcome(pod, rng.randrange(8), 800, 1200, rng.uniform(50, 500), 30.0))
+            models.learn(Outcome(pod, rng.randrange(8), 0, 800, 1200, rng.uniform(50, 500), 30.0))
 
     def per_decision(work: Callable[[], object]) -> float:
         started = time.perf_counter()

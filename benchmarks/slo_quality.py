@@ -13,7 +13,11 @@ not) and ``Router.decide`` on the simulator's virtual clock
 which learn each exchange's end exactly as the serving path's
 ``Learning`` sink does (``outcome_of``, from what the exchange saw: the first
 body bytes of a streamed answer, the whole of another, the ``usage``), only
-for a policy that reads the predictions.
+for a policy that reads the predictions. Each pod's queued prefill
+(``pod.queued_prefill_tokens``) is kept as the serving path keeps it: a
+routed request's uncached prompt estimate counts on its pod from the
+decision until its first body bytes (a streamed answer's first token, a
+whole answer's end) or its timeout.
 
 Contenders, on the same requests:
 
@@ -50,13 +54,13 @@ from typing import Any, Final
 
 import aiohttp
 import yaml
-from flow_quality import POD_COUNT, Contender, FlowResult, FlowRun, figures_of
+from flow_quality import POD_COUNT, Contender, FlowResult, FlowRun, Snapshot, figures_of
 from live_stack import metric_sum
 from reporting import verdict
 from virtual_routing import RULES, served_request
 
 from policyd.latency.learning import outcome_of
-from policyd.latency.models import LatencyModels
+from policyd.latency.models import LatencyModels, uncached_prompt
 from policyd.policy import Decision, PolicyStore, Request, Router
 from policyd.sim.bodies import open_request, streamed
 from policyd.sim.open_loop import OpenRequest
@@ -131,6 +135,14 @@ class SloRun(FlowRun):
         count = len(requests)
         self.decisions: list[Decision | None] = [None] * count
         self.served: list[Request | None] = [None] * count
+        self.queued = [0] * POD_COUNT  # each pod's queued prefill tokens, as policyd counts
+        self.queued_of: list[tuple[int, int] | None] = [None] * count  # (pod, tokens)
+
+    def _snapshot(self) -> Snapshot:
+        snapshot = super()._snapshot()
+        for pod in snapshot.candidates:  # each a fresh ``InFlight``: the run keeps the count
+            pod.load.prefill_tokens = self.queued[int(pod.name.rsplit("-", 1)[1])]
+        return snapshot
 
     def _request(self, index: int) -> Request:
         """The request ``policyd serve`` reads from the class's client: its headers, and a
@@ -145,12 +157,31 @@ class SloRun(FlowRun):
     def _decide(self, index: int, request: Request, candidates: Sequence[Any]) -> str | None:
         self.router = self.routers[index % len(self.routers)]
         pod = super()._decide(index, request, candidates)
-        self.decisions[index] = self.router.last
+        decision = self.decisions[index] = self.router.last
         self.served[index] = request
+        if pod is not None and decision is not None:
+            tokens = uncached_prompt(request.prompt_tokens, decision.prefix_match)
+            chosen = int(pod.rsplit("-", 1)[1])
+            self.queued[chosen] += tokens
+            self.queued_of[index] = (chosen, tokens)
         return pod
+
+    def _release_queued(self, index: int) -> None:
+        queued = self.queued_of[index]
+        if queued is not None:
+            self.queued[queued[0]] -= queued[1]
+            self.queued_of[index] = None
+
+    def on_progress(self, state: Any, now: float) -> None:
+        index = int(state.request.request_id)
+        request = self.served[index]
+        if request is not None and request.stream:  # the first body bytes: its first token
+            self._release_queued(index)
+        super().on_progress(state, now)
 
     def _resolve(self, index: int) -> None:
         """The exchange ended: teach the models what the serving path's sink would."""
+        self._release_queued(index)
         super()._resolve(index)
         decision, request = self.decisions[index], self.served[index]
         state, sent, finished = self.states[index], self.sent[index], self.finished[index]

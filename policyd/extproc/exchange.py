@@ -24,7 +24,10 @@ raises, a telemetry bug) ends as an answer for that request alone, and
 ``handle`` never raises. The in-flight count of the chosen pod goes up when a
 request is routed and down exactly once when its exchange ends, however it
 ends. The prefill pod of a request a two-stage policy split counts it too,
-down exactly once, when the decode pod answers or the exchange ends.
+down exactly once, when the decode pod answers or the exchange ends. The
+request's uncached prompt tokens count in the queued prefill of the pod that
+prefills it (``pod.queued_prefill_tokens``, a latency-model input) until its
+first body bytes, or its end or expiry if they never come.
 
 The exchange owns its end. Where it is in a request's life is one value,
 ``State`` (reading, decided, routed, responding, answered, ended,
@@ -65,6 +68,7 @@ from policyd.extproc.serving import ServingContext
 from policyd.extproc.trace_carrier import TraceCarrier
 from policyd.extproc.usage import UsageReader
 from policyd.flow import FlowAnswer, Held
+from policyd.latency.models import uncached_prompt
 from policyd.policy.decision import Decision, Outcome, ShadowReport
 from policyd.policy.request import Request
 from policyd.pool.pod import InFlight, Pod
@@ -114,6 +118,7 @@ class Exchange:
         "_method",
         "_path",
         "_prefill_load",  # a split request's prefill pod's in-flight count
+        "_queued",  # until its first token: the load counting its prefill, and how much
         "_response_mode",
         "_router",
         "_server",
@@ -148,6 +153,7 @@ class Exchange:
         self._span: RequestSpan | None = None
         self._load: InFlight | None = None
         self._prefill_load: InFlight | None = None
+        self._queued: tuple[InFlight, int] | None = None
         # What the response's record reports (times from perf_counter).
         self._decided_at = 0.0
         self._status: int | None = None  # the response's, once its headers came
@@ -448,7 +454,7 @@ class Exchange:
             decision.held_seconds = started - hold.since
             decision.queue_position = hold.held.position
         span = self._decided(request, decision, started)
-        self._claim(decision, pods)
+        self._claim(decision, pods, uncached_prompt(request.prompt_tokens, decision.prefix_match))
         if flow_controlled and hold is None:  # a dispatched one, flow control counts itself
             self._server.holding.control.sent(decision.pod, self)
         settings = self._server.settings
@@ -521,14 +527,15 @@ class Exchange:
         started = time.perf_counter()
         decision = bodyless.least_busy_pod(candidates, self._server.rng)
         span = self._decided(request, decision, started)
-        self._claim(decision, candidates)
+        self._claim(decision, candidates, 0)
         return replies.route_headers(
             decision.endpoint,
             self._upstream_headers(span),
             self._server.route_replies.prefill_header,
         )
 
-    def _claim(self, decision: Decision, candidates: Sequence[Pod]) -> None:
+    def _claim(self, decision: Decision, candidates: Sequence[Pod], prefill: int) -> None:
+        """Count the request on its pod(s), its ``prefill`` tokens on the pod prefilling it."""
         load = self._load = _claim(decision, candidates)
         if load is not None:
             self._candidates = candidates
@@ -538,6 +545,10 @@ class Exchange:
                 # The prefill pod works for this request too until its answer ends.
                 split.chosen.load.count += 1
                 self._prefill_load = split.chosen.load
+            if prefill > 0:
+                prefilling = self._prefill_load or load
+                prefilling.prefill_tokens += prefill
+                self._queued = (prefilling, prefill)
 
     def _served_by(self, endpoint: str) -> None:
         """The proxy says ``endpoint`` served the request (``epp``): when that is not
@@ -552,6 +563,11 @@ class Exchange:
                     load.count -= 1
                     pod.load.count += 1
                     self._load = pod.load
+                    queued = self._queued
+                    if queued is not None and queued[0] is load:  # it prefills there too
+                        load.prefill_tokens -= queued[1]
+                        pod.load.prefill_tokens += queued[1]
+                        self._queued = (pod.load, queued[1])
                 return
 
     @property
@@ -569,6 +585,7 @@ class Exchange:
         self._load.count -= 1
         self._load = None
         self._release_prefill()
+        self._release_queued()
         if self._decision is not None:
             self._server.holding.finished(self._decision.pod, self)  # counted free: a slot
         self._report("expired", "no_response_headers")
@@ -653,6 +670,7 @@ class Exchange:
         chunk = message.body  # each read of a bytes field makes a new copy
         if self._first_body_at is None and chunk:
             self._first_body_at = time.perf_counter()
+            self._release_queued()  # a first token: its prefill is done
         if self._usage is not None:
             self._usage.feed(chunk)
         if self._response_mode == _DUPLEX:
@@ -694,6 +712,7 @@ class Exchange:
             load.count -= 1
             self._load = None
             self._release_prefill()
+            self._release_queued()
             if self._decision is not None:
                 usage = self._usage if end is State.ENDED else None
                 self._server.holding.finished(self._decision.pod, self, usage)  # a slot is free
@@ -709,6 +728,13 @@ class Exchange:
         if prefill is not None:
             prefill.count -= 1
             self._prefill_load = None
+
+    def _release_queued(self) -> None:
+        """Take the request's prefill out of its pod's queued prefill, once."""
+        queued = self._queued
+        if queued is not None:
+            queued[0].prefill_tokens -= queued[1]
+            self._queued = None
 
     def _record_later(self, *, decision: bool, end: bool) -> None:
         """Queue the bookkeeping now due, in order: the one place it is deferred.

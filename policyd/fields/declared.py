@@ -309,6 +309,14 @@ POD_FIELDS: Final[tuple[Field, ...]] = (
         0,
     ),
     Field(
+        "queued_prefill_tokens",
+        "int",
+        "serving",
+        "uncached prompt tokens of the requests policyd sent to the pod that have not"
+        " answered a first token yet: the prefill queued there, which `running` does not show",
+        0,
+    ),
+    Field(
         "metrics_age",
         "duration",
         "scrape",

@@ -50,6 +50,8 @@ PYTHON_TYPES: Final = {
 
 # Counted by the serving path in the pod's ``InFlight``, which outlives snapshots.
 IN_FLIGHT: Final = "in_flight"
+# Each field the serving path keeps in the pod's ``InFlight``, and its attribute there.
+IN_FLIGHT_FIELDS: Final = {IN_FLIGHT: "count", "queued_prefill_tokens": "prefill_tokens"}
 
 
 def prefix_fields(pod_fields: Sequence[Field]) -> tuple[Field, ...]:
@@ -76,7 +78,11 @@ def stored_fields(pod_fields: Sequence[Field]) -> tuple[Field, ...]:
     return (
         *(f for f in pod_fields if f.origin == "identity"),
         *scraped_fields(pod_fields),
-        *(f for f in pod_fields if f.origin in ("serving", "scrape") and f.name != IN_FLIGHT),
+        *(
+            f
+            for f in pod_fields
+            if f.origin in ("serving", "scrape") and f.name not in IN_FLIGHT_FIELDS
+        ),
     )
 
 
@@ -237,8 +243,9 @@ def prediction_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
 def pod_types_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     doc = (
         "A model-server pod as the pool publishes it (``Pod``), and a scrape's values.\n\n"
-        "``Pod``'s attributes are the CEL schema's ``pod`` fields. ``in_flight`` is not\n"
-        "stored: it reads the pod's ``InFlight`` counter, which outlives snapshots. Nor\n"
+        "``Pod``'s attributes are the CEL schema's ``pod`` fields. ``in_flight`` and\n"
+        "``queued_prefill_tokens`` are not stored: they read the pod's ``InFlight``,\n"
+        "which outlives snapshots. Nor\n"
         "are the prefix and prediction fields: they belong to one request, so a\n"
         "snapshot's pod answers their defaults, and the router lays each request's\n"
         "values over it."
@@ -264,10 +271,16 @@ def pod_types_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
         *(_attribute(f, f.default, wrap="Final") for f in stored_fields(pod_fields)),
         "    load: Final[InFlight] = field(default_factory=InFlight, compare=False, repr=False)",
         *(_attribute(f, f.default, wrap="ClassVar") for f in overlaid_fields(pod_fields)),
-        "",
-        "    @property",
-        f"    def {IN_FLIGHT}(self) -> int:",
-        "        return self.load.count",
+        *(
+            line
+            for name, attribute in IN_FLIGHT_FIELDS.items()
+            for line in (
+                "",
+                "    @property",
+                f"    def {name}(self) -> int:",
+                f"        return self.load.{attribute}",
+            )
+        ),
     ]
     standard, ours = _type_imports(pod_fields, ("ClassVar", "Final", "NamedTuple"), factory=True)
     return _module(doc, standard, [*ours, "from policyd.pool.inflight import InFlight"], body)

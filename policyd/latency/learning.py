@@ -3,7 +3,8 @@
 Beside the spans and metrics (``policyd.telemetry.fanout.combine``), it
 keeps each routed request's decision and, at the exchange's end, teaches the
 chosen pod's models: the load the decision saw (the pod's scraped fields
-then, policyd's in-flight count there) and what the answer took.
+then, policyd's in-flight count and queued prefill there) and what the
+answer took.
 
 - A streamed answer gives both: TTFT is its first body bytes' time, TPOT
   the rest of the answer over its output tokens but the first.
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Final
 
-from policyd.latency.models import COLD, LatencyModels, Outcome
+from policyd.latency.models import COLD, LatencyModels, Outcome, uncached_prompt
 from policyd.policy.decision import Decision, ShadowReport
 from policyd.policy.decision import Outcome as Routed
 from policyd.policy.request import Request
@@ -97,7 +98,7 @@ def outcome_of(
         uncached = end.prompt_tokens - (end.cached_tokens or 0)
         prompt_tokens = end.prompt_tokens
     else:
-        uncached = round(request.prompt_tokens * (1.0 - (decision.prefix_match or 0.0)))
+        uncached = uncached_prompt(request.prompt_tokens, decision.prefix_match)
         prompt_tokens = request.prompt_tokens
     uncached = max(uncached, 0)
     context = prompt_tokens + tokens // 2
@@ -119,7 +120,8 @@ def outcome_of(
             ttft_ms = total_ms - tpot * (tokens - 1)
         if ttft_ms is not None and ttft_ms <= 0.0:
             ttft_ms = None
-    return Outcome(pod, in_flight, uncached, context, ttft_ms, tpot_ms)
+    queued = decision.chosen_queued_prefill
+    return Outcome(pod, in_flight, queued, uncached, context, ttft_ms, tpot_ms)
 
 
 _NO_LESSON: Final = Lesson(LatencyModels(), Request(model=""), None)  # teaches nothing

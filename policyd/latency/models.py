@@ -1,7 +1,8 @@
 """Every pod's TTFT and TPOT model, learned from policyd's own outcomes, read lock-free.
 
 Per pod: one ``Learner`` for TTFT over the uncached prompt tokens and the
-pod's load when policyd routed to it, one for TPOT over its batch and the
+pod's load when policyd routed to it (the prefill policyd had queued there
+among it), one for TPOT over its batch and the
 request's context. A pod's models start again when it is no longer the pod
 they learned: another address (a restarted pod gets a new one) or another
 served model.
@@ -27,7 +28,7 @@ MAX_CACHED: Final = 4096  # snapshot pods whose folded terms are kept; past it, 
 # A linear fit may extrapolate below zero at loads it has not seen: a prediction
 # is never below a tenth of a millisecond.
 FLOOR_MS: Final = 0.1
-TTFT_WIDTH: Final = 6
+TTFT_WIDTH: Final = 7
 TPOT_WIDTH: Final = 5
 
 
@@ -49,16 +50,30 @@ class LoadLike(Protocol):
 
 
 class Loaded(LoadLike, Protocol):
-    """A pod with policyd's live in-flight count (``Pod``, ``PolicyPod``)."""
+    """A pod with policyd's live in-flight count and queued prefill (``Pod``, ``PolicyPod``)."""
 
     @property
     def in_flight(self) -> int: ...
+    @property
+    def queued_prefill_tokens(self) -> int: ...
+
+
+def uncached_prompt(prompt_tokens: int, prefix_match: float | None) -> int:
+    """The prompt tokens a pod has to prefill, by the request's estimate and its prefix match
+    there: what the serving path queues on the chosen pod, and learns from when the answer
+    does not say."""
+    return max(round(prompt_tokens * (1.0 - (prefix_match or 0.0))), 0)
 
 
 def ttft_features(
-    uncached_tokens: int, pod: LoadLike, in_flight: int
-) -> tuple[float, float, float, float, float, float]:
-    """TTFT's features: the prefill to do (in thousands of tokens) and what is ahead of it."""
+    uncached_tokens: int, pod: LoadLike, in_flight: int, queued_prefill: int
+) -> tuple[float, float, float, float, float, float, float]:
+    """TTFT's features: the prefill to do and the prefill policyd queued ahead of it (in
+    thousands of tokens), and the rest of what is ahead of it.
+
+    The queued prefill is what a short request waits behind on a pod doing a long
+    one, which no scraped figure counts in tokens.
+    """
     return (
         1.0,
         uncached_tokens / 1000.0,
@@ -66,6 +81,7 @@ def ttft_features(
         float(pod.running),
         pod.kv_cache,
         float(in_flight),
+        queued_prefill / 1000.0,
     )
 
 
@@ -106,13 +122,15 @@ class PodFits:
 class Outcome:
     """One finished exchange as the models learn from it.
 
-    ``pod`` is the pod as the decision saw it (its scraped load then) and
-    ``in_flight`` policyd's count there before this request; ``tpot_ms`` is
+    ``pod`` is the pod as the decision saw it (its scraped load then),
+    ``in_flight`` policyd's count there before this request and
+    ``queued_prefill`` the prefill tokens policyd had queued there; ``tpot_ms`` is
     None for an answer of one token or less (nothing to time between tokens).
     """
 
     pod: LoadLike
     in_flight: int
+    queued_prefill: int
     uncached_tokens: int
     context_tokens: int
     ttft_ms: float | None
@@ -148,7 +166,10 @@ class LatencyModels:
             learners = self._learners[pod.name] = _PodLearners(who)
         if outcome.ttft_ms is not None:
             learners.ttft.learn(
-                ttft_features(outcome.uncached_tokens, pod, outcome.in_flight), outcome.ttft_ms
+                ttft_features(
+                    outcome.uncached_tokens, pod, outcome.in_flight, outcome.queued_prefill
+                ),
+                outcome.ttft_ms,
             )
         if outcome.tpot_ms is not None:
             learners.tpot.learn(
@@ -171,7 +192,7 @@ class LatencyModels:
         self, pods: Sequence[Loaded], uncached_tokens: Sequence[int], context_tokens: int
     ) -> list[tuple[float, float]]:
         """Each pod's predicted TTFT and TPOT in milliseconds (``COLD`` where it has
-        none yet), at its own in-flight count and uncached prompt tokens.
+        none yet), at its own in-flight count, queued prefill and uncached prompt tokens.
 
         A decision that reads predictions makes one per candidate: the part of
         each prediction that depends on the pod's scraped load alone is kept per
@@ -185,11 +206,11 @@ class LatencyModels:
             if terms is None or terms[0] is not pod or terms[1] is not fits.get(pod.name):
                 terms = self._terms_of(pod)
             # Unpacked and written out: a method call per value costs more than the sums.
-            _, _, ttft_warm, tb, tu, tf, tpot_warm, pb, pc, pf = terms
+            _, _, ttft_warm, tb, tu, tf, tq, tpot_warm, pb, pc, pf = terms
             in_flight = pod.in_flight
             ttft = tpot = COLD
             if ttft_warm:
-                ttft = tb + tu * uncached + tf * in_flight
+                ttft = tb + tu * uncached + tf * in_flight + tq * pod.queued_prefill_tokens
                 if ttft < FLOOR_MS:  # noqa: PLR1730 - max() costs a call per pod
                     ttft = FLOOR_MS
             if tpot_warm:
@@ -213,7 +234,7 @@ class LatencyModels:
 
 class _Terms(NamedTuple):
     """One snapshot pod's predictions with its load folded in: what varies per request
-    (uncached tokens, context, in-flight count) is left as a coefficient each.
+    (uncached tokens, context, in-flight count, queued prefill) is left as a coefficient each.
 
     ``pod`` is kept so that ``id(pod)`` cannot be reused for another object while the
     entry lives; ``fits`` says which fits made it.
@@ -225,6 +246,7 @@ class _Terms(NamedTuple):
     ttft_base: float
     ttft_uncached: float
     ttft_in_flight: float
+    ttft_queued: float
     tpot_warm: bool
     tpot_base: float
     tpot_context: float
@@ -234,11 +256,12 @@ class _Terms(NamedTuple):
     def of(cls, pod: LoadLike, fits: PodFits | None) -> _Terms:
         ttft_warm = fits is not None and fits.ttft.samples >= WARM
         tpot_warm = fits is not None and fits.tpot.samples >= WARM
-        ttft = tpot = (0.0, 0.0, 0.0)
+        ttft: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        tpot = (0.0, 0.0, 0.0)
         if fits is not None and ttft_warm:
-            t0, t1, t2, t3, t4, t5 = fits.ttft.coefficients
+            t0, t1, t2, t3, t4, t5, t6 = fits.ttft.coefficients
             base = t0 + t2 * pod.waiting_queue + t3 * pod.running + t4 * pod.kv_cache
-            ttft = (base, t1 / 1000.0, t5)
+            ttft = (base, t1 / 1000.0, t5, t6 / 1000.0)
         if fits is not None and tpot_warm:
             p0, p1, p2, p3, p4 = fits.tpot.coefficients
             tpot = (p0 + p1 * pod.running + p3 * pod.kv_cache, p4 / 1000.0, p2)

@@ -73,6 +73,7 @@ _NOT_CACHEABLE: Final = (
     | _PREDICTION_READS
     | {
         "pod.in_flight",
+        "pod.queued_prefill_tokens",
         "request.*",
         "request.headers",
         "request.id",

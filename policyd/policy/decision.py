@@ -153,6 +153,8 @@ class Decision:
     # Requests policyd had in flight on the chosen pod as it was chosen (the latency
     # models learn the outcome against the load the decision saw).
     chosen_in_flight: int = 0
+    # The prefill queued on it then (``pod.queued_prefill_tokens``), for the same reason.
+    chosen_queued_prefill: int = 0
     # For a policy that reads the predicted latencies: the chosen pod's (TTFT ms,
     # TPOT ms), -1.0 where it had none yet (None: not computed).
     predicted: tuple[float, float] | None = None

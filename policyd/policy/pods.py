@@ -75,6 +75,9 @@ class PolicyPod(Protocol):
     def in_flight(self) -> int: ...
 
     @property
+    def queued_prefill_tokens(self) -> int: ...
+
+    @property
     def metrics_age(self) -> Duration: ...
 
     @property
@@ -169,6 +172,10 @@ class Prefixed:
         return self.pod.in_flight
 
     @property
+    def queued_prefill_tokens(self) -> int:
+        return self.pod.queued_prefill_tokens
+
+    @property
     def metrics_age(self) -> Duration:
         return self.pod.metrics_age
 
@@ -243,6 +250,10 @@ class AsSeen:
         return self.pod.kv_block_size
 
     @property
+    def queued_prefill_tokens(self) -> int:
+        return self.pod.queued_prefill_tokens
+
+    @property
     def metrics_age(self) -> Duration:
         return self.pod.metrics_age
 
@@ -283,6 +294,7 @@ class StaticPod:
     kv_cache_blocks: int = 0
     kv_block_size: int = 0
     in_flight: int = 0
+    queued_prefill_tokens: int = 0
     metrics_age: Duration = _METRICS_AGE
     prefix_match: float = 0.0
     prefix_tokens: int = 0

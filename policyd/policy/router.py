@@ -364,6 +364,7 @@ class Router:
             prefix_match=prefix_match,
             best_prefix_match=best_prefix,
             chosen_in_flight=pod.in_flight,
+            chosen_queued_prefill=pod.queued_prefill_tokens,
             predicted=predicted,
             split=split,
         )

@@ -112,6 +112,7 @@ class PoolCollector(Collector):
             pod_gauges["active_lora_adapters"].add_metric(labels, len(pod.active_loras))
             pod_gauges["max_lora_adapters"].add_metric(labels, pod.max_loras)
             pod_gauges["in_flight_requests"].add_metric(labels, pod.in_flight)
+            pod_gauges["queued_prefill_tokens"].add_metric(labels, pod.queued_prefill_tokens)
             record = stats.get(pod.address)
             if record is None:
                 continue
@@ -161,6 +162,10 @@ _POD_GAUGES = (
     ("active_lora_adapters", "LoRA adapters with running requests, as last scraped."),
     ("max_lora_adapters", "LoRA adapters the pod can hold at once."),
     ("in_flight_requests", "Requests policyd routed to the pod that have not finished."),
+    (
+        "queued_prefill_tokens",
+        "Uncached prompt tokens policyd routed to the pod that have no first token yet.",
+    ),
     ("scrape_consecutive_failures", "Failed metrics scrapes of the pod since its last success."),
     ("scrape_duration_seconds", "How long the last metrics scrape of the pod took."),
     ("metrics_age_seconds", "Time since the pod's metrics were last scraped (+Inf: never)."),

@@ -11,8 +11,9 @@ from policyd.latency.models import COLD, MAX_PODS, LatencyModels, Outcome
 from policyd.policy.pods import StaticPod
 
 
-def ttft_truth(uncached: int, waiting: int, in_flight: int) -> float:
-    return 40.0 + 0.12 * uncached + 90.0 * waiting + 15.0 * in_flight
+def ttft_truth(uncached: int, waiting: int, in_flight: int, queued: int) -> float:
+    # The prefill queued ahead weighs as the request's own: the pod prefills it first.
+    return 40.0 + 0.12 * uncached + 90.0 * waiting + 15.0 * in_flight + 0.12 * queued
 
 
 def tpot_truth(running: int, context: int) -> float:
@@ -24,12 +25,14 @@ def outcome(pod: StaticPod, rng: random.Random, noise: float = 0.0) -> Outcome:
     context = uncached + rng.randrange(0, 2000)
     in_flight = pod.in_flight
     wobble = 1.0 + rng.uniform(-noise, noise)
+    queued = pod.queued_prefill_tokens
     return Outcome(
         pod,
         in_flight,
+        queued,
         uncached,
         context,
-        ttft_truth(uncached, pod.waiting_queue, in_flight) * wobble,
+        ttft_truth(uncached, pod.waiting_queue, in_flight, queued) * wobble,
         tpot_truth(pod.running, context) * wobble,
     )
 
@@ -42,6 +45,7 @@ def loaded(name: str, rng: random.Random, address: str = "", model: str = "") ->
         running=rng.randrange(0, 40),
         kv_cache=rng.random(),
         in_flight=rng.randrange(0, 12),
+        queued_prefill_tokens=rng.randrange(0, 6000),
         base_model=model,
     )
 
@@ -69,7 +73,9 @@ def test_the_models_learn_ttft_and_tpot_online() -> None:
         pod = loaded("a", rng)
         uncached, context = rng.randrange(50, 3000), rng.randrange(500, 5000)
         ttft, tpot = models.predict_many((pod,), (uncached,), context)[0]
-        true_ttft = ttft_truth(uncached, pod.waiting_queue, pod.in_flight)
+        true_ttft = ttft_truth(
+            uncached, pod.waiting_queue, pod.in_flight, pod.queued_prefill_tokens
+        )
         errors_ttft.append(abs(ttft - true_ttft) / true_ttft)
         errors_tpot.append(abs(tpot - tpot_truth(pod.running, context)) / tpot)
     assert sorted(errors_ttft)[50] < 0.05
@@ -82,7 +88,7 @@ def test_each_pod_has_its_own_model() -> None:
     for _ in range(200):
         models.learn(outcome(loaded("slow", rng), rng))
         fast = loaded("fast", rng)
-        models.learn(Outcome(fast, fast.in_flight, 100, 100, 20.0, 5.0))
+        models.learn(Outcome(fast, fast.in_flight, 0, 100, 100, 20.0, 5.0))
     pods = (StaticPod("slow", "slow:8000", waiting_queue=5), StaticPod("fast", "fast:8000"))
     (slow_ttft, _), (fast_ttft, fast_tpot) = models.predict_many(pods, (1000, 1000), 1000)
     assert slow_ttft > 400.0
@@ -121,7 +127,7 @@ def test_the_models_of_churning_pods_stay_bounded() -> None:
     rng = random.Random(5)
     for i in range(MAX_PODS + 3):
         pod = StaticPod(f"p{i}", f"p{i}:8000")
-        models.learn(Outcome(pod, 0, 10, 10, rng.uniform(5, 9), 1.0))
+        models.learn(Outcome(pod, 0, 0, 10, 10, rng.uniform(5, 9), 1.0))
     assert len(models.fits) == MAX_PODS
     assert "p0" not in models.fits and f"p{MAX_PODS + 2}" in models.fits
 
@@ -135,3 +141,21 @@ def test_a_reader_keeps_the_fits_it_read_while_the_models_learn() -> None:
     for _ in range(20):
         models.learn(outcome(loaded("a", rng), rng))
     assert dict(seen) == before and models.fits is not seen
+
+
+def test_the_prefill_queued_ahead_raises_the_predicted_ttft() -> None:
+    """Two pods alike but for the prefill policyd queued there: the one with more
+    waits longer, by what the model learned a queued token costs."""
+    rng = random.Random(7)
+    models = LatencyModels()
+    for _ in range(400):
+        models.learn(outcome(loaded("a", rng), rng, noise=0.05))
+    idle = StaticPod("a", "a:8000", waiting_queue=2, running=10, in_flight=3)
+    behind = StaticPod(
+        "a", "a:8000", waiting_queue=2, running=10, in_flight=3, queued_prefill_tokens=4000
+    )
+    (ttft_idle, tpot_idle), (ttft_behind, tpot_behind) = models.predict_many(
+        (idle, behind), (200, 200), 800
+    )
+    assert abs((ttft_behind - ttft_idle) - 0.12 * 4000) < 0.1 * 0.12 * 4000
+    assert tpot_behind == tpot_idle

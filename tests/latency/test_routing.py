@@ -38,8 +38,8 @@ PODS = (Pod("slow", "10.0.0.1:8000"), Pod("fast", "10.0.0.2:8000"), Pod("new", "
 def trained() -> LatencyModels:
     models = LatencyModels()
     for _ in range(WARM + 10):
-        models.learn(Outcome(PODS[0], 0, 500, 800, 900.0, 40.0))
-        models.learn(Outcome(PODS[1], 0, 500, 800, 120.0, 20.0))
+        models.learn(Outcome(PODS[0], 0, 0, 500, 800, 900.0, 40.0))
+        models.learn(Outcome(PODS[1], 0, 0, 500, 800, 120.0, 20.0))
     return models
 
 

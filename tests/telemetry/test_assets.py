@@ -271,7 +271,13 @@ def test_the_check_catches_a_wrong_name_label_value_or_grouping(tmp_path: Path) 
 
 
 # Gauges of policyd's own work, which each replica counts for itself: summed.
-OWN_GAUGES = frozenset({"policyd_pod_in_flight_requests", "policyd_model_held_requests"})
+OWN_GAUGES = frozenset(
+    {
+        "policyd_pod_in_flight_requests",
+        "policyd_pod_queued_prefill_tokens",
+        "policyd_model_held_requests",
+    }
+)
 
 
 def test_what_every_replica_sees_alike_is_not_summed_over_replicas() -> None:

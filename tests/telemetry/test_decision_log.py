@@ -55,6 +55,7 @@ def test_a_line_holds_the_inputs_the_walk_the_pick_and_the_response(
         "running": 0,
         "kv_cache": 0.1,
         "in_flight": 0,
+        "queued_prefill_tokens": 0,
         "max_loras": 0,
         "active_loras": [],
         "waiting_loras": [],

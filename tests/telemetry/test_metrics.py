@@ -242,6 +242,7 @@ def test_the_pool_is_read_at_scrape_time() -> None:
     a = Pod("a", "10.0.0.1:8000", waiting_queue=4, running=2, kv_cache=0.25, active_loras=("x",))
     b = Pod("b", "10.0.0.2:8000", max_loras=4)
     a.load.count = 3
+    a.load.prefill_tokens = 2500
     pool = FakePool(
         Snapshot((a, b), (a,)),
         {
@@ -268,6 +269,8 @@ def test_the_pool_is_read_at_scrape_time() -> None:
     assert value(registry, "policyd_pod_active_lora_adapters", model_server_endpoint="a") == 1
     assert value(registry, "policyd_pod_max_lora_adapters", model_server_endpoint="b") == 4
     assert value(registry, "policyd_pod_in_flight_requests", model_server_endpoint="a") == 3
+    assert value(registry, "policyd_pod_queued_prefill_tokens", model_server_endpoint="a") == 2500
+    assert value(registry, "policyd_pod_queued_prefill_tokens", model_server_endpoint="b") == 0
     assert (
         value(registry, "policyd_pod_scrapes_total", model_server_endpoint="b", result="failure")
         == 5

@@ -37,7 +37,7 @@ def predicting_router(tmp_path: Path) -> Router:
     for pod in pods():
         ttft = {"a": 400.0, "b": 200.0, "c": 900.0}[pod.name]
         for _ in range(WARM + 4):
-            models.learn(Outcome(pod, 0, 12, 44, ttft, 25.0))
+            models.learn(Outcome(pod, 0, 0, 12, 44, ttft, 25.0))
     (tmp_path / "live.yaml").write_text(textwrap.dedent(HEADROOM))
     return Router(load_policy_set(tmp_path / "live.yaml"), rng=random.Random(0), latency=models)
 

@@ -62,10 +62,12 @@ from policyd.sim.workloads import RagMix
 
 # The V1 profile with the workload's output lengths (see the module docstring).
 PROFILE: Final = get_profile("l4-llama3.1-8b").with_changes(output_share_of_max_tokens=None)
-# 2 of the 6 pods prefill: a RAG question's uncached prefill (~5,000 tokens, ~1.2 s of
-# compute) is a small share of its decode time (100-300 steps of ~0.08 s), so most of
-# the pool decodes (the sizing compared in benchmarks/RESULTS.md, "P/D disaggregation").
-PREFILL_PODS: Final = 2
+# 1 of the 6 pods prefills. The decode pods hold every running answer's KV cache (a
+# RAG answer's 2,000-8,000 prompt tokens for its 100-300 steps), so each pod taken
+# from decoding crowds the others; with 2 or 3 prefill pods at the goal's load the
+# decode pods fall behind and requests queue for minutes (benchmarks/RESULTS.md,
+# "P/D disaggregation", the sizing on the tuning seeds).
+PREFILL_PODS: Final = 1
 AGGREGATED: Final = ("lora-prefix", "prefix-aware")
 NEVER: Final = 10**9  # a split_at no prompt reaches: "never split"
 THRESHOLDS: Final = (0, 256, 512, 1024, 2048, 4096, NEVER)

@@ -92,10 +92,13 @@ def roles(prefill_pods: int, pods: int = POD_COUNT) -> tuple[str, ...]:
     return (PREFILL,) * prefill_pods + (DECODE,) * (pods - prefill_pods)
 
 
-def pd_policy(split_at: int, directory: Path) -> Path:
-    """``rules/pd.yaml`` with its ``split_at`` set, written to ``directory``."""
+def pd_policy(split_at: int, directory: Path, when: str | None = None) -> Path:
+    """``rules/pd.yaml`` with its ``split_at`` set (and its ``prefill.when`` replaced by
+    ``when`` where given), written to ``directory``."""
     document = yaml.safe_load((RULES / "pd.yaml").read_text())
     document["params"]["split_at"]["value"] = split_at
+    if when is not None:
+        document["prefill"]["when"] = when
     path = directory / f"pd-{split_at}.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
@@ -252,6 +255,7 @@ def main() -> None:
     parser.add_argument(
         "--find-seed", type=int, default=100, help="the seed the goal's load is found on"
     )
+    parser.add_argument("--when", help="another split predicate for rules/pd.yaml's prefill stage")
     arguments = parser.parse_args()
     seeds = range(arguments.first_seed, arguments.first_seed + arguments.seeds)
     started = time.monotonic()
@@ -302,7 +306,7 @@ def main() -> None:
             for split_at in THRESHOLDS:
                 runs.setdefault(threshold_name(split_at), []).append(
                     run_one(
-                        pd_policy(split_at, directory),
+                        pd_policy(split_at, directory, arguments.when),
                         pool,
                         rate,
                         seed,

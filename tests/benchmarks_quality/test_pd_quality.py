@@ -79,6 +79,11 @@ def test_pool_roles_and_threshold_policies(pd: ModuleType, tmp_path: Path) -> No
     assert document["params"]["split_at"]["value"] == 1024
     chosen = PolicyStore.open(path).current.select("any-model", {})
     assert chosen is not None and chosen.prefill is not None  # a valid two-stage policy
+    when = "double(request.prompt_tokens) * (1.0 - pod.prefix_match) >= double(params.split_at)"
+    (tmp_path / "other").mkdir()
+    other = pd.pd_policy(1024, tmp_path / "other", when)
+    assert yaml.safe_load(other.read_text())["prefill"]["when"] == when
+    assert PolicyStore.open(other).current.select("any-model", {}) is not None  # it compiles
     shipped = yaml.safe_load((pd.RULES / "pd.yaml").read_text())
     assert shipped["params"]["split_at"]["value"] == pd.SHIPPED_SPLIT_AT
 

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from policyd.cel.values import Duration
 from policyd.extproc.openai import REQUEST_ID_HEADER, InferenceBody, parse_body
+from policyd.fields.roles import BOTH
 from policyd.policy import Decision, Outcome, PolicyStore, Router
 from policyd.pool.pod import InFlight, Pod
 from policyd.prefix.index import ApproximateIndex, PreciseIndex
@@ -56,6 +57,7 @@ def pod_from_view(
     labels: Mapping[str, str] = POD_LABELS,
     prefix: str | None = None,
     profile: Profile = PROFILE,
+    role: str = BOTH,
 ) -> Pod:
     """The ``Pod`` the service would publish for one simulated pod, as the router saw it.
 
@@ -67,12 +69,14 @@ def pod_from_view(
     ``vllm:cache_config_info`` and ``model_name`` labels say).
     The address is the one ``policyd sim`` would give pod ``i``. ``prefix``
     renames pod ``i`` to ``{prefix}{i}`` (policies that hash pod names, such as
-    rendezvous scorers, then see another layout of the same pods).
+    rendezvous scorers, then see another layout of the same pods). ``role`` is its
+    P/D role (``pod.role``), as its role label would give it.
     """
     return Pod(
         name=view.name if prefix is None else f"{prefix}{view.index}",
         address=pod_address(view.index),
         labels=labels,
+        role=role,
         waiting_queue=view.waiting,
         running=view.running,
         kv_cache=view.kv_cache_usage,

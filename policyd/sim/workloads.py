@@ -344,3 +344,71 @@ class SloMix:
                 _request(at, None, [("user", question)], chosen.max_tokens, group=chosen.name)
             )
         return tuple(requests)
+
+
+@dataclass(frozen=True, slots=True)
+class RagMix:
+    """Long-context RAG mixed with short chat: the workload P/D disaggregation is for.
+
+    - ``rag`` (``rag_share`` of the requests): one of ``documents`` documents
+      of 2,000 to 8,000 tokens (drawn once per seed) as the system prompt,
+      the prefix every question about it shares, then a question of 16 to
+      128 tokens of its own; 100 to 300 output tokens, streamed. A pod that
+      holds the document prefills only the question; one that does not
+      prefills thousands of tokens, the long prefill that stalls the decode
+      steps it is batched with.
+    - ``chat``: a prompt of 32 to 512 tokens of its own and 100 to 300 output
+      tokens, streamed.
+
+    Half and half by default: a pool serving only RAG questions has no short
+    requests whose inter-token latency long prefills could hurt, and one
+    serving mostly chat has few long prefills to move. 12 documents of 5,000
+    tokens on average take about 60,000 tokens of KV cache, more than one
+    ``l4-llama3.1-8b`` pod holds (2,300 blocks of 16: 36,800 tokens), so
+    where a question lands decides whether its document is cached there.
+    Arrivals are Poisson at ``rate``; a request's ``group`` is ``chat`` or
+    ``doc-<n>``, its document.
+    """
+
+    documents: int = 12
+    document_tokens: tuple[int, int] = (2000, 8000)
+    question_tokens: tuple[int, int] = (16, 128)
+    chat_tokens: tuple[int, int] = (32, 512)
+    output_tokens: tuple[int, int] = (100, 300)
+    rag_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.documents < 1 or not 0.0 <= self.rag_share <= 1.0:
+            raise ValueError("a RAG workload needs documents and a share within 0..1")
+        for low, high in (
+            self.document_tokens,
+            self.question_tokens,
+            self.chat_tokens,
+            self.output_tokens,
+        ):
+            if not 1 <= low <= high:
+                raise ValueError("token ranges need 1 <= min <= max")
+
+    @staticmethod
+    def is_rag(group: str) -> bool:
+        """Whether a request of ``group`` is a RAG question (else a chat turn)."""
+        return group.startswith("doc-")
+
+    def requests(self, *, rate: float, duration_s: float, seed: int) -> tuple[OpenRequest, ...]:
+        rng = random.Random(f"rag-mix-{seed}")
+        documents = [
+            f"Answer from document {d}. " + prose(rng, rng.randint(*self.document_tokens) - 5)
+            for d in range(self.documents)
+        ]
+        requests = []
+        for at in _arrivals(rng, rate, duration_s):
+            output = rng.randint(*self.output_tokens)
+            if rng.random() < self.rag_share:
+                d = rng.randrange(self.documents)
+                question = prose(rng, rng.randint(*self.question_tokens))
+                messages = [("system", documents[d]), ("user", question)]
+                requests.append(_request(at, None, messages, output, group=f"doc-{d}"))
+            else:
+                chat = prose(rng, rng.randint(*self.chat_tokens))
+                requests.append(_request(at, None, [("user", chat)], output, group="chat"))
+        return tuple(requests)

@@ -1,0 +1,127 @@
+"""The wiring of benchmarks/pd_quality.py and the RAG workload (issue 36).
+
+Not a quality claim (the benchmark's job): the workload's documents are
+shared prefixes of the stated lengths, mixed with short chat, the same per
+seed; a virtual run on a P/D pool serves a request split exactly when the
+shipped policy's predicate says so (every request at ``split_at`` 0, none
+at "never"), its prefill on a prefill pod and its decode on a decode pod;
+the aggregated pool never splits; and the goal's load is read off the
+ITL curve as the issue defines it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from policyd.fields.roles import BOTH, DECODE, PREFILL
+from policyd.policy import PolicyStore
+from policyd.sim.workloads import RagMix
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def pd() -> ModuleType:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module("pd_quality")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_rag_questions_share_long_documents_mixed_with_short_chat() -> None:
+    workload = RagMix()
+    requests = workload.requests(rate=4.0, duration_s=120.0, seed=7)
+    rag = [r for r in requests if RagMix.is_rag(r.group)]
+    chat = [r for r in requests if not RagMix.is_rag(r.group)]
+    assert 0.4 < len(rag) / len(requests) < 0.6  # half and half
+    assert min(len(r.prompt) for r in rag) >= 2000
+    assert max(len(r.prompt) for r in chat) < 600
+    assert max(len(r.prompt) for r in rag) <= 8000 + 200  # a document and its question
+    assert all(100 <= r.max_tokens == r.output_length <= 300 for r in requests)
+    by_document: dict[str, set[str]] = {}
+    for r in rag:
+        by_document.setdefault(r.group, set()).add(r.turns[0].texts[0])
+    assert 1 < len(by_document) <= workload.documents
+    assert all(len(texts) == 1 for texts in by_document.values())  # one shared prefix each
+    questions = [r.turns[1].texts[0] for r in rag]
+    assert len(set(questions)) == len(questions)  # each question its own
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(requests)]
+    assert statistics.mean(gaps) == pytest.approx(1 / 4.0, rel=0.2)  # open loop at the rate
+    assert workload.requests(rate=4.0, duration_s=120.0, seed=7) == requests
+    assert workload.requests(rate=4.0, duration_s=120.0, seed=8) != requests
+
+
+def test_the_rag_workload_refuses_empty_ranges() -> None:
+    with pytest.raises(ValueError):
+        RagMix(documents=0)
+    with pytest.raises(ValueError):
+        RagMix(output_tokens=(300, 100))
+    with pytest.raises(ValueError):
+        RagMix(rag_share=1.5)
+
+
+def test_pool_roles_and_threshold_policies(pd: ModuleType, tmp_path: Path) -> None:
+    assert pd.roles(0) == (BOTH,) * 6
+    assert pd.roles(2) == (PREFILL, PREFILL, DECODE, DECODE, DECODE, DECODE)
+    with pytest.raises(ValueError):
+        pd.roles(6)
+    path = pd.pd_policy(1024, tmp_path)
+    document = yaml.safe_load(path.read_text())
+    assert document["params"]["split_at"]["value"] == 1024
+    chosen = PolicyStore.open(path).current.select("any-model", {})
+    assert chosen is not None and chosen.prefill is not None  # a valid two-stage policy
+    when = "double(request.prompt_tokens) * (1.0 - pod.prefix_match) >= double(params.split_at)"
+    (tmp_path / "other").mkdir()
+    other = pd.pd_policy(1024, tmp_path / "other", when)
+    assert yaml.safe_load(other.read_text())["prefill"]["when"] == when
+    assert PolicyStore.open(other).current.select("any-model", {}) is not None  # it compiles
+    shipped = yaml.safe_load((pd.RULES / "pd.yaml").read_text())
+    assert shipped["params"]["split_at"]["value"] == pd.SHIPPED_SPLIT_AT
+
+
+def test_a_pd_run_splits_what_the_predicate_says(pd: ModuleType, tmp_path: Path) -> None:
+    pool = pd.roles(2)
+    always = pd.run_one(pd.pd_policy(0, tmp_path), pool, 1.0, 3, duration_s=30.0)
+    never = pd.run_one(pd.pd_policy(pd.NEVER, tmp_path), pool, 1.0, 3, duration_s=30.0)
+    shipped = pd.run_one(pd.pd_policy(512, tmp_path), pool, 1.0, 3, duration_s=30.0)
+    aggregated = pd.run_one(pd.RULES / "lora-prefix.yaml", pd.roles(0), 1.0, 3, duration_s=30.0)
+    assert always.split_share == 1.0
+    assert never.split_share == 0.0 == aggregated.split_share
+    assert 0.0 < shipped.split_share < 1.0  # long uncached prompts only
+    for figures in (always, never, shipped, aggregated):
+        assert figures.lost == 0
+        assert 0 < figures.itl_p90 < figures.ttft_p90 * 10
+        assert figures.tokens_per_s > 0
+
+
+def test_split_requests_prefill_on_prefill_pods_and_decode_elsewhere(
+    pd: ModuleType, tmp_path: Path
+) -> None:
+    requests = RagMix().requests(rate=1.0, duration_s=30.0, seed=3)
+    contender = pd.Contender("pd", pd.pd_policy(512, tmp_path), prefix=True)
+    run = pd.PdRun(contender, requests, 3, pd.roles(2))
+    records = run.outcome().result.records
+    split = [r for r in records if r.prefill_pod is not None]
+    assert split
+    assert all(r.prefill_pod in (0, 1) and r.pod not in (0, 1) for r in split)
+    assert all(r.pod not in (0, 1) for r in records)  # prefill pods never decode
+    # The predicate reads the serving path's prompt estimate (request.prompt_tokens).
+    assert all(run._request(r.index).prompt_tokens >= 512 for r in split)
+    assert any(run._request(r.index).prompt_tokens < 512 for r in records)  # short chat stays
+    with pytest.raises(ValueError):
+        pd.PdRun(contender, requests, 3, pd.roles(2)[:5])
+
+
+def test_the_goal_load_is_the_first_that_doubles_the_unloaded_itl(pd: ModuleType) -> None:
+    curve = {1.0: 0.08, 2.0: 0.12, 3.0: 0.15, 4.0: 0.3}
+    assert pd.goal_rate(0.074, curve) == 3.0
+    assert pd.goal_rate(0.2, curve) is None

@@ -52,7 +52,7 @@ params:
 score:
   light load: {expr: "1.0 - double(pod.in_flight) / 32.0"}
 prefill:
-  when: request.prompt_tokens - pod.prefix_tokens >= params.split_at
+  when: double(request.prompt_tokens) * (1.0 - pod.prefix_match) >= double(params.split_at)
 """
 ROLES = {"decode-a": "decode", "prefill-a": "prefill"}
 LONG = "a shared document " * 400  # 7,200 characters: some 1,800 tokens to policyd's estimate

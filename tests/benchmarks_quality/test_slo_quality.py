@@ -93,6 +93,19 @@ def test_a_run_teaches_the_models_only_for_a_policy_that_reads_them(slo: ModuleT
     assert len(figures.met) == len(requests)
 
 
+def test_the_run_keeps_each_pods_queued_prefill_as_the_serving_path_does(
+    slo: ModuleType,
+) -> None:
+    """Decisions see the prefill policyd sent each pod with no first token yet (the
+    pods from ``pod_from_view`` leave it at 0), and every request gives it back."""
+    requests = SloMix().requests(rate=8.0, duration_s=30.0, seed=3)
+    run = slo.SloRun(slo.Contender("slo", slo.SLO_POLICY, prefix=True), SloMix(), requests, 3)
+    run.outcome()
+    seen = [d.chosen_queued_prefill for d in run.decisions if d is not None]
+    assert max(seen) > 0
+    assert run.queued == [0] * slo.POD_COUNT
+
+
 def test_replicas_each_learn_from_the_answers_they_routed(slo: ModuleType) -> None:
     requests = SloMix().requests(rate=6.0, duration_s=30.0, seed=5)
     contender = slo.Contender("slo", slo.SLO_POLICY, prefix=True)

@@ -560,6 +560,13 @@ async def live_policyd_figures(monitoring_port: int) -> dict[str, float]:
     return found
 
 
+def _median_ratio(pairs: Sequence[tuple[Any, Any]], name: str) -> str:
+    """The median of one figure's ratios to the reference's, over the pairs where the
+    reference has any (a cell that completed nothing while requests arrived has none)."""
+    ratios = [getattr(r, name) / getattr(b, name) for r, b in pairs if getattr(b, name) > 0]
+    return f"{statistics.median(ratios):.1%}" if ratios else "-"
+
+
 def live_table(group: tuple[str, str, float], pickers: Mapping[str, Sequence[Any]]) -> list[str]:
     """The live SLO cells' table (``live_report.CellRun``s with ``slo`` figures), the
     throughput paired per repeat against lora-prefix's."""
@@ -583,8 +590,7 @@ def live_table(group: tuple[str, str, float], pickers: Mapping[str, Sequence[Any
             by = {r.repeat: r for r in reference}
             pairs = [(r, by[r.repeat]) for r in runs if r.repeat in by]
             ratios = (
-                f"{statistics.median(r.window_per_s / b.window_per_s for r, b in pairs):.1%} / "
-                f"{statistics.median(r.tokens_per_s / b.tokens_per_s for r, b in pairs):.1%}"
+                f"{_median_ratio(pairs, 'window_per_s')} / {_median_ratio(pairs, 'tokens_per_s')}"
             )
         error = "-"
         if not math.isnan(median("ttft error low")):

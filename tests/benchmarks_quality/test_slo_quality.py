@@ -15,7 +15,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import yaml
@@ -235,3 +235,13 @@ def test_a_small_live_slo_run_states_its_objectives_through_envoy(
         assert figures["policyd ttft stated"] == stated
         assert 0.0 <= figures["interactive ttft met"] <= 1.0
     assert sum(line.startswith("| slo |") for line in lines) == 2
+
+
+def test_a_reference_cell_that_completed_nothing_gives_no_ratio(slo: ModuleType) -> None:
+    """A loaded machine can leave a cell with no completions while requests arrived: its
+    ratio is unknown, not a division by zero."""
+    cell = SimpleNamespace(window_per_s=2.0, tokens_per_s=300.0)
+    empty = SimpleNamespace(window_per_s=0.0, tokens_per_s=0.0)
+    half = SimpleNamespace(window_per_s=4.0, tokens_per_s=600.0)
+    assert slo._median_ratio([(cell, empty)], "window_per_s") == "-"
+    assert slo._median_ratio([(cell, empty), (cell, half)], "tokens_per_s") == "50.0%"

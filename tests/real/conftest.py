@@ -16,10 +16,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from jaeger_process import Jaeger
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
@@ -68,3 +72,18 @@ def tool() -> Callable[[str], str]:
         return found
 
     return find
+
+
+@pytest.fixture(scope="module")
+def jaeger(
+    tool: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Jaeger]:
+    """A real Jaeger v2 with the shipped configuration (``jaeger_process.py``, imported
+    here: it needs the other tests' helpers on the path, which this module puts there)."""
+    from jaeger_process import start_jaeger, stop_jaeger
+
+    running = start_jaeger(tool("jaeger"), tmp_path_factory.mktemp("jaeger"))
+    try:
+        yield running
+    finally:
+        stop_jaeger(running)

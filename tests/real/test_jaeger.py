@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from jaeger_process import Jaeger, get_json, start_jaeger, stop_jaeger
+from jaeger_process import Jaeger, get_json
 from telemetry_support import pods, request, router_for
 from traced_gateway import ENVOY_SERVICE, traced_gateway
 
@@ -27,17 +27,6 @@ from policyd.telemetry import build_telemetry
 from policyd.telemetry.exchange_end import ExchangeEnd
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest.fixture(scope="module")
-def jaeger(
-    tool: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Jaeger]:
-    running = start_jaeger(tool("jaeger"), tmp_path_factory.mktemp("jaeger"))
-    try:
-        yield running
-    finally:
-        stop_jaeger(running)
 
 
 @dataclass(frozen=True)

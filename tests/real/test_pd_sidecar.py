@@ -30,7 +30,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from inference_sim import (
     stop_pods,
     until_ready,
 )
-from jaeger_process import Jaeger, start_jaeger, stop_jaeger
+from jaeger_process import Jaeger
 from test_inference_sim import success_total, until
 from test_jaeger import Span, poll
 from traced_gateway import ENVOY_SERVICE
@@ -210,17 +210,6 @@ class Chain:
     to_prefill: Recorder
     sidecar: DecodePod
     jaeger: Jaeger
-
-
-@pytest.fixture(scope="module")
-def jaeger(
-    tool: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Jaeger]:
-    running = start_jaeger(tool("jaeger"), tmp_path_factory.mktemp("jaeger"))
-    try:
-        yield running
-    finally:
-        stop_jaeger(running)
 
 
 def start_sidecar(binary: str, tmp: Path, model_server_port: int, otlp: str) -> DecodePod:

@@ -27,7 +27,8 @@ ends. The prefill pod of a request a two-stage policy split counts it too,
 down exactly once, when the decode pod answers or the exchange ends. The
 request's uncached prompt tokens count in the queued prefill of the pod that
 prefills it (``pod.queued_prefill_tokens``, a latency-model input) until its
-first body bytes, or its end or expiry if they never come.
+first body bytes (on a prefill pod: until the decode pod answers), or its end
+or expiry if they never come.
 
 The exchange owns its end. Where it is in a request's life is one value,
 ``State`` (reading, decided, routed, responding, answered, ended,
@@ -723,11 +724,14 @@ class Exchange:
             self._record_later(decision=before is State.DECIDED, end=True)
 
     def _release_prefill(self) -> None:
-        """Stop counting a split request on its prefill pod, with its decode pod."""
+        """Stop counting a split request on its prefill pod, its queued prefill too."""
         prefill = self._prefill_load
         if prefill is not None:
             prefill.count -= 1
             self._prefill_load = None
+            queued = self._queued
+            if queued is not None and queued[0] is prefill:
+                self._release_queued()
 
     def _release_queued(self) -> None:
         """Take the request's prefill out of its pod's queued prefill, once."""

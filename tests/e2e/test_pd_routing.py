@@ -179,12 +179,14 @@ async def test_the_prefill_pod_counts_a_split_request_until_the_decode_pod_answe
     try:
         await until(lambda: len(upstream.received) > before, "the decode pod has it")
         assert (decode.in_flight, prefill.in_flight) == (1, 1)
+        # Its prompt is queued prefill on the pod that prefills it, not on the decode pod.
+        assert decode.queued_prefill_tokens == 0 and prefill.queued_prefill_tokens > 0
         upstream.release_headers.set()
         async with await sent as response:
             assert response.status == 200
             await response.content.readuntil(b"\n\n")  # the first event: the answer is open
             await until(lambda: prefill.in_flight == 0, "the prefill pod released")
-            assert decode.in_flight == 1
+            assert decode.in_flight == 1 and prefill.queued_prefill_tokens == 0
             upstream.release_stream.set()
             await response.read()
     finally:

@@ -35,8 +35,9 @@ workload's:
 - **slo** (``--profile l4-llama3.1-8b`` only, so not by default):
   ``SloMix``'s interactive, batch and sheddable classes, each with its
   criticality and objective headers (interactive and sheddable streamed,
-  batch answered whole), at the knee and the goal's load of
-  ``slo_quality.py``; contenders ``lora-prefix`` and ``slo``; per cell each
+  batch answered whole), at the knee, the goal's load of ``slo_quality.py``,
+  1.5x and 2x the knee (``--slo-loads`` picks some); contenders
+  ``lora-prefix`` and ``slo``; per cell each
   class's objectives met and policyd's own count of the objectives it read
   and its prediction error (``slo_quality.live_table``).
 
@@ -93,6 +94,7 @@ from typing import Final, Protocol, cast
 import aiohttp
 import flow_quality
 import live_report
+import pd_quality
 import quality
 import slo_quality
 import yaml
@@ -117,6 +119,7 @@ from policyd.sim.workloads import (
     Mixed,
     MultiTurn,
     Priorities,
+    RagMix,
     SharedPrefix,
     SloMix,
     Tenants,
@@ -145,7 +148,10 @@ FLOW_PICKERS: Final = ("none", "flow", "flow+lora-prefix", SHIPPED_FLOW)
 # The SLO workload (issue 35) runs on the V1 profile only (so not by default), its
 # contenders lora-prefix and slo (``slo_quality.LIVE_PICKERS``).
 SLO: Final = "slo"
-WORKLOADS: Final = (SEED, *PREFIX, *FLOW, SLO)
+# The P/D workload (issue 36), on the V1 profile only: aggregated serving against a pool
+# of 1 prefill and 5 decode pods (``pd_quality.LIVE_PICKERS``).
+RAG: Final = "rag"
+WORKLOADS: Final = (SEED, *PREFIX, *FLOW, SLO, RAG)
 OPEN_TIMEOUT_S: Final = 120.0  # simulated, from the send (the virtual runs' client)
 QUICK_REQUESTS: Final = 100
 QUICK_DURATION_S: Final = 30.0
@@ -207,14 +213,24 @@ def variant(picker: str, prefix_index: str, replicas: int) -> str:
 
 
 def loads(
-    workload: str, profile: str = "l4-llama2-7b", multiples: Sequence[float] | None = None
+    workload: str,
+    profile: str = "l4-llama2-7b",
+    multiples: Sequence[float] | None = None,
+    slo_loads: Sequence[str] | None = None,
+    rag_rate: float = pd_quality.GOAL_RATE,
 ) -> list[tuple[str, float]]:
     """The loads a workload runs at on pods of ``profile``: (label, requests/s of
-    simulated time); a flow workload at ``multiples`` of the capacity where given."""
+    simulated time); a flow workload at ``multiples`` of the capacity where given, the
+    SLO workload at the ``slo_loads`` named (default: all of them), the RAG workload
+    unloaded and at ``rag_rate``."""
+    if workload == RAG:
+        unloaded = pd_quality.UNLOADED_RATE
+        return [(f"{pd_quality.UNLOADED} {unloaded:g}/s", unloaded), (f"{rag_rate:g}/s", rag_rate)]
     if workload == SEED:
         return [("burst", 0.0)]
     if workload == SLO:
-        return [(f"{name} {rate:g}/s", rate) for name, rate in slo_quality.LIVE_LOADS]
+        chosen = slo_loads or [name for name, _ in slo_quality.LIVE_LOADS]
+        return [(f"{n} {rate:g}/s", rate) for n, rate in slo_quality.LIVE_LOADS if n in chosen]
     if workload in PREFIX:
         knee = KNEES[profile][workload]
         return [(f"knee {knee:g}/s", knee), (f"1.5x knee {knee * 1.5:g}/s", knee * 1.5)]
@@ -230,9 +246,22 @@ def plan(arguments: argparse.Namespace) -> list[list[Cell]]:
     for repeat in range(arguments.repeats):
         for scale in arguments.time_scale:
             for workload in arguments.workload:
-                for load, rate in loads(workload, arguments.profile, arguments.multiples):
+                for load, rate in loads(
+                    workload,
+                    arguments.profile,
+                    arguments.multiples,
+                    arguments.slo_loads,
+                    arguments.rag_rate,
+                ):
                     if workload in FLOW:
                         contenders = [FLOW_PICKERS[0]] if load == IDLE else arguments.flow_pickers
+                        cells = [Cell(workload, load, rate, scale, p, repeat) for p in contenders]
+                    elif workload == RAG:
+                        contenders = (
+                            [pd_quality.LIVE_AGGREGATED]
+                            if load.startswith(pd_quality.UNLOADED)
+                            else pd_quality.LIVE_PICKERS
+                        )
                         cells = [Cell(workload, load, rate, scale, p, repeat) for p in contenders]
                     elif workload == SLO:
                         cells = [
@@ -266,6 +295,8 @@ def open_requests(cell: Cell, arguments: argparse.Namespace) -> tuple[OpenReques
     workload: Workload = (
         SloMix()
         if cell.workload == SLO
+        else RagMix()
+        if cell.workload == RAG
         else PREFIX[cell.workload]()
         if cell.workload in PREFIX
         else FLOW[cell.workload]()
@@ -274,7 +305,12 @@ def open_requests(cell: Cell, arguments: argparse.Namespace) -> tuple[OpenReques
 
 
 def policy_of(picker: str, cell: Cell, directory: Path) -> Path:
-    """The policy file a picker runs: a shipped one, or one with the flow section."""
+    """The policy file a picker runs: a shipped one, one with the flow section, or
+    ``rules/pd.yaml`` at another ``split_at``."""
+    if cell.workload == RAG and picker not in (pd_quality.LIVE_AGGREGATED, pd_quality.LIVE_SHIPPED):
+        split_at = pd_quality.live_split_at(picker)
+        assert split_at is not None
+        return pd_quality.pd_policy(split_at, directory)
     if cell.workload not in FLOW:
         return RULES / f"{picker}.yaml"
     if picker == FLOW_PICKERS[0]:
@@ -309,6 +345,9 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         timeout,
         replicas=cell.replicas,
         prefix_index=cell.prefix_index,
+        roles=pd_quality.roles(pd_quality.PREFILL_PODS)
+        if cell.workload == RAG and cell.picker != pd_quality.LIVE_AGGREGATED
+        else (),
     )
     counters = PoolCounters()
     began = time.monotonic()
@@ -328,6 +367,8 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
             ]
             if cell.workload == SLO:
                 streamed = [SloMix().of(r.group).streamed for r in requests]
+            if cell.workload == RAG:
+                streamed = [True] * len(requests)  # every answer streams (issue 36)
             outcomes, ended = await run_open(
                 stack.url,
                 requests,
@@ -341,6 +382,7 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
                 headers=(lambda group: SloMix().of(group).headers())
                 if cell.workload == SLO
                 else None,
+                exact_lengths=cell.workload == RAG,
             )
             prompts = [
                 (r.adapter or profile.base_model, r.prompt)
@@ -360,6 +402,11 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
             slo = slo_quality.live_figures(outcomes, cell.time_scale, SloMix())
             (replica,) = stack.replicas  # an SLO cell runs one policyd: its models learn alone
             slo.update(await slo_quality.live_policyd_figures(replica.monitoring_port))
+        pd = {}
+        if cell.workload == RAG:
+            pd = pd_quality.live_figures(outcomes, cell.time_scale)
+            (replica,) = stack.replicas
+            pd.update(await pd_quality.live_policyd_figures(replica.monitoring_port))
     run = live_report.cell_run(
         key=(cell.workload, cell.load, cell.rate, cell.time_scale, cell.name, cell.repeat),
         outcomes=outcomes,
@@ -372,7 +419,7 @@ async def run_cell(cell: Cell, arguments: argparse.Namespace, directory: Path) -
         flow=flow,
         wall_s=time.monotonic() - began,
     )
-    return dataclasses.replace(run, slo=slo)
+    return dataclasses.replace(run, slo=slo, pd=pd)
 
 
 # --- the virtual twins ----------------------------------------------------------------------
@@ -421,8 +468,9 @@ def virtual_twin(cell: Cell, arguments: argparse.Namespace, directory: Path) -> 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--workload", nargs="+", choices=WORKLOADS, default=[w for w in WORKLOADS if w != SLO]
-    )
+        "--workload", nargs="+", choices=WORKLOADS,
+        default=[w for w in WORKLOADS if w not in (SLO, RAG)],
+    )  # fmt: skip
     parser.add_argument(
         "--time-scale", type=float, nargs="+", default=[0.5, 1.0, 3.0],
         help="simulated seconds per wall second, each a run of its own (default 0.5 1 3)",
@@ -449,6 +497,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--prefix-index", nargs="+", choices=(APPROXIMATE, PRECISE), default=[APPROXIMATE],
         help="policyd's prefix index, each a run of its own (seed and prefix workloads; "
         "default approximate)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--slo-loads", nargs="+", choices=[name for name, _ in slo_quality.LIVE_LOADS],
+        help="the SLO workload's loads (default: all, the knee to 2x)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rag-rate", type=float, default=pd_quality.GOAL_RATE,
+        help=f"the RAG workload's load, requests/s (default {pd_quality.GOAL_RATE:g})",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="default 3")
     parser.add_argument("--parallel", type=int, default=1, help="cells side by side (default 1)")
@@ -486,10 +542,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--duration and --time-scale must be positive")
     if arguments.profile not in KNEES:
         parser.error(f"--profile must be one of {', '.join(KNEES)}, not {arguments.profile}")
-    if SLO in arguments.workload and arguments.profile != slo_quality.PROFILE.name:
-        parser.error(f"--workload {SLO} runs on --profile {slo_quality.PROFILE.name}")
-    if arguments.virtual and SLO in arguments.workload:
-        parser.error(f"--virtual has no twin for --workload {SLO}: see slo_quality.py")
+    for workload, profile, twin in (
+        (SLO, slo_quality.PROFILE.name, "slo_quality.py"),
+        (RAG, pd_quality.PROFILE.name, "pd_quality.py"),
+    ):
+        if workload in arguments.workload and arguments.profile != profile:
+            parser.error(f"--workload {workload} runs on --profile {profile}")
+        if arguments.virtual and workload in arguments.workload:
+            parser.error(f"--virtual has no twin for --workload {workload}: see {twin}")
     if arguments.virtual and arguments.profile != quality.PROFILE.name:
         parser.error(f"--virtual needs --profile {quality.PROFILE.name} (the virtual runs')")
     return arguments
@@ -501,9 +561,17 @@ def report(runs: Sequence[CellRun]) -> list[str]:
     groups = live_report.grouped(runs)
     for group, pickers in sorted(groups.items()):
         workload, load, scale = group
-        if load == IDLE:
+        if load == IDLE or load.startswith(pd_quality.UNLOADED):
             continue
-        if workload == SLO:
+        if workload == RAG:
+            unloaded = [
+                run
+                for (w, unloaded_load, s), found in groups.items()
+                if (w, s) == (workload, scale) and unloaded_load.startswith(pd_quality.UNLOADED)
+                for run in found.get(pd_quality.LIVE_AGGREGATED, [])
+            ]
+            lines += pd_quality.live_table(group, pickers, unloaded)
+        elif workload == SLO:
             lines += slo_quality.live_table(group, pickers)
         elif workload in FLOW:
             idle = groups.get((workload, IDLE, scale), {}).get(FLOW_PICKERS[0], [])

@@ -86,6 +86,9 @@ class CellRun:
     ceiling: float
     busiest: float  # the busiest pod's routed requests over the mean
     window_per_s: float  # completed while requests arrived, per second: the pool's throughput
+    # their output tokens per second, the virtual runs' tok/s (``tokens_per_s`` runs to
+    # the last answer, so one request left waiting for its timeout stretches it)
+    window_tokens_per_s: float
     classes: Mapping[str, ClassFigures] = field(default_factory=dict)
     answers: Mapping[str, int] = field(default_factory=dict)  # why requests were not served
     failed_scrapes: float = 0.0  # share of policyd's scrapes the pods did not answer in time
@@ -95,6 +98,7 @@ class CellRun:
     pod_finished: float = 0.0  # requests the pods finished, whether or not the client saw it
     pod_tokens: float = 0.0  # tokens the pods generated, for clients that gave up too
     slo: Mapping[str, float] = field(default_factory=dict)  # the SLO workload's figures
+    pd: Mapping[str, float] = field(default_factory=dict)  # the RAG workload's P/D figures
 
 
 def ttft_values(outcomes: Sequence[Outcome], scale: float, rule: str) -> list[float]:
@@ -177,7 +181,7 @@ def cell_run(
     completed = [o for o in outcomes if o.done is not None]
     tokens = sum(o.tokens for o in completed)
     duration = ended_s * scale
-    in_window = sum(1 for o in completed if o.done is not None and o.done <= window_s)
+    in_window = [o for o in completed if o.done is not None and o.done <= window_s]
     return CellRun(
         workload=workload,
         load=load,
@@ -199,7 +203,10 @@ def cell_run(
         hit_rate=counters.prefix_hits / counters.prefix_queries if counters.prefix_queries else 0,
         ceiling=ceiling_rate,
         busiest=busiest(counters.routed, pods),
-        window_per_s=in_window / (window_s * scale) if window_s > 0 else 0.0,
+        window_per_s=len(in_window) / (window_s * scale) if window_s > 0 else 0.0,
+        window_tokens_per_s=sum(o.tokens for o in in_window) / (window_s * scale)
+        if window_s > 0
+        else 0.0,
         classes=class_figures(outcomes, scale) if flow else {},
         answers=dict(Counter(o.answer for o in outcomes if o.answer is not None)),
         failed_scrapes=counters.failed_scrapes / counters.scrapes if counters.scrapes else 0.0,

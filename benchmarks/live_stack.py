@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import subprocess
@@ -44,6 +45,8 @@ from policyd.extproc.envoy_process import (
     start_envoy,
 )
 from policyd.extproc.prefix_matching import KV_EVENTS_PORT_LABEL, KV_REPLAY_PORT_LABEL
+from policyd.fields.roles import ROLE_LABEL
+from policyd.sim.api import OUTPUT_TOKENS_FIELD
 from policyd.sim.bodies import COMPLETIONS_PATH, completion_body, open_request, streamed
 from policyd.sim.experiment import SEED_PROMPT_TEXT, SeedWorkload
 from policyd.sim.open_loop import OpenRequest
@@ -89,6 +92,9 @@ class Outcome:
     done: float | None = None
     tokens: int = 0
     answer: str | None = None
+    # A streamed answer's gaps between consecutive tokens as they reached the client
+    # (wall seconds): the inter-token latency.
+    gaps: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,10 @@ class Setup:
     timeout_s: float  # the client's, simulated: Envoy must not cut a request before it
     replicas: int = 1  # policyd serve processes behind the one Envoy
     prefix_index: str = APPROXIMATE  # policyd's --prefix-index
+    # Each pod's P/D role (prefill, decode or both), labelled as llm-d labels its pods,
+    # a pod given a prefill pod asking it to prefill (``policyd sim --pd-in-process``);
+    # empty: every pod does both, unlabelled.
+    roles: tuple[str, ...] = ()
 
 
 @dataclass
@@ -175,22 +185,27 @@ class Stack:
         base = free_port_range(PODS)
         self.pod_ports = list(range(base, base + PODS))
         precise = setup.prefix_index == PRECISE
+        if setup.roles and len(setup.roles) != PODS:
+            raise ValueError(f"{len(setup.roles)} roles for {PODS} pods")
         events = free_port_range(2 * PODS) if precise else 0  # pod i: events, then replay
         pods: list[dict[str, Any]] = []
         for i, port in enumerate(self.pod_ports):  # a process per pod, as pods have a GPU each
             publish = ["--kv-events-port-base", str(events + 2 * i)] if precise else []
+            role = ["--roles", setup.roles[i], "--pd-in-process"] if setup.roles else []
             self._spawn(
                 f"sim-{i}",
                 [sys.executable, "-m", "policyd", "sim", "--pods", "1", "--base-port", str(port),
                  "--host", "127.0.0.1", "--time-scale", f"{setup.time_scale:g}",
-                 "--profile", setup.profile, "--seed", str(setup.seed * PODS + i), *publish],
+                 "--profile", setup.profile, "--seed", str(setup.seed * PODS + i), *publish,
+                 *role],
             )  # fmt: skip
             pod: dict[str, Any] = {"name": f"vllm-{i}", "address": f"127.0.0.1:{port}"}
+            labels = {ROLE_LABEL: setup.roles[i]} if setup.roles else {}
             if precise:
-                pod["labels"] = {
-                    KV_EVENTS_PORT_LABEL: str(events + 2 * i),
-                    KV_REPLAY_PORT_LABEL: str(events + 2 * i + 1),
-                }
+                labels[KV_EVENTS_PORT_LABEL] = str(events + 2 * i)
+                labels[KV_REPLAY_PORT_LABEL] = str(events + 2 * i + 1)
+            if labels:
+                pod["labels"] = labels
             pods.append(pod)
         (self.directory / "pods.yaml").write_text(yaml.safe_dump({"pods": pods}))
         ports = [(free_port(), free_port()) for _ in range(setup.replicas)]
@@ -400,7 +415,8 @@ class _Clock:
 
 
 async def _read(response: aiohttp.ClientResponse, outcome: Outcome, clock: _Clock) -> None:
-    """Read a reply to the end: the first streamed token's time, and the tokens generated."""
+    """Read a reply to the end: the first streamed token's time, the gaps between tokens,
+    and the tokens generated."""
     if not outcome.streamed:
         body = json.loads(await response.read())
         outcome.tokens = int(body["usage"]["completion_tokens"])
@@ -409,17 +425,30 @@ async def _read(response: aiohttp.ClientResponse, outcome: Outcome, clock: _Cloc
     skip = 1 if response.url.path.endswith("/chat/completions") else 0  # the role chunk
     seen = 0
     tail = b""
+    arrivals: list[tuple[float, int]] = []  # each chunk's time and its events
     async for chunk in response.content.iter_chunked(READ_CHUNK):
-        if outcome.first is None:
-            seen += (tail[-5:] + chunk).count(b"data: ")  # one split over two chunks too
-            if seen > skip:
-                outcome.first = clock()
+        now = clock()
+        events = (tail[-5:] + chunk).count(b"data: ")  # one split over two chunks too
+        arrivals.append((now, events))
+        seen += events
+        if outcome.first is None and seen > skip:
+            outcome.first = now
         tail = (tail + chunk)[-4096:]
     usage = [line for line in tail.split(b"\n") if line.startswith(b'data: {"id"')][-1]
     outcome.tokens = int(json.loads(usage[6:])["usage"]["completion_tokens"])
     if not tail.rstrip().endswith(b"data: [DONE]"):
         raise ValueError("the stream ended without [DONE]")
     outcome.done = clock()
+    outcome.gaps = token_gaps(arrivals, skip, outcome.tokens)
+
+
+def token_gaps(arrivals: Sequence[tuple[float, int]], skip: int, tokens: int) -> list[float]:
+    """The gaps between a stream's consecutive tokens, from each chunk's arrival time and
+    the events it held: after ``skip`` leading events (a chat stream's role), the next
+    ``tokens`` events are one token each (the usage and ``[DONE]`` follow). Tokens that
+    arrived in one chunk are 0 apart, as the client saw them."""
+    times = [when for when, events in arrivals for _ in range(events)][skip : skip + tokens]
+    return [later - earlier for earlier, later in itertools.pairwise(times)]
 
 
 async def _send(
@@ -533,6 +562,7 @@ async def run_open(
     watch: Stack | None = None,
     counters: PoolCounters | None = None,
     headers: Callable[[str], Mapping[str, str]] | None = None,
+    exact_lengths: bool = False,
 ) -> tuple[list[Outcome], float]:
     """Open-loop arrivals on the wall clock (``at_s / time_scale``), each on its own connection.
 
@@ -541,6 +571,8 @@ async def run_open(
     (simulated) after its send. With ``watch``, policyd's held requests are
     sampled every 0.2 s into ``counters.peak_held``. ``headers`` gives a request's
     headers by its group, in place of ``class_headers`` (the SLO workload's classes).
+    ``exact_lengths`` tells each simulated pod to write the request's
+    ``output_length`` (a workload that states its answers' lengths).
     """
     clock = _Clock()
     outcomes = [Outcome(item.group, streamed=streamed[i]) for i, item in enumerate(requests)]
@@ -554,6 +586,8 @@ async def run_open(
                 item, outcome = requests[index], outcomes[index]
                 outcome.sent = clock()
                 path, body = open_request(item.adapter or base_model, item.turns, item.max_tokens)
+                if exact_lengths:
+                    body[OUTPUT_TOKENS_FIELD] = item.output_length
                 await _send(
                     session,
                     f"{url}{path}",

@@ -39,16 +39,19 @@ seed given.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import aiohttp
 import yaml
 from flow_quality import POD_COUNT, Contender, FlowRun, figures_of
+from live_stack import metric_sum
 from reporting import nearest_rank, verdict
 from virtual_routing import RULES, pod_from_view, served_request
 
@@ -354,6 +357,142 @@ def goals(runs: Mapping[str, Sequence[PdFigures]], base_name: str) -> list[str]:
             f"(goal: both <= 1, one < 1): {verdict(t <= 1 and i <= 1 and min(t, i) < 1)}"
         )
     return lines
+
+
+# --- live (``live.py --workload rag``) ------------------------------------------------------
+
+# The live cells: aggregated serving alone at the unloaded rate (the goal's reference
+# ITL), every contender at the goal's load found in virtual time (``RATES``'s sweep,
+# tuning seed 100; ``--rag-rate`` runs another).
+GOAL_RATE: Final = 6.0
+LIVE_AGGREGATED: Final = AGGREGATED[0]
+LIVE_SHIPPED: Final = "pd"
+LIVE_PICKERS: Final = (LIVE_AGGREGATED, LIVE_SHIPPED, "pd split_at 0", "pd never")
+UNLOADED: Final = "unloaded"
+PD_DECISIONS: Final = "policyd_pd_decisions_total"
+
+
+def live_split_at(picker: str) -> int | None:
+    """The ``split_at`` a live P/D contender runs (``None``: the shipped policy's own;
+    raises for an aggregated picker)."""
+    if picker == LIVE_SHIPPED:
+        return None
+    name = picker.removeprefix(f"{LIVE_SHIPPED} ")
+    for split_at in THRESHOLDS:
+        if threshold_name(split_at) == name:
+            return split_at
+    raise ValueError(f"not a P/D contender: {picker}")
+
+
+def live_figures(outcomes: Sequence[Any], scale: float) -> dict[str, float]:
+    """A live cell's P/D figures from its clients' outcomes (``live_stack.Outcome``: wall
+    seconds, ``scale`` simulated seconds each): ITL p90 over every gap between two tokens
+    of one answer (all answers pooled), and TTFT p90 of the RAG questions and of the chat
+    turns from their send (one without a first token is infinitely slow)."""
+    gaps = [gap * scale for o in outcomes for gap in o.gaps]
+
+    def ttft(rag: bool) -> float:
+        values = [
+            (o.first - o.sent) * scale if o.first is not None else math.inf
+            for o in outcomes
+            if o.sent is not None and RagMix.is_rag(o.group) == rag
+        ]
+        return nearest_rank(values, 0.9)
+
+    return {
+        "itl p90": nearest_rank(gaps, 0.9),
+        "rag ttft p90": ttft(True),
+        "chat ttft p90": ttft(False),
+    }
+
+
+async def live_policyd_figures(monitoring_port: int) -> dict[str, float]:
+    """The share of routed requests policyd split (its ``policyd_pd_decisions_total``)."""
+    url = f"http://127.0.0.1:{monitoring_port}/metrics"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response,
+    ):
+        text = await response.text()
+    decided = metric_sum(text, PD_DECISIONS)
+    split = metric_sum(text, PD_DECISIONS, 'split="true"')
+    return {"split": split / decided if decided else 0.0}
+
+
+def live_table(
+    group: tuple[str, str, float],
+    pickers: Mapping[str, Sequence[Any]],
+    unloaded: Sequence[Any],
+) -> list[str]:
+    """The live P/D cells' table (``live_report.CellRun``s with ``pd`` figures) and issue
+    36's goals: ratios paired per repeat against aggregated serving's, medians over
+    repeats; ``unloaded`` is aggregated serving's cells at the unloaded rate."""
+    workload, load, scale = group
+    reference = pickers.get(LIVE_AGGREGATED, [])
+
+    def median(runs: Sequence[Any], figure: Callable[[Any], float]) -> float:
+        return float(statistics.median(figure(r) for r in runs)) if runs else math.nan
+
+    def paired(runs: Sequence[Any], other: Sequence[Any], figure: Callable[[Any], float]) -> float:
+        by = {r.repeat: r for r in other}
+        ratios = [figure(r) / figure(by[r.repeat]) for r in runs if r.repeat in by]
+        return float(statistics.median(ratios)) if ratios else math.nan
+
+    def itl(run: Any) -> float:
+        return float(run.pd["itl p90"])
+
+    def ttft(run: Any) -> float:
+        return float(run.ttft_p90)
+
+    def tokens(run: Any) -> float:
+        return float(run.tokens_per_s)
+
+    rows = [
+        f"**{workload}, {load}, time scale {scale:g}** (median over repeats; / base: "
+        f"paired with {LIVE_AGGREGATED}, aggregated)",
+        "",
+        "| picker | ITL p90 ms | / base | TTFT p90 s | / base | RAG TTFT p90 | chat TTFT p90 "
+        "| tok/s | / base | split | lost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for picker, runs in sorted(pickers.items()):
+        rows.append(
+            f"| {picker} | {median(runs, itl) * 1000:.0f} | {paired(runs, reference, itl):.2f} "
+            f"| {median(runs, ttft):.2f} | {paired(runs, reference, ttft):.2f} "
+            f"| {median(runs, lambda r: r.pd['rag ttft p90']):.2f} "
+            f"| {median(runs, lambda r: r.pd['chat ttft p90']):.2f} "
+            f"| {median(runs, tokens):.0f} | {paired(runs, reference, tokens):.3f} "
+            f"| {median(runs, lambda r: r.pd.get('split', 0.0)):.0%} "
+            f"| {median(runs, lambda r: r.lost):.0f} |"
+        )
+    shipped = pickers.get(LIVE_SHIPPED, [])
+    if not reference or not shipped:
+        return rows
+    loaded = median(reference, itl) / median(unloaded, itl) if unloaded else math.nan
+    base_itl = 1 / paired(shipped, reference, itl)
+    base_ttft = paired(shipped, reference, ttft)
+    base_tokens = paired(shipped, reference, tokens)
+    rows += [
+        "",
+        f"- {LIVE_AGGREGATED}'s ITL p90 here / unloaded: {loaded:.2f}x (the goal's load: "
+        f">= {GOAL_LOADED_ITL:g}x): {verdict(loaded >= GOAL_LOADED_ITL)}",
+        f"- ITL p90 {LIVE_AGGREGATED} / P/D: {base_itl:.2f}x (goal >= {GOAL_ITL:g}x): "
+        f"{verdict(base_itl >= GOAL_ITL)}",
+        f"- TTFT p90 P/D / {LIVE_AGGREGATED}: {base_ttft:.2f}x (goal <= {GOAL_TTFT:g}x): "
+        f"{verdict(base_ttft <= GOAL_TTFT)}",
+        f"- output tokens/s P/D / {LIVE_AGGREGATED}: {base_tokens:.1%} (goal >= "
+        f"{GOAL_THROUGHPUT:.0%}): {verdict(base_tokens >= GOAL_THROUGHPUT)}",
+    ]
+    for other in LIVE_PICKERS[2:]:
+        if other not in pickers:
+            continue
+        t = paired(shipped, pickers[other], ttft)
+        i = paired(shipped, pickers[other], itl)
+        rows.append(
+            f"- {LIVE_SHIPPED} / {other}: TTFT p90 {t:.2f}x, ITL p90 {i:.2f}x "
+            f"(goal: both <= 1, one < 1): {verdict(t <= 1 and i <= 1 and min(t, i) < 1)}"
+        )
+    return rows
 
 
 if __name__ == "__main__":

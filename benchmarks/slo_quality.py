@@ -477,7 +477,8 @@ def goals(results: Mapping[float, Sequence[Seeded]]) -> list[str]:
 
 # The live cells: the knee, and the load where lora-prefix meets the interactive TTFT
 # objective for fewer than 80% of requests (the virtual runs find it; RESULTS.md).
-LIVE_LOADS: Final = (("knee", KNEE), ("goal", GOAL_RATE))
+# The range, from the knee to 2x; ``live.py --slo-loads`` runs some of them.
+LIVE_LOADS: Final = (("knee", KNEE), ("goal", GOAL_RATE), ("1.5x", 9.0), ("2x", 12.0))
 LIVE_PICKERS: Final = ("lora-prefix", "slo")
 PREDICTION_ERROR: Final = "policyd_latency_prediction_error_ratio_bucket"
 OBJECTIVES: Final = "policyd_slo_requests_total"
@@ -575,7 +576,8 @@ def live_table(group: tuple[str, str, float], pickers: Mapping[str, Sequence[Any
         f"**{workload}, {load}, time scale {scale:g}** (median over repeats)",
         "",
         "| picker | interactive TTFT met | its TPOT met | sheddable TTFT met | batch completed "
-        "| req/s while arriving | tok/s | vs lora-prefix req/s / tok/s | refused (sheddable) "
+        "| req/s, tok/s while arriving | tok/s to the end | vs lora-prefix: req/s, tok/s while "
+        "arriving, tok/s to the end | refused (sheddable) "
         "| prediction error median, TTFT / TPOT | policyd: TTFT objectives stated, met |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -590,7 +592,9 @@ def live_table(group: tuple[str, str, float], pickers: Mapping[str, Sequence[Any
             by = {r.repeat: r for r in reference}
             pairs = [(r, by[r.repeat]) for r in runs if r.repeat in by]
             ratios = (
-                f"{_median_ratio(pairs, 'window_per_s')} / {_median_ratio(pairs, 'tokens_per_s')}"
+                f"{_median_ratio(pairs, 'window_per_s')}, "
+                f"{_median_ratio(pairs, 'window_tokens_per_s')}, "
+                f"{_median_ratio(pairs, 'tokens_per_s')}"
             )
         error = "-"
         if not math.isnan(median("ttft error low")):
@@ -602,7 +606,8 @@ def live_table(group: tuple[str, str, float], pickers: Mapping[str, Sequence[Any
             f"| {picker} | {median('interactive ttft met'):.1%} "
             f"| {median('interactive tpot met'):.1%} | {median('sheddable ttft met'):.1%} "
             f"| {median('batch completed'):.0f}/{median('batch offered'):.0f} "
-            f"| {statistics.median(r.window_per_s for r in runs):.2f} "
+            f"| {statistics.median(r.window_per_s for r in runs):.2f}, "
+            f"{statistics.median(r.window_tokens_per_s for r in runs):.0f} "
             f"| {statistics.median(r.tokens_per_s for r in runs):.0f} | {ratios} "
             f"| {median('sheddable refused'):.0f} | {error} "
             f"| {median('policyd ttft stated'):.0f}, {median('policyd ttft met'):.0f} |"

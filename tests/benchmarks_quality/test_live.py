@@ -210,7 +210,7 @@ def _run(report: ModuleType, picker: str, repeat: int, **figures: float) -> obje
         "repeat": repeat, "offered": 100, "sent": 100, "completed": 90, "answered": 0,
         "lost": 10, "output_tokens": 9000, "duration_s": 100.0, "tokens_per_s": 90.0,
         "ttft_p50": 1.0, "ttft_p90": 2.0, "ttft_p99": 3.0, "hit_rate": 0.2, "ceiling": 0.8,
-        "busiest": 1.1, "window_per_s": 0.0,
+        "busiest": 1.1, "window_per_s": 0.0, "window_tokens_per_s": 0.0,
     }  # fmt: skip
     base.update(figures)
     return report.CellRun(**base)
@@ -303,6 +303,25 @@ def test_the_agreement_tells_a_slipping_machine_from_a_drifting_runner(
     assert cells[3:8] == ["90 / 100", "0.900", "2.00 / 2.00", "1.000", "NO"]
     assert cells[8] == "0.975"  # the pods generated the median 3900 of 4000 tokens
     assert cells[9] == "2"  # median of 6, 2, 0 finished at the pods but not at the client
+
+
+def test_throughput_while_arriving_leaves_out_what_ended_after_the_window(
+    report: ModuleType, stack: ModuleType
+) -> None:
+    outcomes = [
+        stack.Outcome("a", True, sent=0.0, first=1.0, done=4.0, tokens=100),
+        stack.Outcome("a", True, sent=5.0, first=6.0, done=9.0, tokens=300),
+        stack.Outcome("a", True, sent=8.0, first=20.0, done=40.0, tokens=200),  # after it
+        stack.Outcome("a", True, sent=9.0, answer="client TimeoutError"),
+    ]
+    run = report.cell_run(
+        key=("slo", "goal", 8.0, 2.0, "slo", 0), outcomes=outcomes, ended_s=40.0,
+        window_s=10.0, counters=stack.PoolCounters(), ceiling_rate=0.0, rule="sent",
+        pods=6, flow=False, wall_s=40.0,
+    )  # fmt: skip
+    # a time scale of 2: 10 wall seconds are 20 simulated
+    assert (run.window_per_s, run.window_tokens_per_s) == (2 / 20, 400 / 20)
+    assert run.tokens_per_s == 600 / 80  # to the last answer
 
 
 def test_percentiles_count_a_request_without_a_first_token_as_infinitely_slow(

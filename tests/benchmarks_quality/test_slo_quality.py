@@ -197,14 +197,16 @@ def test_the_prediction_error_median_is_read_to_its_bucket(slo: ModuleType) -> N
 
 def test_live_runs_the_slo_workload_as_cells_of_its_own(live: ModuleType) -> None:
     assert "slo" not in live.parse([]).workload  # the V1 profile's only: not by default
-    arguments = live.parse(
-        ["--workload", "slo", "--profile", "l4-llama3.1-8b", "--time-scale", "1",
-         "--repeats", "1"]
-    )  # fmt: skip
+    argv = ["--workload", "slo", "--profile", "l4-llama3.1-8b", "--time-scale", "1",
+            "--repeats", "1"]  # fmt: skip
+    arguments = live.parse(argv)
     cells = [c for b in live.plan(arguments) for c in b]
+    loads = ("knee 6/s", "goal 8/s", "1.5x 9/s", "2x 12/s")  # the range
     assert {(c.load, c.picker) for c in cells} == {
-        (load, picker) for load in ("knee 6/s", "goal 8/s") for picker in ("lora-prefix", "slo")
+        (load, picker) for load in loads for picker in ("lora-prefix", "slo")
     }
+    chosen = live.parse([*argv, "--slo-loads", "2x", "knee"])
+    assert {c.load for b in live.plan(chosen) for c in b} == {"knee 6/s", "2x 12/s"}
     for argv in (["--workload", "slo"], ["--workload", "slo", "--virtual"]):
         with pytest.raises(SystemExit) as stopped:
             live.parse([*argv, "--profile", "l4-llama3.1-8b"] if "--virtual" in argv else argv)
@@ -218,7 +220,8 @@ def test_a_small_live_slo_run_states_its_objectives_through_envoy(
     out = tmp_path / "live.json"
     lines = live.main(
         ["--workload", "slo", "--profile", "l4-llama3.1-8b", "--time-scale", "10",
-         "--repeats", "1", "--duration", "6", "--json", str(out), "--logs", str(tmp_path)]
+         "--repeats", "1", "--duration", "6", "--slo-loads", "knee", "goal",
+         "--json", str(out), "--logs", str(tmp_path)]
     )  # fmt: skip
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["load"], r["picker"]) for r in runs) == [

@@ -37,12 +37,14 @@ last column compares with the single stage over the decode pods alone: what
 predicted latencies) against ``rules/lora-prefix.yaml`` on the same pool and
 the same requests, half of them stating a TTFT objective
 (``x-llm-d-slo-ttft-ms``) and half not, every pod's latency models warm
-(taught by the serving path's ``Learning`` sink), both policies given each
-pod's prefix match for the prompt as the service gives them (a fixed one per
-pod: the index's own cost is the same for both and left out). The two run in
-turn, ``--rounds`` times each, in the same process; ``rules/default.yaml``'s
-p50 on the same pool is the decision budget's reference. The goal: slo.yaml
-adds at most 50 us p50 at 100 pods.
+(taught by the serving path's ``Learning`` sink), every policy given each
+pod's prefix match for the prompt as the service gives it (a fixed one per
+pod: the index's own cost is the same for all and left out). Beside them,
+``rules/default.yaml`` (the decision budget's reference) and slo.yaml
+without models (every pod "no prediction"), whose difference from slo.yaml
+is what predicting costs. They take turns, ``--rounds`` each, in one
+process, over the pool as a list (the walk made every time). The goal:
+slo.yaml adds at most 50 us p50 at 100 pods.
 
     python benchmarks/decision.py --slo --sizes 10,100
 """

@@ -32,6 +32,21 @@ last column compares with the single stage over the decode pods alone: what
 ``when`` and the prefill stage add to the decode stage.
 
     python benchmarks/decision.py --pd --sizes 10,100
+
+``--slo`` times ``rules/slo.yaml`` (``rules/lora-prefix.yaml`` reading the
+predicted latencies) against ``rules/lora-prefix.yaml`` on the same pool and
+the same requests, half of them stating a TTFT objective
+(``x-llm-d-slo-ttft-ms``) and half not, every pod's latency models warm
+(taught by the serving path's ``Learning`` sink), every policy given each
+pod's prefix match for the prompt as the service gives it (a fixed one per
+pod: the index's own cost is the same for all and left out). Beside them,
+``rules/default.yaml`` (the decision budget's reference) and slo.yaml
+without models (every pod "no prediction"), whose difference from slo.yaml
+is what predicting costs. They take turns, ``--rounds`` each, in one
+process, over the pool as a list (the walk made every time). The goal:
+slo.yaml adds at most 50 us p50 at 100 pods.
+
+    python benchmarks/decision.py --slo --sizes 10,100
 """
 
 from __future__ import annotations
@@ -46,9 +61,16 @@ from pathlib import Path
 from typing import Any
 
 from policyd.cel import Environment, pod_type
+from policyd.extproc.openai import SLO_TTFT_HEADERS, slo_of
+from policyd.fields.prefix_match import PrefixMatch
+from policyd.latency.learning import Learning
+from policyd.latency.model import WARM
+from policyd.latency.models import COLD, LatencyModels
 from policyd.policy import Outcome, Request, Router
 from policyd.policy.loader import load_policy_set
+from policyd.policy.pods import PolicyPod
 from policyd.pool.pod import Pod
+from policyd.telemetry.exchange_end import ExchangeEnd
 
 RULES = Path(__file__).resolve().parents[1] / "rules"
 HEADER = "x-gateway-inference-criticality"
@@ -262,6 +284,109 @@ def pd_comparison(sizes: Sequence[int], budget: float) -> None:
             )
 
 
+class FixedPrefix:
+    """A prompt's prefix match on each pod of one pool, the same for every request
+    (``policyd.prefix``'s probe, without its cost)."""
+
+    def __init__(self, pods: Sequence[Pod], rng: random.Random) -> None:
+        self.matches = [
+            PrefixMatch(share, round(share * 2000))
+            for share in (rng.choice([0.0, 0.0, rng.random()]) for _ in pods)
+        ]
+
+    def match(self, model: str, pods: Sequence[PolicyPod]) -> Sequence[PrefixMatch]:
+        return self.matches
+
+
+def slo_requests(count: int, rng: random.Random) -> list[Request]:
+    """``make_requests`` with prompts, answers and half of them a TTFT objective, read
+    from the header as the serving path reads it."""
+    requests = []
+    for index, request in enumerate(make_requests(count, rng)):
+        headers = dict(request.headers)
+        if index % 2:
+            headers[SLO_TTFT_HEADERS[0]] = str(rng.choice([500, 1000, 2000]))
+        requests.append(
+            dataclasses.replace(
+                request,
+                headers=headers,
+                prompt_tokens=rng.randint(100, 4000),
+                max_tokens=rng.randint(16, 512),
+                stream=True,
+                slo_ttft_ms=slo_of(headers, SLO_TTFT_HEADERS),
+            )
+        )
+    return requests
+
+
+def warm_models(
+    router: Router, models: LatencyModels, pods: Sequence[Pod], rng: random.Random
+) -> None:
+    """Teach every pod's models as the service does, through its ``Learning`` sink:
+    ``WARM`` + 4 streamed answers each, routed there, the first token later the more
+    the pod queues and the longer the prompt."""
+    sink = Learning(models)
+    for pod in pods:
+        for _ in range(WARM + 4):
+            request = Request(
+                model=rng.choice(ADAPTERS), prompt_tokens=rng.randint(100, 4000), stream=True
+            )
+            decision = router.decide(request, [pod])
+            first = 0.05 + 0.01 * pod.waiting_queue + 0.0001 * request.prompt_tokens
+            first *= rng.uniform(0.8, 1.2)
+            tokens = rng.randint(2, 300)
+            duration = first + tokens * 0.02 * rng.uniform(0.8, 1.2)
+            end = ExchangeEnd(True, duration, first, request.prompt_tokens, tokens)
+            sink.start(request, decision, {}, 0.0).end(end)
+    cold = [
+        p.name
+        for p, (ttft, _) in zip(pods, models.predict_many(pods, [0] * len(pods), 0), strict=True)
+        if ttft == COLD
+    ]
+    if cold:  # a cold pod skips the work this measures
+        raise SystemExit(f"no prediction after warming: {', '.join(cold)}")
+
+
+def slo_comparison(sizes: Sequence[int], budget: float, rounds: int) -> None:
+    """rules/slo.yaml on warm models against rules/lora-prefix.yaml; beside them
+    default.yaml and slo.yaml without models (every field "no prediction"), whose
+    difference from slo.yaml is what predicting costs."""
+    models = LatencyModels()
+    routers = {
+        "default": Router(load_policy_set(RULES / "default.yaml"), rng=random.Random(1)),
+        "lora-prefix": Router(load_policy_set(RULES / "lora-prefix.yaml"), rng=random.Random(1)),
+        "slo": Router(load_policy_set(RULES / "slo.yaml"), rng=random.Random(1), latency=models),
+        "cold": Router(load_policy_set(RULES / "slo.yaml"), rng=random.Random(1)),
+    }
+    print(
+        f"{'pods':>6}  {'default p50':>11}  {'lora-prefix p50':>15}  {'slo p50':>9}"
+        f"  {'slo - lora-prefix':>17}  {'ratio':>6}  {'slo, no models':>14}  {'predicting':>10}"
+    )
+    for size in sizes:
+        rng = random.Random(size)
+        pods = make_pool(size, rng)
+        for pod in pods:  # policyd's own load there, which the predictions read
+            pod.load.count = rng.randint(0, 8)
+            pod.load.prefill_tokens = rng.choice([0, 0, rng.randint(100, 4000)])
+        warm_models(routers["slo"], models, pods, rng)
+        requests = slo_requests(200, rng)
+        prompt = FixedPrefix(pods, rng)
+        samples: dict[str, list[float]] = {name: [] for name in routers}
+        for _ in range(rounds):  # in turn, so that the machine's load falls on each alike
+            for name, router in routers.items():
+                samples[name] += measure(
+                    lambda r, d=router.decide, p=pods, m=prompt: d(r, p, m),
+                    requests,
+                    budget / rounds,
+                )
+        default, single, slo, cold = (p50_p99(samples[name])[0] for name in routers)
+        print(
+            f"{size:>6}  {default:>8.1f} us  {single:>12.1f} us  {slo:>6.1f} us"
+            f"  {slo - single:>14.1f} us  {slo / single:>5.2f}x  {cold:>11.1f} us"
+            f"  {slo - cold:>7.1f} us"
+        )
+
+
 def cel_backend() -> str:
     program = Environment({"pod": pod_type()}).compile("pod.waiting_queue < 50")
     if program.lowered:
@@ -286,11 +411,22 @@ def main() -> None:
         action="store_true",
         help="time a two-stage (prefill/decode) decision against a single-stage one instead",
     )
+    parser.add_argument(
+        "--slo",
+        action="store_true",
+        help="time rules/slo.yaml (warm latency models) against rules/lora-prefix.yaml instead",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="turns each policy takes with --slo (default 5)"
+    )
     arguments = parser.parse_args()
     sizes = [int(s) for s in arguments.sizes.split(",")]
     print(f"CEL: {cel_backend()}")
     if arguments.pd:
         pd_comparison(sizes, arguments.budget)
+        return
+    if arguments.slo:
+        slo_comparison(sizes, arguments.budget, arguments.rounds)
         return
     print(
         f"{'policy':<9}{'pods':>6}  {'policyd p50':>12}{'p99':>10}  {'served p50':>11}"

@@ -436,7 +436,11 @@ class Router:
         """The candidates with this request's prefix match and predictions laid over them."""
         assert self._latency is not None
         prompt_tokens = request.prompt_tokens
-        uncached = [max(prompt_tokens - m.prefix_tokens, 0) for m in matches]
+        # Written out: max() costs a call per pod (as predict_many avoids it).
+        uncached = [
+            prompt_tokens - m.prefix_tokens if m.prefix_tokens < prompt_tokens else 0
+            for m in matches
+        ]
         context = prompt_tokens + request.max_tokens // 2
         predictions = self._latency.predict_many(pods, uncached, context)
         return [

@@ -178,7 +178,7 @@ def test_the_live_table_judges_pd_against_aggregated_paired_per_repeat(pd: Modul
     def run(repeat: int, itl: float, ttft: float, tokens: float, split: float = 0.0) -> object:
         figures = {"itl p90": itl, "rag ttft p90": ttft, "chat ttft p90": ttft, "split": split}
         return SimpleNamespace(
-            repeat=repeat, pd=figures, ttft_p90=ttft, tokens_per_s=tokens, lost=0
+            repeat=repeat, pd=figures, ttft_p90=ttft, window_tokens_per_s=tokens, lost=0
         )
 
     pickers = {

@@ -340,7 +340,7 @@ def warm_models(
             sink.start(request, decision, {}, 0.0).end(end)
     cold = [
         p.name
-        for p, (ttft, _) in zip(pods, models.predict_many(pods, [0] * len(pods), 0), strict=True)
+        for p, ttft in zip(pods, models.predict_ttft(pods, [0] * len(pods)), strict=True)
         if ttft == COLD
     ]
     if cold:  # a cold pod skips the work this measures

@@ -10,8 +10,7 @@ schema (``policyd.cel.schema``); the typed classes that
 copy in ``policyd.policy.request``; ``PolicyPod``, the ``Prefixed`` and
 ``AsSeen`` overlays and ``StaticPod``, the pods written by hand for
 ``policyd test`` / ``explain``, in ``policyd.policy.pods``; ``PrefixMatch``
-in ``policyd.fields.prefix_match``; ``Prediction`` in ``policyd.fields.prediction``;
-a test fails while one is stale); the
+in ``policyd.fields.prefix_match``; a test fails while one is stale); the
 datastore's copying; the metric presets and ``--metric-*`` flags; the
 decision log's and span's pod inputs; and the schema tables of
 docs/policy-language.md (a test holds the tables to the declarations).

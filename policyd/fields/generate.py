@@ -9,9 +9,6 @@ the room that owns its class:
 - ``policyd/fields/prefix_match.py``: ``PrefixMatch``, one request's match on
   one pod (the fields of origin ``"prefix"``), which the prefix room computes
   and the policy room lays over pods: both may import this room;
-- ``policyd/fields/prediction.py``: ``Prediction``, one request's predicted
-  latencies on one pod (the fields of origin ``"prediction"``), which the
-  router asks ``policyd.latency`` for and lays over pods;
 - ``policyd/pool/pod_types.py``: ``Pod`` (a snapshot's pod) and ``PodMetrics``
   (a scrape's fields);
 - ``policyd/policy/pods.py``: ``PolicyPod``, the protocol the router reads
@@ -218,28 +215,6 @@ def prefix_match_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     return _module(doc, standard, ours, body)
 
 
-def prediction_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
-    predicted = prediction_fields(pod_fields)
-    doc = (
-        "What ``policyd.latency`` predicts per pod, and the router lays over it (``Prefixed``).\n\n"
-        'Its fields are the pod fields of origin ``"prediction"``: declaring one adds it\n'
-        "here, to the overlay and to ``Pod`` (with its default); the router sets it from\n"
-        "the latency models."
-    )
-    body = [
-        "@dataclass(slots=True)",
-        "class Prediction:",
-        '    """One request\'s predicted latencies on one pod (read-only to mypy)."""',
-        "",
-        *(_attribute(f, f.default, wrap="Final") for f in predicted),
-        "",
-        "",
-        "NO_PREDICTION: Final = Prediction()",
-    ]
-    standard, ours = _type_imports(predicted, ("Final",))
-    return _module(doc, standard, ours, body)
-
-
 def pod_types_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     doc = (
         "A model-server pod as the pool publishes it (``Pod``), and a scrape's values.\n\n"
@@ -331,17 +306,19 @@ def pods_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
         *_call(
             "    ",
             "def __init__(",
+            # The predictions as floats, not a record: the router lays them over
+            # every candidate of every decision that reads them.
             [
                 "self",
                 "pod: PolicyPod",
                 "match: PrefixMatch",
-                "prediction: Prediction = NO_PREDICTION",
+                *(f"{f.name}: {python_type(f)} = {_literal(f.default)}" for f in predicted),
             ],
             ") -> None:",
         ),
         "        self.pod = pod",
         *(f"        self.{f.name} = match.{f.name}" for f in prefix),
-        *(f"        self.{f.name} = prediction.{f.name}" for f in predicted),
+        *(f"        self.{f.name} = {f.name}" for f in predicted),
         *_delegates(f for f in pod_fields if f.name not in prefix_names),
         "",
         "",
@@ -364,7 +341,6 @@ def pods_source(pod_fields: Sequence[Field] = POD_FIELDS) -> str:
     ]
     standard, ours = _type_imports(pod_fields, ("Protocol",))
     ours.append("from policyd.fields.prefix_match import PrefixMatch")
-    ours.append("from policyd.fields.prediction import NO_PREDICTION, Prediction")
     return _module(doc, standard, ours, lines)
 
 
@@ -412,7 +388,6 @@ def sources(
     """Each generated module's name and the source it must hold."""
     return {
         "policyd.fields.prefix_match": prefix_match_source(pod_fields),
-        "policyd.fields.prediction": prediction_source(pod_fields),
         "policyd.pool.pod_types": pod_types_source(pod_fields),
         "policyd.policy.pods": pods_source(pod_fields),
         "policyd.policy.request": request_source(request_fields),

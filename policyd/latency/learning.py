@@ -113,7 +113,7 @@ def outcome_of(
         tpot_s = end.time_per_output_token(streamed=True)
         tpot_ms = tpot_s * 1000.0 if tpot_s else None
     else:
-        _, tpot = models.predict_many((pod,), (uncached,), context)[0]
+        tpot = models.predict_tpot((pod,), context)[0]
         if tokens == 1:
             ttft_ms = total_ms
         elif tpot != COLD:

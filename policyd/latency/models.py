@@ -10,7 +10,7 @@ served model.
 Only the event loop learns (``learn``), once per finished exchange; each
 lesson publishes a new mapping of fits (never changed once published), which decisions read by
 one reference (``fits``), so a read takes no lock and sees one consistent
-state. ``predict_many`` answers ``COLD`` (-1.0) for a pod without enough
+state. ``predict_ttft`` and ``predict_tpot`` answer ``COLD`` (-1.0) for a pod without enough
 outcomes yet, which CEL reads as "no prediction" (docs/policy-language.md).
 """
 
@@ -147,7 +147,8 @@ class _PodLearners:
 
 
 class LatencyModels:
-    """The pods' models; ``learn`` on the event loop, ``predict_many`` anywhere."""
+    """The pods' models; ``learn`` on the event loop, ``predict_ttft`` / ``predict_tpot``
+    anywhere."""
 
     def __init__(self) -> None:
         self._learners: dict[str, _PodLearners] = {}
@@ -188,15 +189,13 @@ class LatencyModels:
             del self._learners[name]
         self.fits = {k: v for k, v in self.fits.items() if k not in gone}
 
-    def predict_many(
-        self, pods: Sequence[Loaded], uncached_tokens: Sequence[int], context_tokens: int
-    ) -> list[tuple[float, float]]:
-        """Each pod's predicted TTFT and TPOT in milliseconds (``COLD`` where it has
-        none yet), at its own in-flight count, queued prefill and uncached prompt tokens.
+    def predict_ttft(self, pods: Sequence[Loaded], uncached_tokens: Sequence[int]) -> list[float]:
+        """Each pod's predicted TTFT in milliseconds (``COLD`` where it has none yet), at
+        its own in-flight count, queued prefill and uncached prompt tokens.
 
         A decision that reads predictions makes one per candidate: the part of
         each prediction that depends on the pod's scraped load alone is kept per
-        snapshot pod object and fit, so a decision pays two multiplications each.
+        snapshot pod object and fit, so a decision pays three multiplications each.
         """
         cache = self._cache
         fits = self.fits
@@ -206,18 +205,43 @@ class LatencyModels:
             if terms is None or terms[0] is not pod or terms[1] is not fits.get(pod.name):
                 terms = self._terms_of(pod)
             # Unpacked and written out: a method call per value costs more than the sums.
-            _, _, ttft_warm, tb, tu, tf, tq, tpot_warm, pb, pc, pf = terms
-            in_flight = pod.in_flight
-            ttft = tpot = COLD
-            if ttft_warm:
-                ttft = tb + tu * uncached + tf * in_flight + tq * pod.queued_prefill_tokens
-                if ttft < FLOOR_MS:  # noqa: PLR1730 - max() costs a call per pod
-                    ttft = FLOOR_MS
-            if tpot_warm:
-                tpot = pb + pc * context_tokens + pf * in_flight
-                if tpot < FLOOR_MS:  # noqa: PLR1730 - max() costs a call per pod
-                    tpot = FLOOR_MS
-            out.append((ttft, tpot))
+            _, _, warm, base, per_uncached, per_in_flight, per_queued, _, _, _, _ = terms
+            if not warm:
+                out.append(COLD)
+                continue
+            ttft = (
+                base
+                + per_uncached * uncached
+                + per_in_flight * pod.in_flight
+                + per_queued * pod.queued_prefill_tokens
+            )
+            if ttft < FLOOR_MS:  # noqa: PLR1730 - max() costs a call per pod
+                ttft = FLOOR_MS
+            out.append(ttft)
+        return out
+
+    def predict_tpot(self, pods: Sequence[Loaded], context_tokens: int) -> list[float]:
+        """Each pod's predicted TPOT in milliseconds (``COLD`` where it has none yet), at
+        its own in-flight count, for a request of ``context_tokens``.
+
+        Asked apart from TTFT: a policy that does not read TPOT needs it for the
+        chosen pod alone (the decision carries its prediction), not per candidate.
+        """
+        cache = self._cache
+        fits = self.fits
+        out = []
+        for pod in pods:
+            terms = cache.get(id(pod))
+            if terms is None or terms[0] is not pod or terms[1] is not fits.get(pod.name):
+                terms = self._terms_of(pod)
+            _, _, _, _, _, _, _, warm, base, per_context, per_in_flight = terms
+            if not warm:
+                out.append(COLD)
+                continue
+            tpot = base + per_context * context_tokens + per_in_flight * pod.in_flight
+            if tpot < FLOOR_MS:  # noqa: PLR1730 - max() costs a call per pod
+                tpot = FLOOR_MS
+            out.append(tpot)
         return out
 
     def _terms_of(self, pod: LoadLike) -> _Terms:

@@ -68,6 +68,8 @@ _PREFIX_READS: Final = frozenset({"pod.*", *(f"pod.{field.name}" for field in PR
 _PREDICTION_READS: Final = frozenset(
     {"pod.*", *(f"pod.{field.name}" for field in PREDICTION_POD_FIELDS)}
 )
+# Reads that make a policy need each candidate's TPOT prediction, not the chosen pod's alone.
+_TPOT_READS: Final = frozenset({"pod.*", "pod.predicted_tpot_ms"})
 _NOT_CACHEABLE: Final = (
     _PREFIX_READS
     | _PREDICTION_READS
@@ -162,6 +164,9 @@ class CompiledPolicy:
     # Some expression reads the predicted latencies: the router asks the latency
     # models for this request on each candidate, for this policy and no other.
     reads_prediction: bool = False
+    # Some expression reads ``pod.predicted_tpot_ms``: the router asks for each
+    # candidate's TPOT, rather than the chosen pod's alone, for this policy.
+    reads_tpot: bool = False
     # Flow control (None: a saturated pool is routed to, or shed, as the tree says).
     flow: CompiledFlow | None = None
     # Two stages (None: one): the tree above picks the decode pod among the
@@ -294,6 +299,7 @@ class _Compiler:
             walk_key=walk_key,
             reads_prefix=bool(self.every_read & _PREFIX_READS),
             reads_prediction=bool(self.every_read & _PREDICTION_READS),
+            reads_tpot=bool(self.every_read & _TPOT_READS),
             flow=flow,
             prefill=prefill,
             roles=DECODE_CAPABLE if spec.prefill is not None else None,

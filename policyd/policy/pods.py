@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from policyd.cel.values import Duration
-from policyd.fields.prediction import NO_PREDICTION, Prediction
 from policyd.fields.prefix_match import PrefixMatch
 
 _METRICS_AGE: Final = Duration(0)
@@ -99,13 +98,17 @@ class Prefixed:
     __slots__ = ("pod", "predicted_tpot_ms", "predicted_ttft_ms", "prefix_match", "prefix_tokens")
 
     def __init__(
-        self, pod: PolicyPod, match: PrefixMatch, prediction: Prediction = NO_PREDICTION
+        self,
+        pod: PolicyPod,
+        match: PrefixMatch,
+        predicted_ttft_ms: float = -1.0,
+        predicted_tpot_ms: float = -1.0,
     ) -> None:
         self.pod = pod
         self.prefix_match = match.prefix_match
         self.prefix_tokens = match.prefix_tokens
-        self.predicted_ttft_ms = prediction.predicted_ttft_ms
-        self.predicted_tpot_ms = prediction.predicted_tpot_ms
+        self.predicted_ttft_ms = predicted_ttft_ms
+        self.predicted_tpot_ms = predicted_tpot_ms
 
     @property
     def name(self) -> str:

@@ -23,7 +23,8 @@ So it is with the predicted latencies (``pod.predicted_ttft_ms``,
 for every candidate, from the request's uncached prompt tokens (its prompt
 less the prefix match, when there is a prompt to match) and its context, and
 lays them over the candidates with the prefix match; the decision carries the
-chosen pod's.
+chosen pod's. TPOT is asked per candidate only for a policy that reads it; for
+the others, for the chosen pod alone once it is picked.
 
 When the policy has shadow policies, the decision carries ``ShadowInputs``
 (plain data: the shadows, the request, the candidates, the pick), and
@@ -53,7 +54,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from policyd.fields.prediction import Prediction
 from policyd.fields.prefix_match import PrefixMatch
 from policyd.policy.compiler import CompiledPolicy, CompiledPrefill, WalkKey
 from policyd.policy.decision import (
@@ -97,11 +97,16 @@ class PrefixMatcher(Protocol):
 class LatencyPredictor(Protocol):
     """Each pod's predicted latencies for one request (``policyd.latency.LatencyModels``)."""
 
-    def predict_many(
-        self, pods: Sequence[PolicyPod], uncached_tokens: Sequence[int], context_tokens: int
-    ) -> list[tuple[float, float]]:
-        """Per pod, in order: (TTFT ms, TPOT ms) at its in-flight count and uncached
-        prompt tokens, -1.0 each where it has no prediction yet."""
+    def predict_ttft(
+        self, pods: Sequence[PolicyPod], uncached_tokens: Sequence[int]
+    ) -> list[float]:
+        """Per pod, in order: TTFT ms at its in-flight count and uncached prompt tokens,
+        -1.0 where it has no prediction yet."""
+        ...
+
+    def predict_tpot(self, pods: Sequence[PolicyPod], context_tokens: int) -> list[float]:
+        """Per pod, in order: TPOT ms at its in-flight count for this context, -1.0
+        where it has no prediction yet."""
         ...
 
 
@@ -304,7 +309,7 @@ class Router:
                 else [PrefixMatch(p.prefix_match, p.prefix_tokens) for p in candidates]
             )
             if predicts:
-                candidates = self._predicted(resolved, candidates, matches)
+                candidates = self._predicted(policy, resolved, candidates, matches)
             else:
                 candidates = [Prefixed(p, m) for p, m in zip(candidates, matches, strict=True)]
             if prompt is not None:
@@ -340,7 +345,7 @@ class Router:
             if policy.reads_prefix and prompt is not None:
                 prefix_match = pod.prefix_match
             if predicts:
-                predicted = (pod.predicted_ttft_ms, pod.predicted_tpot_ms)
+                predicted = (pod.predicted_ttft_ms, self._tpot(policy, resolved, pod))
             pod = pod.pod
         top: tuple[tuple[str, float], ...] = ()
         if totals is not None and policy.scorers:
@@ -431,22 +436,43 @@ class Router:
         )
 
     def _predicted(
-        self, request: Request, pods: Sequence[PolicyPod], matches: Sequence[PrefixMatch]
+        self,
+        policy: CompiledPolicy,
+        request: Request,
+        pods: Sequence[PolicyPod],
+        matches: Sequence[PrefixMatch],
     ) -> list[PolicyPod]:
-        """The candidates with this request's prefix match and predictions laid over them."""
+        """The candidates with this request's prefix match and predictions laid over them.
+
+        TPOT only for a policy that reads it: the others need the chosen pod's
+        alone, which ``_tpot`` asks for once the pod is picked.
+        """
         assert self._latency is not None
         prompt_tokens = request.prompt_tokens
-        # Written out: max() costs a call per pod (as predict_many avoids it).
+        # Written out: max() costs a call per pod (as predict_ttft avoids it).
         uncached = [
             prompt_tokens - m.prefix_tokens if m.prefix_tokens < prompt_tokens else 0
             for m in matches
         ]
-        context = prompt_tokens + request.max_tokens // 2
-        predictions = self._latency.predict_many(pods, uncached, context)
+        ttfts = self._latency.predict_ttft(pods, uncached)
+        if not policy.reads_tpot:
+            return [
+                Prefixed(pod, match, ttft)
+                for pod, match, ttft in zip(pods, matches, ttfts, strict=True)
+            ]
+        tpots = self._latency.predict_tpot(pods, _context(request))
         return [
-            Prefixed(pod, match, Prediction(ttft, tpot))
-            for pod, match, (ttft, tpot) in zip(pods, matches, predictions, strict=True)
+            Prefixed(pod, match, ttft, tpot)
+            for pod, match, ttft, tpot in zip(pods, matches, ttfts, tpots, strict=True)
         ]
+
+    def _tpot(self, policy: CompiledPolicy, request: Request, chosen: Prefixed) -> float:
+        """The chosen pod's predicted TPOT, for the decision: laid over it already when
+        the policy reads TPOT, else asked for this pod alone."""
+        if policy.reads_tpot:
+            return chosen.predicted_tpot_ms
+        assert self._latency is not None
+        return self._latency.predict_tpot((chosen.pod,), _context(request))[0]
 
     def _walk(
         self, policy: _Stage, request: Request, candidates: Sequence[PolicyPod]
@@ -525,6 +551,12 @@ def _criticality(policy: CompiledPolicy, request: Request) -> str:
             return asked
     rule = policy.models.get(request.model)
     return (rule.criticality if rule else None) or policy.criticality_default
+
+
+def _context(request: Request) -> int:
+    """The context a request's tokens attend to on average, as TPOT is predicted at:
+    its prompt and half its output budget."""
+    return request.prompt_tokens + request.max_tokens // 2
 
 
 def in_pool(

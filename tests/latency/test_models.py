@@ -5,10 +5,19 @@ nonsense."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from policyd.latency.model import WARM, Learner
 from policyd.latency.models import COLD, MAX_PODS, LatencyModels, Outcome
 from policyd.policy.pods import StaticPod
+
+
+def predict(
+    models: LatencyModels, pods: Sequence[StaticPod], uncached: Sequence[int], context: int
+) -> list[tuple[float, float]]:
+    """Each pod's (TTFT, TPOT) prediction, as a policy reading both gets them."""
+    ttfts = models.predict_ttft(pods, uncached)
+    return list(zip(ttfts, models.predict_tpot(pods, context), strict=True))
 
 
 def ttft_truth(uncached: int, waiting: int, in_flight: int, queued: int) -> float:
@@ -54,12 +63,12 @@ def test_a_pod_is_cold_until_it_has_learned_enough() -> None:
     rng = random.Random(1)
     models = LatencyModels()
     pod = loaded("a", rng)
-    assert models.predict_many((pod,), (500,), 800) == [(COLD, COLD)]
+    assert predict(models, (pod,), (500,), 800) == [(COLD, COLD)]
     for _ in range(WARM - 1):
         models.learn(outcome(loaded("a", rng), rng))
-    assert models.predict_many((pod,), (500,), 800) == [(COLD, COLD)]
+    assert predict(models, (pod,), (500,), 800) == [(COLD, COLD)]
     models.learn(outcome(loaded("a", rng), rng))
-    ttft, tpot = models.predict_many((pod,), (500,), 800)[0]
+    ttft, tpot = predict(models, (pod,), (500,), 800)[0]
     assert ttft > 0.0 and tpot > 0.0
 
 
@@ -72,7 +81,7 @@ def test_the_models_learn_ttft_and_tpot_online() -> None:
     for _ in range(100):
         pod = loaded("a", rng)
         uncached, context = rng.randrange(50, 3000), rng.randrange(500, 5000)
-        ttft, tpot = models.predict_many((pod,), (uncached,), context)[0]
+        ttft, tpot = predict(models, (pod,), (uncached,), context)[0]
         true_ttft = ttft_truth(
             uncached, pod.waiting_queue, pod.in_flight, pod.queued_prefill_tokens
         )
@@ -90,7 +99,7 @@ def test_each_pod_has_its_own_model() -> None:
         fast = loaded("fast", rng)
         models.learn(Outcome(fast, fast.in_flight, 0, 100, 100, 20.0, 5.0))
     pods = (StaticPod("slow", "slow:8000", waiting_queue=5), StaticPod("fast", "fast:8000"))
-    (slow_ttft, _), (fast_ttft, fast_tpot) = models.predict_many(pods, (1000, 1000), 1000)
+    (slow_ttft, _), (fast_ttft, fast_tpot) = predict(models, pods, (1000, 1000), 1000)
     assert slow_ttft > 400.0
     assert abs(fast_ttft - 20.0) < 2.0 and abs(fast_tpot - 5.0) < 0.5
 
@@ -104,9 +113,9 @@ def test_a_pod_that_restarted_or_changed_model_starts_cold_and_learns_again() ->
         models = LatencyModels()
         for _ in range(50):
             models.learn(outcome(loaded("a", rng, "a:8000", "m"), rng))
-        assert models.predict_many((loaded("a", rng, "a:8000", "m"),), (10,), 10)[0][0] > 0
+        assert predict(models, (loaded("a", rng, "a:8000", "m"),), (10,), 10)[0][0] > 0
         again = loaded("a", rng, changed["address"], changed["model"])
-        assert models.predict_many((again,), (10,), 10) == [(COLD, COLD)]
+        assert predict(models, (again,), (10,), 10) == [(COLD, COLD)]
         models.learn(outcome(again, rng))
         # The old pod's fit is gone, not merely hidden: its first outcome starts anew.
         assert models.fits["a"].ttft.samples == 1
@@ -154,8 +163,8 @@ def test_the_prefill_queued_ahead_raises_the_predicted_ttft() -> None:
     behind = StaticPod(
         "a", "a:8000", waiting_queue=2, running=10, in_flight=3, queued_prefill_tokens=4000
     )
-    (ttft_idle, tpot_idle), (ttft_behind, tpot_behind) = models.predict_many(
-        (idle, behind), (200, 200), 800
+    (ttft_idle, tpot_idle), (ttft_behind, tpot_behind) = predict(
+        models, (idle, behind), (200, 200), 800
     )
     assert abs((ttft_behind - ttft_idle) - 0.12 * 4000) < 0.1 * 0.12 * 4000
     assert tpot_behind == tpot_idle

@@ -1,16 +1,17 @@
 """A policy reads ``pod.predicted_ttft_ms`` / ``pod.predicted_tpot_ms`` through the router:
-the models are asked only for such a policy, a cold pod reads -1.0, and the decision
-carries the chosen pod's prediction; the learning sink teaches the models from each
-exchange's end, streamed or not."""
+the models are asked only for such a policy (TPOT per pod only for one that reads it), a
+cold pod reads -1.0, and the decision carries the chosen pod's prediction; the learning
+sink teaches the models from each exchange's end, streamed or not."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from policyd.latency.learning import Learning
 from policyd.latency.model import WARM
-from policyd.latency.models import COLD, LatencyModels, Outcome
+from policyd.latency.models import COLD, LatencyModels, Loaded, Outcome
 from policyd.policy import Router
 from policyd.policy.decision import Outcome as Routed
 from policyd.policy.loader import load_policy_set
@@ -35,8 +36,9 @@ filters:
 PODS = (Pod("slow", "10.0.0.1:8000"), Pod("fast", "10.0.0.2:8000"), Pod("new", "10.0.0.3:8000"))
 
 
-def trained() -> LatencyModels:
-    models = LatencyModels()
+def trained(models: LatencyModels | None = None) -> LatencyModels:
+    """``models`` (new ones by default) taught "slow" (900 ms TTFT) and "fast" (120 ms)."""
+    models = LatencyModels() if models is None else models
     for _ in range(WARM + 10):
         models.learn(Outcome(PODS[0], 0, 0, 500, 800, 900.0, 40.0))
         models.learn(Outcome(PODS[1], 0, 0, 500, 800, 120.0, 20.0))
@@ -72,6 +74,38 @@ def test_a_policy_that_does_not_read_predictions_gets_none(tmp_path: Path) -> No
     assert decision.predicted == (COLD, COLD)
 
 
+class Counting(LatencyModels):
+    """The models, counting the pods each kind of prediction is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: dict[str, list[str]] = {"ttft": [], "tpot": []}
+
+    def predict_ttft(self, pods: Sequence[Loaded], uncached_tokens: Sequence[int]) -> list[float]:
+        self.asked["ttft"] += [pod.name for pod in pods]
+        return super().predict_ttft(pods, uncached_tokens)
+
+    def predict_tpot(self, pods: Sequence[Loaded], context_tokens: int) -> list[float]:
+        self.asked["tpot"] += [pod.name for pod in pods]
+        return super().predict_tpot(pods, context_tokens)
+
+
+def test_tpot_is_predicted_per_pod_only_for_a_policy_that_reads_it(tmp_path: Path) -> None:
+    models = Counting()
+    trained(models)
+    request = Request(model="m", prompt_tokens=500, max_tokens=600, slo_ttft_ms=300.0)
+    decision = router(tmp_path, MEETS_SLO, models).decide(request, PODS)
+    assert models.asked == {"ttft": ["slow", "fast", "new"], "tpot": ["fast"]}
+    # The decision (its span, the prediction error metric) still carries the chosen pod's.
+    assert decision.pod == "fast" and decision.predicted is not None
+    assert abs(decision.predicted[1] - 20.0) < 2.0
+    reads_tpot = MEETS_SLO + "score:\n  quick tokens:\n    expr: -pod.predicted_tpot_ms\n"
+    models.asked = {"ttft": [], "tpot": []}
+    again = router(tmp_path, reads_tpot, models).decide(request, PODS)
+    assert models.asked == {"ttft": ["slow", "fast", "new"], "tpot": ["slow", "fast", "new"]}
+    assert again.predicted == decision.predicted
+
+
 def learn_exchanges(tmp_path: Path, *, stream: bool, count: int) -> LatencyModels:
     """``count`` exchanges on ``fast``: 200 ms to the first token, then 30 ms a token."""
     models = LatencyModels()
@@ -88,7 +122,7 @@ def learn_exchanges(tmp_path: Path, *, stream: bool, count: int) -> LatencyModel
 
 def test_streamed_answers_teach_ttft_and_tpot(tmp_path: Path) -> None:
     models = learn_exchanges(tmp_path, stream=True, count=WARM + 4)
-    ttft, tpot = models.predict_many((PODS[1],), (400,), 450)[0]
+    ttft, tpot = models.predict_ttft(PODS[1:2], (400,))[0], models.predict_tpot(PODS[1:2], 450)[0]
     assert abs(ttft - 200.0) < 5.0 and abs(tpot - 30.0) < 1.0
 
 
@@ -103,7 +137,7 @@ def test_non_streamed_answers_teach_ttft_once_tpot_is_known(tmp_path: Path) -> N
         request = Request(model="m", prompt_tokens=400)
         span = sink.start(request, decide(request, PODS[1:2]), {}, 0.0001)
         span.end(ExchangeEnd(True, 0.5 + 0.03 * 100, 0.5 + 0.03 * 100, 400, 101))
-    ttft, _ = models.predict_many((PODS[1],), (400,), 450)[0]
+    ttft = models.predict_ttft(PODS[1:2], (400,))[0]
     assert 300.0 < ttft < 520.0  # moved from 200 ms towards the 500 ms the whole answers say
 
 

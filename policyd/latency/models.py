@@ -146,6 +146,19 @@ class _PodLearners:
         self.tpot = Learner(TPOT_WIDTH)
 
 
+# One snapshot pod's predictions with its scraped load folded in (``_fold``): what
+# varies per request (uncached tokens, context, in-flight count, queued prefill) is left
+# as a coefficient each. TTFT's: the base, per uncached token, per request in flight, per
+# queued prefill token; TPOT's: the base, per context token, per request in flight.
+_TtftTerms = tuple[float, float, float, float]
+_TpotTerms = tuple[float, float, float]
+# A cache entry: the pod (kept so that ``id(pod)`` is not reused for another object while
+# the entry lives), the fits that made it, then TTFT's and TPOT's terms (None: that
+# model is cold). Plain tuples, not named ones: CPython's fast paths for indexing and
+# unpacking take exact tuples only, and a decision reads one per candidate.
+_Terms = tuple[object, PodFits | None, _TtftTerms | None, _TpotTerms | None]
+
+
 class LatencyModels:
     """The pods' models; ``learn`` on the event loop, ``predict_ttft`` / ``predict_tpot``
     anywhere."""
@@ -204,11 +217,12 @@ class LatencyModels:
             terms = cache.get(id(pod))
             if terms is None or terms[0] is not pod or terms[1] is not fits.get(pod.name):
                 terms = self._terms_of(pod)
-            # Unpacked and written out: a method call per value costs more than the sums.
-            _, _, warm, base, per_uncached, per_in_flight, per_queued, _, _, _, _ = terms
-            if not warm:
+            folded = terms[2]
+            if folded is None:
                 out.append(COLD)
                 continue
+            # Unpacked and written out: a method call per value costs more than the sums.
+            base, per_uncached, per_in_flight, per_queued = folded
             ttft = (
                 base
                 + per_uncached * uncached
@@ -234,10 +248,11 @@ class LatencyModels:
             terms = cache.get(id(pod))
             if terms is None or terms[0] is not pod or terms[1] is not fits.get(pod.name):
                 terms = self._terms_of(pod)
-            _, _, _, _, _, _, _, warm, base, per_context, per_in_flight = terms
-            if not warm:
+            folded = terms[3]
+            if folded is None:
                 out.append(COLD)
                 continue
+            base, per_context, per_in_flight = folded
             tpot = base + per_context * context_tokens + per_in_flight * pod.in_flight
             if tpot < FLOOR_MS:  # noqa: PLR1730 - max() costs a call per pod
                 tpot = FLOOR_MS
@@ -248,7 +263,7 @@ class LatencyModels:
         fits = self.fits.get(pod.name)
         if fits is not None and fits.identity != (pod.address, pod.base_model):
             fits = None
-        terms = _Terms.of(pod, fits)
+        terms = _fold(pod, fits)
         cache = self._cache
         if len(cache) >= MAX_CACHED:
             cache = self._cache = {}
@@ -256,37 +271,16 @@ class LatencyModels:
         return terms
 
 
-class _Terms(NamedTuple):
-    """One snapshot pod's predictions with its load folded in: what varies per request
-    (uncached tokens, context, in-flight count, queued prefill) is left as a coefficient each.
-
-    ``pod`` is kept so that ``id(pod)`` cannot be reused for another object while the
-    entry lives; ``fits`` says which fits made it.
-    """
-
-    pod: object
-    fits: PodFits | None
-    ttft_warm: bool
-    ttft_base: float
-    ttft_uncached: float
-    ttft_in_flight: float
-    ttft_queued: float
-    tpot_warm: bool
-    tpot_base: float
-    tpot_context: float
-    tpot_in_flight: float
-
-    @classmethod
-    def of(cls, pod: LoadLike, fits: PodFits | None) -> _Terms:
-        ttft_warm = fits is not None and fits.ttft.samples >= WARM
-        tpot_warm = fits is not None and fits.tpot.samples >= WARM
-        ttft: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-        tpot = (0.0, 0.0, 0.0)
-        if fits is not None and ttft_warm:
-            t0, t1, t2, t3, t4, t5, t6 = fits.ttft.coefficients
-            base = t0 + t2 * pod.waiting_queue + t3 * pod.running + t4 * pod.kv_cache
-            ttft = (base, t1 / 1000.0, t5, t6 / 1000.0)
-        if fits is not None and tpot_warm:
-            p0, p1, p2, p3, p4 = fits.tpot.coefficients
-            tpot = (p0 + p1 * pod.running + p3 * pod.kv_cache, p4 / 1000.0, p2)
-        return cls(pod, fits, ttft_warm, *ttft, tpot_warm, *tpot)
+def _fold(pod: LoadLike, fits: PodFits | None) -> _Terms:
+    """``pod``'s terms under ``fits``: each warm model's coefficients with the pod's
+    scraped load summed into its base."""
+    ttft: _TtftTerms | None = None
+    tpot: _TpotTerms | None = None
+    if fits is not None and fits.ttft.samples >= WARM:
+        t0, t1, t2, t3, t4, t5, t6 = fits.ttft.coefficients
+        base = t0 + t2 * pod.waiting_queue + t3 * pod.running + t4 * pod.kv_cache
+        ttft = (base, t1 / 1000.0, t5, t6 / 1000.0)
+    if fits is not None and fits.tpot.samples >= WARM:
+        p0, p1, p2, p3, p4 = fits.tpot.coefficients
+        tpot = (p0 + p1 * pod.running + p3 * pod.kv_cache, p4 / 1000.0, p2)
+    return (pod, fits, ttft, tpot)

@@ -24,7 +24,7 @@ from policyd.latency.model import WARM, Fit, Learner
 
 COLD: Final = -1.0  # the predicted_* fields' value while a pod has no prediction yet
 MAX_PODS: Final = 10_000  # pods with models; past it, the longest known is forgotten
-MAX_CACHED: Final = 4096  # snapshot pods whose folded terms are kept; past it, start again
+MAX_CACHED: Final = 4096  # pods whose folded terms are kept; past it, start again
 # A linear fit may extrapolate below zero at loads it has not seen: a prediction
 # is never below a tenth of a millisecond.
 FLOOR_MS: Final = 0.1
@@ -152,10 +152,10 @@ class _PodLearners:
 # queued prefill token; TPOT's: the base, per context token, per request in flight.
 _TtftTerms = tuple[float, float, float, float]
 _TpotTerms = tuple[float, float, float]
-# A cache entry: the pod (kept so that ``id(pod)`` is not reused for another object while
-# the entry lives), the fits that made it, then TTFT's and TPOT's terms (None: that
-# model is cold). Plain tuples, not named ones: CPython's fast paths for indexing and
-# unpacking take exact tuples only, and a decision reads one per candidate.
+# A cache entry, one per pod name: the snapshot's pod object whose load it folded, the
+# fits that made it, then TTFT's and TPOT's terms (None: that model is cold). Plain
+# tuples, not named ones: CPython's fast paths for indexing and unpacking take exact
+# tuples only, and a decision reads one per candidate.
 _Terms = tuple[object, PodFits | None, _TtftTerms | None, _TpotTerms | None]
 
 
@@ -168,7 +168,7 @@ class LatencyModels:
         self.fits: Mapping[str, PodFits] = {}
         # Read and written by decisions (any thread): each entry says what made it, and
         # a stale or lost one is made again.
-        self._cache: dict[int, _Terms] = {}
+        self._cache: dict[str, _Terms] = {}
 
     def learn(self, outcome: Outcome) -> None:
         pod = outcome.pod
@@ -208,14 +208,16 @@ class LatencyModels:
 
         A decision that reads predictions makes one per candidate: the part of
         each prediction that depends on the pod's scraped load alone is kept per
-        snapshot pod object and fit, so a decision pays three multiplications each.
+        pod for its snapshot object and fit, so a decision pays three multiplications
+        each.
         """
         cache = self._cache
         fits = self.fits
         out = []
         for pod, uncached in zip(pods, uncached_tokens, strict=True):
-            terms = cache.get(id(pod))
-            if terms is None or terms[0] is not pod or terms[1] is not fits.get(pod.name):
+            name = pod.name
+            terms = cache.get(name)
+            if terms is None or terms[0] is not pod or terms[1] is not fits.get(name):
                 terms = self._terms_of(pod)
             folded = terms[2]
             if folded is None:
@@ -245,8 +247,9 @@ class LatencyModels:
         fits = self.fits
         out = []
         for pod in pods:
-            terms = cache.get(id(pod))
-            if terms is None or terms[0] is not pod or terms[1] is not fits.get(pod.name):
+            name = pod.name
+            terms = cache.get(name)
+            if terms is None or terms[0] is not pod or terms[1] is not fits.get(name):
                 terms = self._terms_of(pod)
             folded = terms[3]
             if folded is None:
@@ -267,7 +270,7 @@ class LatencyModels:
         cache = self._cache
         if len(cache) >= MAX_CACHED:
             cache = self._cache = {}
-        cache[id(pod)] = terms
+        cache[pod.name] = terms
         return terms
 
 

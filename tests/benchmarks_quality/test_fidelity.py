@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
 import random
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 from aiohttp import web
+from benchmarks_support import load_benchmark
 from prometheus_client import CollectorRegistry, generate_latest
 
 from policyd.extproc.openai import InferenceBody, parse_body
@@ -59,18 +59,13 @@ from policyd.sim.virtual import VirtualLoop, VirtualPod
 from policyd.sim.workloads import SharedPrefix
 
 REPO = Path(__file__).resolve().parents[2]
-BENCHMARKS = REPO / "benchmarks"
 SEED = 7
 SMALL_SEED = SeedWorkload(requests=8, connections=4, max_tokens=60)
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("live")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def live() -> ModuleType:
+    return load_benchmark("live")
 
 
 # --- the request -----------------------------------------------------------------------------

@@ -8,26 +8,20 @@ profile's pods can be driven, the calibration overloading each.
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmarks_support import BENCHMARKS, load_benchmark
 
 from policyd.sim.profile import get_profile
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def flow_quality() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("flow_quality")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("flow_quality")
 
 
 def test_a_short_run_over_capacity_holds_and_loses_nothing(

@@ -9,7 +9,6 @@ never how fast.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import sys
@@ -19,21 +18,16 @@ from types import ModuleType
 import aiohttp
 import pytest
 import yaml
+from benchmarks_support import load_benchmark
 
 from policyd.sim.open_loop import Oracle, run_open_loop
 from policyd.sim.profile import get_profile
 from policyd.sim.workloads import SharedPrefix
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def live() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("live")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("live")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ ITL curve as the issue defines it.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import statistics
@@ -22,21 +21,16 @@ from types import ModuleType, SimpleNamespace
 import aiohttp
 import pytest
 import yaml
+from benchmarks_support import BENCHMARKS, load_benchmark
 
 from policyd.fields.roles import BOTH, DECODE, PREFILL
 from policyd.policy import PolicyStore
 from policyd.sim.workloads import RagMix
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def pd() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("pd_quality")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("pd_quality")
 
 
 def test_rag_questions_share_long_documents_mixed_with_short_chat() -> None:
@@ -134,11 +128,7 @@ def test_the_goal_load_is_the_first_that_doubles_the_unloaded_itl(pd: ModuleType
 
 @pytest.fixture(scope="module")
 def live(pd: ModuleType) -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("live")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("live")
 
 
 def test_token_gaps_skip_the_role_and_the_trailer_and_keep_coalesced_tokens(

@@ -10,14 +10,12 @@ the shipped default policy routes and completes its requests.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import random
-import sys
 from collections import Counter
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchmarks_support import load_benchmark
 
 from policyd.cel import POD_FIELDS
 from policyd.cel.values import Duration
@@ -28,17 +26,8 @@ from policyd.sim.experiment import PodView, RoutedRequest, SeedWorkload, run_exp
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_benchmark(name: str) -> ModuleType:
-    """A module of benchmarks/, imported as the scripts there import each other."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-
-
-quality = _load_benchmark("quality")
-routing = _load_benchmark("virtual_routing")
+quality = load_benchmark("quality")
+routing = load_benchmark("virtual_routing")
 
 VIEW = PodView(
     index=4,

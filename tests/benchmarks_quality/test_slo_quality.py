@@ -10,38 +10,27 @@ small live run through the real Envoy and ``policyd serve``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 import yaml
+from benchmarks_support import load_benchmark
 
 from policyd.policy import PolicyStore
 from policyd.sim.workloads import BATCH, INTERACTIVE, SHEDDABLE, SloMix
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def slo() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("slo_quality")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("slo_quality")
 
 
 @pytest.fixture(scope="module")
 def live(slo: ModuleType) -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("live")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("live")
 
 
 def test_the_classes_share_the_rate_and_state_their_objectives(slo: ModuleType) -> None:
